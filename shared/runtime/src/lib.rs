@@ -1,0 +1,12 @@
+//! Process plumbing shared by every Tether service.
+//!
+//! - [`backoff`]: jittered exponential backoff with a reset after a healthy period, used by every
+//!   retry loop (agent connectors, NATS reconnects, registration).
+//! - [`shutdown`]: a root [`CancellationToken`](tokio_util::sync::CancellationToken) cancelled on
+//!   SIGTERM or SIGINT, from which every component derives its own child token.
+
+pub mod backoff;
+pub mod shutdown;
+
+pub use backoff::{Backoff, BackoffConfig};
+pub use shutdown::shutdown_token;

@@ -1,0 +1,64 @@
+//! W3C trace-context propagation over string key/value carriers.
+//!
+//! Used for HTTP/2 request headers on the tunnel, gRPC metadata and NATS message headers: the
+//! sender calls [`inject`] with the current span, the receiver calls [`set_parent`] on its own
+//! span with the received pairs.
+
+use std::collections::HashMap;
+
+use opentelemetry::propagation::{Extractor, Injector};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+/// Header carrying the W3C trace context.
+pub const TRACEPARENT: &str = "traceparent";
+
+/// The trace-context headers for `span` (empty when tracing export is off).
+pub fn inject(span: &tracing::Span) -> HashMap<String, String> {
+    let cx = span.context();
+    let mut map = HashMap::new();
+    opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&cx, &mut MapInjector(&mut map)));
+    map
+}
+
+/// Makes `span` a child of the context found in `headers` (if any).
+pub fn set_parent<K: AsRef<str>, V: AsRef<str>>(
+    span: &tracing::Span,
+    headers: impl IntoIterator<Item = (K, V)>,
+) {
+    let map: HashMap<String, String> = headers
+        .into_iter()
+        .filter(|(k, _)| is_trace_header(k.as_ref()))
+        .map(|(k, v)| (k.as_ref().to_ascii_lowercase(), v.as_ref().to_owned()))
+        .collect();
+    if map.is_empty() {
+        return;
+    }
+    let extractor = MapExtractor(map);
+    let cx = opentelemetry::global::get_text_map_propagator(|p| p.extract(&extractor));
+    let _ = span.set_parent(cx);
+}
+
+struct MapInjector<'a>(&'a mut HashMap<String, String>);
+
+impl Injector for MapInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        self.0.insert(key.to_owned(), value);
+    }
+}
+
+struct MapExtractor(HashMap<String, String>);
+
+impl Extractor for MapExtractor {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).map(String::as_str)
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(String::as_str).collect()
+    }
+}
+
+/// Whether a header name belongs to the W3C trace context.
+pub fn is_trace_header(name: &str) -> bool {
+    name.eq_ignore_ascii_case(TRACEPARENT) || name.eq_ignore_ascii_case("tracestate")
+}

@@ -1,0 +1,43 @@
+//! Reading PEM files, with errors that name the file and what was wrong with it.
+
+use std::path::Path;
+
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
+
+use crate::reload::TlsError;
+
+/// Reads every certificate in a PEM file; fails if there is none.
+pub fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let data = read(path)?;
+    certs_from_pem(&data).map_err(|reason| TlsError::Pem {
+        path: path.to_owned(),
+        reason,
+    })
+}
+
+/// Parses every certificate in PEM text; fails if there is none.
+pub fn certs_from_pem(data: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certs = CertificateDer::pem_slice_iter(data)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("malformed PEM certificate: {e}"))?;
+    if certs.is_empty() {
+        return Err("no CERTIFICATE block found".into());
+    }
+    Ok(certs)
+}
+
+/// Reads the first private key (PKCS#8, SEC1 or PKCS#1) in a PEM file.
+pub fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    let data = read(path)?;
+    PrivateKeyDer::from_pem_slice(&data).map_err(|e| TlsError::Pem {
+        path: path.to_owned(),
+        reason: format!("no usable private key: {e}"),
+    })
+}
+
+pub(crate) fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        path: path.to_owned(),
+        source,
+    })
+}

@@ -1,0 +1,29 @@
+//! The broker↔agent tunnel protocol.
+//!
+//! One mTLS connection per agent–broker pair. The agent dials out and then *serves* HTTP/2 on
+//! that connection; the broker is the HTTP/2 client and opens **one HTTP/2 stream per tunnelled
+//! TCP connection**. Bytes travel as raw DATA frames (no gRPC message framing, no extra copy), so
+//! HTTP/2 flow control gives every TCP connection its own window:
+//!
+//! - a stalled reader only stops its own stream (its window fills), never the tunnel;
+//! - half-close is END_STREAM, an abort is RST_STREAM — a peer never mistakes a broken
+//!   connection for a clean EOF (the TCP side of an aborted stream is closed with RST).
+//!
+//! Layout:
+//! - [`address`]: how clients name a cluster and a target (`<cluster>:443` is the API server,
+//!   `<host>.<cluster>.tether:<port>` anything else), parsed with errors that say what is wrong.
+//! - [`wire`]: paths and headers of tunnel requests, dial error codes and their HTTP statuses.
+//! - [`settings`]: HTTP/2 window, frame and keepalive settings, applied to both ends.
+//! - [`pump`]: copying between a socket and an HTTP/2 stream with bounded buffers, half-close,
+//!   abort propagation and a write-progress timeout.
+//! - [`keepalive`]: HTTP/2 PING liveness checks.
+
+pub mod address;
+pub mod keepalive;
+pub mod pump;
+pub mod settings;
+pub mod wire;
+
+pub use address::{AddressError, Dest, Target};
+pub use settings::TunnelSettings;
+pub use wire::{DialError, DialErrorKind};

@@ -1,0 +1,346 @@
+//! Copying bytes between a socket and an HTTP/2 stream.
+//!
+//! [`splice`] runs both directions of one tunnelled connection in one task:
+//!
+//! - socket → stream: read up to `read_chunk_bytes`, wait for HTTP/2 send capacity (the peer's
+//!   window — this is the per-stream backpressure), send as DATA. Socket EOF becomes END_STREAM.
+//! - stream → socket: write each DATA chunk, then release its flow-control capacity, so the peer
+//!   can never have more than one stream window in flight. END_STREAM becomes a socket
+//!   shutdown (half-close), the other direction keeps going.
+//! - Any error — RST_STREAM from the peer, a socket reset, or a socket write that makes no
+//!   progress for `write_stall_timeout` — aborts **both** directions: the stream is reset and a
+//!   TCP socket is closed with RST (zero linger), so no side ever sees a clean EOF for a broken
+//!   connection, and a target that stops reading can never pin a stream forever.
+//!
+//! Memory: a [`TcpChunkReader`] allocates its read buffer only while data flows and releases it
+//! after `IDLE_BUFFER_RELEASE` without data, so 10,000 idle streams hold no read buffers.
+
+use std::future::poll_fn;
+use std::io;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use h2::{Reason, RecvStream, SendStream};
+use prometheus::IntCounter;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+
+/// A read buffer unused this long is freed.
+pub const IDLE_BUFFER_RELEASE: Duration = Duration::from_millis(250);
+/// Reads smaller than this do not get a fresh buffer reservation.
+const MIN_READ_SPACE: usize = 4096;
+
+/// Something that yields the bytes read from a socket.
+pub trait ChunkReader: Send {
+    /// The next chunk, `None` at EOF.
+    fn next_chunk(&mut self) -> impl Future<Output = io::Result<Option<Bytes>>> + Send;
+}
+
+/// The write side of a socket, which can be closed abortively.
+pub trait AbortableWrite: AsyncWrite + Unpin + Send {
+    /// Arranges for the connection to be reset rather than closed cleanly when dropped.
+    fn abort(&mut self) {}
+}
+
+/// Reads from the read half of a TCP socket with a buffer that exists only while data flows.
+pub struct TcpChunkReader {
+    rd: OwnedReadHalf,
+    buf: BytesMut,
+    chunk: usize,
+}
+
+impl TcpChunkReader {
+    pub fn new(rd: OwnedReadHalf, chunk: usize) -> Self {
+        Self {
+            rd,
+            buf: BytesMut::new(),
+            chunk,
+        }
+    }
+
+    /// Starts with bytes already read from the socket (e.g. after an HTTP CONNECT head).
+    pub fn with_prefix(rd: OwnedReadHalf, chunk: usize, prefix: Bytes) -> PrefixedReader<Self> {
+        PrefixedReader {
+            prefix: (!prefix.is_empty()).then_some(prefix),
+            inner: Self::new(rd, chunk),
+        }
+    }
+}
+
+impl ChunkReader for TcpChunkReader {
+    async fn next_chunk(&mut self) -> io::Result<Option<Bytes>> {
+        loop {
+            if self.buf.capacity() - self.buf.len() < MIN_READ_SPACE {
+                // Reclaims the old allocation when every chunk sent from it was dropped.
+                self.buf.reserve(self.chunk);
+            }
+            match self.rd.try_read_buf(&mut self.buf) {
+                Ok(0) => return Ok(None),
+                Ok(_) => return Ok(Some(self.buf.split().freeze())),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    match tokio::time::timeout(IDLE_BUFFER_RELEASE, self.rd.readable()).await {
+                        Ok(r) => r?,
+                        Err(_) => {
+                            self.buf = BytesMut::new();
+                            self.rd.readable().await?;
+                        }
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// Reads from any `AsyncRead` (TLS streams) with a reusable buffer.
+pub struct AsyncChunkReader<R> {
+    rd: R,
+    buf: BytesMut,
+    chunk: usize,
+}
+
+impl<R: AsyncRead + Unpin + Send> AsyncChunkReader<R> {
+    pub fn new(rd: R, chunk: usize) -> Self {
+        Self {
+            rd,
+            buf: BytesMut::new(),
+            chunk,
+        }
+    }
+}
+
+impl<R: AsyncRead + Unpin + Send> ChunkReader for AsyncChunkReader<R> {
+    async fn next_chunk(&mut self) -> io::Result<Option<Bytes>> {
+        if self.buf.capacity() - self.buf.len() < MIN_READ_SPACE {
+            self.buf.reserve(self.chunk);
+        }
+        match self.rd.read_buf(&mut self.buf).await? {
+            0 => Ok(None),
+            _ => Ok(Some(self.buf.split().freeze())),
+        }
+    }
+}
+
+/// A reader that first yields bytes already consumed from the socket.
+pub struct PrefixedReader<R> {
+    prefix: Option<Bytes>,
+    inner: R,
+}
+
+impl<R: ChunkReader> PrefixedReader<R> {
+    pub fn new(prefix: Bytes, inner: R) -> Self {
+        Self {
+            prefix: (!prefix.is_empty()).then_some(prefix),
+            inner,
+        }
+    }
+}
+
+impl<R: ChunkReader> ChunkReader for PrefixedReader<R> {
+    async fn next_chunk(&mut self) -> io::Result<Option<Bytes>> {
+        if let Some(p) = self.prefix.take() {
+            return Ok(Some(p));
+        }
+        self.inner.next_chunk().await
+    }
+}
+
+impl AbortableWrite for OwnedWriteHalf {
+    fn abort(&mut self) {
+        let _ = self.as_ref().set_zero_linger();
+    }
+}
+
+impl<W: AsyncWrite + Unpin + Send> AbortableWrite for tokio::io::WriteHalf<W> {}
+
+/// Byte counters for the two directions of a stream.
+#[derive(Clone, Default)]
+pub struct ByteCounters {
+    /// Bytes read from the socket and sent into the tunnel.
+    pub to_tunnel: Option<IntCounter>,
+    /// Bytes received from the tunnel and written to the socket.
+    pub from_tunnel: Option<IntCounter>,
+}
+
+/// How a spliced connection ended.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SpliceStats {
+    pub to_tunnel_bytes: u64,
+    pub from_tunnel_bytes: u64,
+}
+
+/// Why a spliced connection was aborted; `metric_label` names it in metrics.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AbortReason {
+    #[error("peer reset the stream: {0}")]
+    PeerReset(String),
+    #[error("socket error: {0}")]
+    Socket(String),
+    #[error("socket write made no progress for {0:?}")]
+    WriteStalled(Duration),
+    #[error("tunnel error: {0}")]
+    Tunnel(String),
+    #[error("cancelled: {0}")]
+    Cancelled(String),
+}
+
+impl AbortReason {
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Self::PeerReset(_) => "peer_reset",
+            Self::Socket(_) => "socket_error",
+            Self::WriteStalled(_) => "write_stalled",
+            Self::Tunnel(_) => "tunnel_error",
+            Self::Cancelled(_) => "cancelled",
+        }
+    }
+}
+
+/// A splice that ended abnormally, with what was transferred before.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{reason}")]
+pub struct SpliceError {
+    pub reason: AbortReason,
+    pub stats: SpliceStats,
+}
+
+fn h2_reason(e: &h2::Error) -> AbortReason {
+    match e.reason() {
+        Some(r) if e.is_remote() => AbortReason::PeerReset(format!("{r:?}")),
+        _ => AbortReason::Tunnel(e.to_string()),
+    }
+}
+
+/// Copies socket → stream. Returns the byte count on clean EOF.
+async fn socket_to_stream<R: ChunkReader>(
+    rd: &mut R,
+    tx: &mut SendStream<Bytes>,
+    counter: Option<&IntCounter>,
+    total: &mut u64,
+) -> Result<(), AbortReason> {
+    loop {
+        let chunk = tokio::select! {
+            biased;
+            c = rd.next_chunk() => c.map_err(|e| AbortReason::Socket(e.to_string()))?,
+            r = poll_fn(|cx| tx.poll_reset(cx)) => {
+                return Err(match r {
+                    Ok(reason) => AbortReason::PeerReset(format!("{reason:?}")),
+                    Err(e) => h2_reason(&e),
+                });
+            }
+        };
+        let Some(mut data) = chunk else {
+            tx.send_data(Bytes::new(), true)
+                .map_err(|e| h2_reason(&e))?;
+            return Ok(());
+        };
+        let len = data.len() as u64;
+        while !data.is_empty() {
+            tx.reserve_capacity(data.len());
+            let cap = match poll_fn(|cx| tx.poll_capacity(cx)).await {
+                Some(Ok(n)) => n,
+                Some(Err(e)) => return Err(h2_reason(&e)),
+                None => return Err(AbortReason::PeerReset("stream closed".into())),
+            };
+            if cap == 0 {
+                continue;
+            }
+            let part = data.split_to(cap.min(data.len()));
+            tx.send_data(part, false).map_err(|e| h2_reason(&e))?;
+        }
+        *total += len;
+        if let Some(c) = counter {
+            c.inc_by(len);
+        }
+    }
+}
+
+/// Copies stream → socket. Returns on END_STREAM after shutting the socket's write side.
+async fn stream_to_socket<W: AbortableWrite>(
+    rx: &mut RecvStream,
+    wr: &mut W,
+    stall: Duration,
+    counter: Option<&IntCounter>,
+    total: &mut u64,
+) -> Result<(), AbortReason> {
+    while let Some(next) = rx.data().await {
+        let data = next.map_err(|e| h2_reason(&e))?;
+        let len = data.len();
+        let mut off = 0;
+        while off < len {
+            match tokio::time::timeout(stall, wr.write(&data[off..])).await {
+                Ok(Ok(0)) => return Err(AbortReason::Socket("socket closed for writing".into())),
+                Ok(Ok(n)) => off += n,
+                Ok(Err(e)) => return Err(AbortReason::Socket(e.to_string())),
+                Err(_) => return Err(AbortReason::WriteStalled(stall)),
+            }
+        }
+        rx.flow_control()
+            .release_capacity(len)
+            .map_err(|e| h2_reason(&e))?;
+        *total += len as u64;
+        if let Some(c) = counter {
+            c.inc_by(len as u64);
+        }
+    }
+    // A stream that ends with RST after its data reports it on the next poll; `data()` returned
+    // None only for a clean END_STREAM.
+    match tokio::time::timeout(stall, wr.shutdown()).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) if e.kind() == io::ErrorKind::NotConnected => Ok(()),
+        Ok(Err(e)) => Err(AbortReason::Socket(e.to_string())),
+        Err(_) => Err(AbortReason::WriteStalled(stall)),
+    }
+}
+
+/// Runs both directions until both ended cleanly, or one failed (then both are aborted).
+pub async fn splice<R: ChunkReader, W: AbortableWrite>(
+    mut rd: R,
+    mut wr: W,
+    mut tx: SendStream<Bytes>,
+    mut rx: RecvStream,
+    write_stall_timeout: Duration,
+    counters: &ByteCounters,
+) -> Result<SpliceStats, SpliceError> {
+    let mut up_total = 0u64;
+    let mut down_total = 0u64;
+    let result = {
+        let up = socket_to_stream(&mut rd, &mut tx, counters.to_tunnel.as_ref(), &mut up_total);
+        let down = stream_to_socket(
+            &mut rx,
+            &mut wr,
+            write_stall_timeout,
+            counters.from_tunnel.as_ref(),
+            &mut down_total,
+        );
+        tokio::pin!(up, down);
+        let (mut up_done, mut down_done) = (false, false);
+        loop {
+            tokio::select! {
+                r = &mut up, if !up_done => match r {
+                    Ok(()) => up_done = true,
+                    Err(e) => break Err(e),
+                },
+                r = &mut down, if !down_done => match r {
+                    Ok(()) => down_done = true,
+                    Err(e) => break Err(e),
+                },
+            }
+            if up_done && down_done {
+                break Ok(());
+            }
+        }
+    };
+    let stats = SpliceStats {
+        to_tunnel_bytes: up_total,
+        from_tunnel_bytes: down_total,
+    };
+    match result {
+        Ok(()) => Ok(stats),
+        Err(reason) => {
+            tx.send_reset(Reason::CANCEL);
+            wr.abort();
+            Err(SpliceError { reason, stats })
+        }
+    }
+}

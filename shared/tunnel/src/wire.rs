@@ -1,0 +1,157 @@
+//! What travels on the tunnel besides bytes: request paths, headers and dial errors.
+//!
+//! Requests are opened by the broker (HTTP/2 client) and served by the agent:
+//!
+//! | path | meaning |
+//! |---|---|
+//! | `POST /tether.tunnel.v1/hello` | sent once after connecting; the agent answers with its claimed cluster/agent in `tether-cluster` / `tether-agent`, which the broker checks against the certificate |
+//! | `POST /tether.tunnel.v1/dial` | one tunnelled TCP connection; `tether-target` is `apiserver` or `host:port`, `tether-stream` the broker's stream id, `tether-dial-timeout-ms` the dial budget, plus W3C `traceparent` |
+//! | `POST /tether.tunnel.v1/drain` | the broker is shutting down: open no new tunnel to it, find another broker |
+//!
+//! A dial answers `200` and then carries bytes both ways, or answers an error status with
+//! `tether-error: <code>` and `tether-error-message: <reason>` and ends.
+
+use std::fmt;
+
+use http::StatusCode;
+
+pub const PATH_HELLO: &str = "/tether.tunnel.v1/hello";
+pub const PATH_DIAL: &str = "/tether.tunnel.v1/dial";
+pub const PATH_DRAIN: &str = "/tether.tunnel.v1/drain";
+
+pub const HEADER_TARGET: &str = "tether-target";
+pub const HEADER_STREAM: &str = "tether-stream";
+pub const HEADER_DIAL_TIMEOUT_MS: &str = "tether-dial-timeout-ms";
+pub const HEADER_CLUSTER: &str = "tether-cluster";
+pub const HEADER_AGENT: &str = "tether-agent";
+pub const HEADER_ERROR: &str = "tether-error";
+pub const HEADER_ERROR_MESSAGE: &str = "tether-error-message";
+
+/// Wire value of [`crate::Dest::ApiServer`].
+pub const APISERVER_DEST: &str = "apiserver";
+
+/// Why a dial failed. `metric_label` names it in metrics and on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DialErrorKind {
+    /// Malformed request (bad address, bad header).
+    BadRequest,
+    /// The client has no valid credentials.
+    Unauthenticated,
+    /// The client may not reach this cluster or target.
+    Forbidden,
+    /// No tunnel is connected for the cluster.
+    NoTunnel,
+    /// The agent's target policy forbids the target.
+    AgentPolicy,
+    /// The target refused the connection.
+    Refused,
+    /// The dial did not finish within the timeout.
+    Timeout,
+    /// The target host name did not resolve in the cluster.
+    NameNotFound,
+    /// Too many pending dials or open streams.
+    Overloaded,
+    /// The tunnel broke while dialling.
+    TunnelLost,
+    /// Anything else.
+    Internal,
+}
+
+impl DialErrorKind {
+    pub const ALL: [Self; 11] = [
+        Self::BadRequest,
+        Self::Unauthenticated,
+        Self::Forbidden,
+        Self::NoTunnel,
+        Self::AgentPolicy,
+        Self::Refused,
+        Self::Timeout,
+        Self::NameNotFound,
+        Self::Overloaded,
+        Self::TunnelLost,
+        Self::Internal,
+    ];
+
+    pub fn metric_label(self) -> &'static str {
+        match self {
+            Self::BadRequest => "bad_request",
+            Self::Unauthenticated => "unauthenticated",
+            Self::Forbidden => "forbidden",
+            Self::NoTunnel => "no_tunnel",
+            Self::AgentPolicy => "agent_policy",
+            Self::Refused => "refused",
+            Self::Timeout => "timeout",
+            Self::NameNotFound => "name_not_found",
+            Self::Overloaded => "overloaded",
+            Self::TunnelLost => "tunnel_lost",
+            Self::Internal => "internal",
+        }
+    }
+
+    pub fn from_label(s: &str) -> Self {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.metric_label() == s)
+            .unwrap_or(Self::Internal)
+    }
+
+    /// HTTP status used on the tunnel and by the CONNECT front end.
+    pub fn status(self) -> StatusCode {
+        match self {
+            Self::BadRequest => StatusCode::BAD_REQUEST,
+            Self::Unauthenticated => StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+            Self::Forbidden | Self::AgentPolicy => StatusCode::FORBIDDEN,
+            Self::NoTunnel | Self::Refused | Self::NameNotFound | Self::TunnelLost => {
+                StatusCode::BAD_GATEWAY
+            }
+            Self::Timeout => StatusCode::GATEWAY_TIMEOUT,
+            Self::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+}
+
+/// A dial failure with its reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct DialError {
+    pub kind: DialErrorKind,
+    pub message: String,
+}
+
+impl DialError {
+    pub fn new(kind: DialErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for DialError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind.metric_label(), self.message)
+    }
+}
+
+/// Header values must be visible ASCII; replace anything else so an error message from a
+/// resolver or the OS can never break the response.
+pub fn header_safe(s: &str) -> String {
+    s.chars()
+        .map(|c| if c.is_ascii_graphic() || c == ' ' { c } else { '?' })
+        .take(512)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_round_trip() {
+        for k in DialErrorKind::ALL {
+            assert_eq!(DialErrorKind::from_label(k.metric_label()), k);
+        }
+        assert_eq!(DialErrorKind::Timeout.status(), StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(header_safe("a\r\nb"), "a??b");
+    }
+}
