@@ -1,0 +1,232 @@
+//! Hub operations over NATS as the `tether-admin` user.
+
+use std::time::{Duration, SystemTime};
+
+use anyhow::Context;
+use tether_control::connect::{self, ConnectConfig, Credentials};
+use tether_control::hub::{ADMIN_USER, HubDir};
+use tether_control::resources::{
+    AdminClusterRequest, BootstrapTokenRecord, Lease, ManagedCluster, condition, parse_rfc3339,
+    rfc3339,
+};
+use tether_control::store::{Bucket, HubStore};
+use tether_control::subjects;
+
+use crate::{HubArgs, Output};
+
+async fn connect_admin(hub: &HubArgs) -> anyhow::Result<(HubDir, tether_control::NatsConnection)> {
+    let dir = HubDir::load(&hub.hub_dir)
+        .with_context(|| format!("loading hub directory {}", hub.hub_dir.display()))?;
+    let endpoint = dir.endpoint(hub.nats_url.as_deref())?;
+    let password = dir.read(&dir.config.nats.admin_password_file)?;
+    let cfg = ConnectConfig::new(
+        endpoint,
+        Credentials::HubUser {
+            user: ADMIN_USER.into(),
+            password: password.trim().to_string(),
+        },
+        "tetherctl",
+    );
+    let conn = connect::connect(&cfg).await?;
+    Ok((dir, conn))
+}
+
+pub async fn admin(hub: &HubArgs, cluster: &str, accept: bool) -> anyhow::Result<()> {
+    let (_, conn) = connect_admin(hub).await?;
+    let subject = if accept {
+        subjects::ADMIN_ACCEPT
+    } else {
+        subjects::ADMIN_DENY
+    };
+    let mc: ManagedCluster = connect::request_json(
+        &conn.client,
+        subject.to_string(),
+        &AdminClusterRequest {
+            cluster_name: cluster.to_string(),
+        },
+    )
+    .await?;
+    println!(
+        "managedcluster/{} {}",
+        mc.metadata.name,
+        if accept { "accepted" } else { "denied" }
+    );
+    Ok(())
+}
+
+fn age(created: &str, now: SystemTime) -> String {
+    let Some(t) = parse_rfc3339(created) else {
+        return "<unknown>".into();
+    };
+    let s = now.duration_since(t).unwrap_or_default().as_secs();
+    match s {
+        0..=119 => format!("{s}s"),
+        120..=7199 => format!("{}m", s / 60),
+        7200..=172_799 => format!("{}h", s / 3600),
+        _ => format!("{}d", s / 86400),
+    }
+}
+
+fn cond(mc: &ManagedCluster, t: &str) -> String {
+    mc.condition(t).unwrap_or("").to_string()
+}
+
+pub async fn get_clusters(hub: &HubArgs, name: Option<&str>, output: Output) -> anyhow::Result<()> {
+    let (dir, conn) = connect_admin(hub).await?;
+    let store = HubStore::open(conn.client.clone()).await?;
+    let mut clusters: Vec<ManagedCluster> = store
+        .list::<ManagedCluster>(Bucket::Clusters)
+        .await?
+        .into_iter()
+        .map(|(_, mut mc, rev)| {
+            mc.metadata.resource_version = Some(rev.to_string());
+            mc
+        })
+        .filter(|mc| name.is_none_or(|n| mc.metadata.name == n))
+        .collect();
+    clusters.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    if let Some(n) = name
+        && clusters.is_empty()
+    {
+        anyhow::bail!("managedcluster {n:?} not found");
+    }
+    let now = SystemTime::now();
+    let grace_mult = dir.config.registration.lease_grace_multiplier as u64;
+    let mut lease_ages = Vec::new();
+    for mc in &mut clusters {
+        let lease: Option<(Lease, u64)> = store.get(Bucket::Leases, &mc.metadata.name).await?;
+        let renew = lease
+            .as_ref()
+            .and_then(|(l, _)| parse_rfc3339(&l.spec.renew_time));
+        let grace = Duration::from_secs(mc.spec.lease_duration_seconds as u64 * grace_mult);
+        mc.status.seconds_until_unknown = renew.map(|r| {
+            let deadline = r + grace;
+            match deadline.duration_since(now) {
+                Ok(d) => d.as_secs() as i64,
+                Err(e) => -(e.duration().as_secs() as i64),
+            }
+        });
+        lease_ages.push(renew.map(|r| now.duration_since(r).unwrap_or_default().as_secs()));
+    }
+    match output {
+        Output::Json => {
+            let v = if name.is_some() {
+                serde_json::to_value(&clusters[0])?
+            } else {
+                serde_json::json!({"apiVersion": "v1", "kind": "List", "items": clusters})
+            };
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        Output::Yaml => {
+            let v = if name.is_some() {
+                serde_json::to_value(&clusters[0])?
+            } else {
+                serde_json::json!({"apiVersion": "v1", "kind": "List", "items": clusters})
+            };
+            print!("{}", serde_saphyr::to_string(&v)?);
+        }
+        Output::Table | Output::Wide => {
+            let wide = output == Output::Wide;
+            let mut rows = vec![{
+                let mut h = vec!["NAME", "HUB ACCEPTED", "JOINED", "AVAILABLE", "AGE"];
+                if wide {
+                    h.extend(["LEASE AGE", "UNKNOWN IN"]);
+                }
+                h.into_iter().map(String::from).collect::<Vec<_>>()
+            }];
+            for (mc, lease_age) in clusters.iter().zip(&lease_ages) {
+                let mut r = vec![
+                    mc.metadata.name.clone(),
+                    mc.spec.hub_accepts_client.to_string(),
+                    cond(mc, condition::JOINED),
+                    cond(mc, condition::AVAILABLE),
+                    age(&mc.metadata.creation_timestamp, now),
+                ];
+                if wide {
+                    r.push(lease_age.map(|a| format!("{a}s")).unwrap_or_default());
+                    r.push(match mc.status.seconds_until_unknown {
+                        Some(s) if s > 0 => format!("{s}s"),
+                        Some(_) => "now".into(),
+                        None => String::new(),
+                    });
+                }
+                rows.push(r);
+            }
+            print_table(&rows);
+        }
+    }
+    Ok(())
+}
+
+fn print_table(rows: &[Vec<String>]) {
+    let cols = rows.first().map(Vec::len).unwrap_or(0);
+    let widths: Vec<usize> = (0..cols)
+        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .collect();
+    for r in rows {
+        let line: Vec<String> = r
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                if i + 1 == cols {
+                    v.clone()
+                } else {
+                    format!("{v:<w$}", w = widths[i])
+                }
+            })
+            .collect();
+        println!("{}", line.join("   ").trim_end());
+    }
+}
+
+pub async fn get_events(
+    hub: &HubArgs,
+    name: Option<&str>,
+    limit: usize,
+    output: Output,
+) -> anyhow::Result<()> {
+    let (_, conn) = connect_admin(hub).await?;
+    let store = HubStore::open(conn.client.clone()).await?;
+    let events = store.recent_events(limit, name).await?;
+    match output {
+        Output::Json => println!("{}", serde_json::to_string_pretty(&events)?),
+        Output::Yaml => print!("{}", serde_saphyr::to_string(&events)?),
+        _ => {
+            let mut rows = vec![
+                ["TIME", "TYPE", "REASON", "OBJECT", "MESSAGE"]
+                    .map(String::from)
+                    .to_vec(),
+            ];
+            for e in events {
+                rows.push(vec![
+                    e.event_time,
+                    e.type_,
+                    e.reason,
+                    format!(
+                        "{}/{}",
+                        e.involved_object.kind.to_ascii_lowercase(),
+                        e.involved_object.name
+                    ),
+                    e.message,
+                ]);
+            }
+            print_table(&rows);
+        }
+    }
+    Ok(())
+}
+
+pub async fn token_create(hub: &HubArgs, ttl: Duration, description: &str) -> anyhow::Result<()> {
+    let (_, conn) = connect_admin(hub).await?;
+    let store = HubStore::open(conn.client.clone()).await?;
+    let token = tether_control::auth::BootstrapToken::generate();
+    let record = BootstrapTokenRecord {
+        id: token.id.clone(),
+        secret_sha256: token.secret_sha256(),
+        expires: rfc3339(SystemTime::now() + ttl),
+        description: description.to_string(),
+    };
+    store.put(Bucket::Tokens, &token.id, &record).await?;
+    println!("{}", token.to_token_string());
+    Ok(())
+}

@@ -1,0 +1,30 @@
+//! Tether's control plane on NATS (with JetStream).
+//!
+//! Layout:
+//! - [`proxy`]: HTTP CONNECT through http:// and https:// forward proxies (basic auth), and the
+//!   in-process forwarder async-nats connects to.
+//! - [`connect`]: TLS connection to hub NATS (directly or through the proxy) with a hub user,
+//!   bootstrap token or cluster certificate; named errors; JSON request/reply.
+//! - [`kubeconfig`]: bootstrap and hub kubeconfigs via the `kube` crate's types.
+//! - [`subjects`]: the versioned subject space (`tether.v1.…`), bucket and stream names.
+//! - [`resources`]: OCM-shaped resources (ManagedCluster, Lease, CertificateSigningRequest,
+//!   Event) and the registration protocol messages.
+//! - [`auth`]: NATS auth callout (JWT request/response), bootstrap tokens, certificate
+//!   credentials and per-identity permissions.
+//! - [`store`]: JetStream KV buckets and the events stream.
+//! - [`trace`]: W3C `traceparent` in NATS headers.
+//!
+//! Subjects and message schemas are documented in `docs/control-plane.md`.
+#![forbid(unsafe_code)]
+
+pub mod auth;
+pub mod connect;
+pub mod hub;
+pub mod kubeconfig;
+pub mod proxy;
+pub mod resources;
+pub mod store;
+pub mod subjects;
+pub mod trace;
+
+pub use connect::{ConnectConfig, ControlError, Credentials, NatsConnection};

@@ -1,0 +1,257 @@
+//! Hub state in JetStream: one KV bucket per resource kind, plus the events stream.
+//!
+//! Buckets (file storage, so state survives a NATS restart):
+//! - `tether-managedclusters` — key `<cluster>` → [`ManagedCluster`]
+//! - `tether-leases` — key `<cluster>` → [`Lease`]
+//! - `tether-csrs` — key `<cluster>.<csr name>` → [`CertificateSigningRequest`]
+//! - `tether-bootstrap-tokens` — key `<token id>` → [`BootstrapTokenRecord`]
+//!
+//! Stream `TETHER_EVENTS` on `tether.v1.events.>` receives an [`Event`] for every change.
+//! Updates are compare-and-swap on the KV revision ([`HubStore::update`]).
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv, stream};
+use futures::StreamExt;
+use serde::{Serialize, de::DeserializeOwned};
+
+use crate::connect::ControlError;
+use crate::resources::Event;
+use crate::subjects;
+
+/// Events kept for a week, at most a million.
+const EVENTS_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
+const EVENTS_MAX_MSGS: i64 = 1_000_000;
+
+/// Which bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bucket {
+    Clusters,
+    Leases,
+    Csrs,
+    Tokens,
+}
+
+impl Bucket {
+    pub fn name(self) -> &'static str {
+        match self {
+            Bucket::Clusters => subjects::BUCKET_CLUSTERS,
+            Bucket::Leases => subjects::BUCKET_LEASES,
+            Bucket::Csrs => subjects::BUCKET_CSRS,
+            Bucket::Tokens => subjects::BUCKET_TOKENS,
+        }
+    }
+}
+
+/// Typed access to the hub buckets and the events stream.
+#[derive(Clone)]
+pub struct HubStore {
+    js: jetstream::Context,
+    clusters: kv::Store,
+    leases: kv::Store,
+    csrs: kv::Store,
+    tokens: kv::Store,
+}
+
+impl std::fmt::Debug for HubStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HubStore")
+    }
+}
+
+fn js_err(e: impl std::fmt::Display) -> ControlError {
+    ControlError::JetStream(e.to_string())
+}
+
+impl HubStore {
+    /// Opens (creating if needed) the buckets and the stream.
+    pub async fn open(client: async_nats::Client) -> Result<Self, ControlError> {
+        let js = jetstream::new(client);
+        let bucket = |name: &str, history: i64| kv::Config {
+            bucket: name.to_string(),
+            history,
+            storage: jetstream::stream::StorageType::File,
+            ..Default::default()
+        };
+        let clusters = js
+            .create_or_update_key_value(bucket(subjects::BUCKET_CLUSTERS, 5))
+            .await
+            .map_err(js_err)?;
+        let leases = js
+            .create_or_update_key_value(bucket(subjects::BUCKET_LEASES, 1))
+            .await
+            .map_err(js_err)?;
+        let csrs = js
+            .create_or_update_key_value(bucket(subjects::BUCKET_CSRS, 1))
+            .await
+            .map_err(js_err)?;
+        let tokens = js
+            .create_or_update_key_value(bucket(subjects::BUCKET_TOKENS, 1))
+            .await
+            .map_err(js_err)?;
+        js.get_or_create_stream(stream::Config {
+            name: subjects::STREAM_EVENTS.to_string(),
+            subjects: vec![subjects::EVENTS_ALL.to_string()],
+            max_age: EVENTS_MAX_AGE,
+            max_messages: EVENTS_MAX_MSGS,
+            storage: stream::StorageType::File,
+            ..Default::default()
+        })
+        .await
+        .map_err(js_err)?;
+        Ok(Self {
+            js,
+            clusters,
+            leases,
+            csrs,
+            tokens,
+        })
+    }
+
+    fn kv(&self, b: Bucket) -> &kv::Store {
+        match b {
+            Bucket::Clusters => &self.clusters,
+            Bucket::Leases => &self.leases,
+            Bucket::Csrs => &self.csrs,
+            Bucket::Tokens => &self.tokens,
+        }
+    }
+
+    pub fn jetstream(&self) -> &jetstream::Context {
+        &self.js
+    }
+
+    /// The value and its revision.
+    pub async fn get<T: DeserializeOwned>(
+        &self,
+        b: Bucket,
+        key: &str,
+    ) -> Result<Option<(T, u64)>, ControlError> {
+        let entry = self.kv(b).entry(key).await.map_err(js_err)?;
+        match entry {
+            Some(e) if matches!(e.operation, kv::Operation::Put) => {
+                let v = serde_json::from_slice(&e.value)
+                    .map_err(|err| ControlError::Codec(format!("{}/{key}: {err}", b.name())))?;
+                Ok(Some((v, e.revision)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    pub async fn put<T: Serialize>(
+        &self,
+        b: Bucket,
+        key: &str,
+        v: &T,
+    ) -> Result<u64, ControlError> {
+        let bytes = serde_json::to_vec(v).map_err(|e| ControlError::Codec(e.to_string()))?;
+        self.kv(b).put(key, bytes.into()).await.map_err(js_err)
+    }
+
+    /// Creates; `Ok(None)` when the key already exists.
+    pub async fn create<T: Serialize>(
+        &self,
+        b: Bucket,
+        key: &str,
+        v: &T,
+    ) -> Result<Option<u64>, ControlError> {
+        let bytes = serde_json::to_vec(v).map_err(|e| ControlError::Codec(e.to_string()))?;
+        match self.kv(b).create(key, bytes.into()).await {
+            Ok(r) => Ok(Some(r)),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
+            Err(e) => Err(js_err(e)),
+        }
+    }
+
+    /// Compare-and-swap; `Ok(None)` when the revision moved (re-read and retry).
+    pub async fn update<T: Serialize>(
+        &self,
+        b: Bucket,
+        key: &str,
+        v: &T,
+        revision: u64,
+    ) -> Result<Option<u64>, ControlError> {
+        let bytes = serde_json::to_vec(v).map_err(|e| ControlError::Codec(e.to_string()))?;
+        match self.kv(b).update(key, bytes.into(), revision).await {
+            Ok(r) => Ok(Some(r)),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(None),
+            Err(e) => Err(js_err(e)),
+        }
+    }
+
+    pub async fn delete(&self, b: Bucket, key: &str) -> Result<(), ControlError> {
+        self.kv(b).delete(key).await.map_err(js_err)
+    }
+
+    /// All keys of a bucket.
+    pub async fn keys(&self, b: Bucket) -> Result<Vec<String>, ControlError> {
+        let mut keys = match self.kv(b).keys().await {
+            Ok(k) => k,
+            Err(e) => return Err(js_err(e)),
+        };
+        let mut out = Vec::new();
+        while let Some(k) = keys.next().await {
+            out.push(k.map_err(js_err)?);
+        }
+        Ok(out)
+    }
+
+    /// All values of a bucket (skips undecodable entries with a warning).
+    pub async fn list<T: DeserializeOwned>(
+        &self,
+        b: Bucket,
+    ) -> Result<Vec<(String, T, u64)>, ControlError> {
+        let mut out = Vec::new();
+        for k in self.keys(b).await? {
+            if let Some((v, rev)) = self.get::<T>(b, &k).await.or_else(|e| {
+                tracing::warn!(bucket = b.name(), key = %k, error = %e, "skipping entry");
+                Ok::<_, ControlError>(None)
+            })? {
+                out.push((k, v, rev));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Publishes an event on `tether.v1.events.<kind>.<name>` and waits for the stream's ack.
+    pub async fn publish_event(&self, ev: &Event) -> Result<(), ControlError> {
+        let subject = subjects::event(&ev.involved_object.kind, &ev.involved_object.name);
+        let bytes = serde_json::to_vec(ev).map_err(|e| ControlError::Codec(e.to_string()))?;
+        self.js
+            .publish(subject, bytes.into())
+            .await
+            .map_err(js_err)?
+            .await
+            .map_err(js_err)?;
+        Ok(())
+    }
+
+    /// The last `n` events (newest last), optionally for one object name.
+    pub async fn recent_events(
+        &self,
+        n: usize,
+        name: Option<&str>,
+    ) -> Result<Vec<Event>, ControlError> {
+        let stream = self
+            .js
+            .get_stream(subjects::STREAM_EVENTS)
+            .await
+            .map_err(js_err)?;
+        let info = stream.get_info().await.map_err(js_err)?;
+        let last = info.state.last_sequence;
+        let first = info.state.first_sequence;
+        let mut out = Vec::new();
+        let mut seq = last;
+        while seq >= first && seq > 0 && out.len() < n {
+            if let Ok(m) = stream.get_raw_message(seq).await
+                && let Ok(ev) = serde_json::from_slice::<Event>(&m.payload)
+                && name.is_none_or(|n| ev.involved_object.name == n)
+            {
+                out.push(ev);
+            }
+            seq -= 1;
+        }
+        out.reverse();
+        Ok(out)
+    }
+}

@@ -1,0 +1,89 @@
+//! Versioned NATS subjects of the control plane (documented in docs/control-plane.md).
+//!
+//! Everything lives under `tether.v1.`:
+//! - `tether.v1.bootstrap.<cluster>.csr` — request: a bootstrap-credential client submits a CSR.
+//! - `tether.v1.bootstrap.<cluster>.csr.get` — request: poll a CSR's status.
+//! - `tether.v1.cluster.<cluster>.lease` — request: renew the cluster's lease.
+//! - `tether.v1.cluster.<cluster>.csr` — request: certificate renewal with cluster credentials.
+//! - `tether.v1.cluster.<cluster>.csr.get` — request: poll a renewal CSR.
+//! - `tether.v1.cluster.<cluster>.notify` — hub → agent notifications.
+//! - `tether.v1.events.<kind>.<name>` — the JetStream events stream (every state change).
+//! - `tether.v1.admin.<verb>` — requests from `tetherctl` (hub credentials only).
+//!
+//! Inbox prefixes are per connection: `_INBOX.<connection-id>`; a client's permissions allow
+//! replies only on its own prefix, so no client can read another's replies.
+
+/// Version segment of every subject.
+pub const VERSION: &str = "v1";
+pub const ROOT: &str = "tether.v1";
+
+pub fn bootstrap_csr(cluster: &str) -> String {
+    format!("{ROOT}.bootstrap.{cluster}.csr")
+}
+pub fn bootstrap_csr_get(cluster: &str) -> String {
+    format!("{ROOT}.bootstrap.{cluster}.csr.get")
+}
+/// Wildcards the hub's registration controller subscribes to.
+pub const BOOTSTRAP_CSR_ALL: &str = "tether.v1.bootstrap.*.csr";
+pub const BOOTSTRAP_CSR_GET_ALL: &str = "tether.v1.bootstrap.*.csr.get";
+
+pub fn cluster_prefix(cluster: &str) -> String {
+    format!("{ROOT}.cluster.{cluster}")
+}
+pub fn cluster_lease(cluster: &str) -> String {
+    format!("{ROOT}.cluster.{cluster}.lease")
+}
+pub fn cluster_csr(cluster: &str) -> String {
+    format!("{ROOT}.cluster.{cluster}.csr")
+}
+pub fn cluster_csr_get(cluster: &str) -> String {
+    format!("{ROOT}.cluster.{cluster}.csr.get")
+}
+pub fn cluster_notify(cluster: &str) -> String {
+    format!("{ROOT}.cluster.{cluster}.notify")
+}
+pub const CLUSTER_LEASE_ALL: &str = "tether.v1.cluster.*.lease";
+pub const CLUSTER_CSR_ALL: &str = "tether.v1.cluster.*.csr";
+pub const CLUSTER_CSR_GET_ALL: &str = "tether.v1.cluster.*.csr.get";
+
+pub const EVENTS_ALL: &str = "tether.v1.events.>";
+pub fn event(kind: &str, name: &str) -> String {
+    format!("{ROOT}.events.{}.{name}", kind.to_ascii_lowercase())
+}
+
+pub const ADMIN_ACCEPT: &str = "tether.v1.admin.accept";
+pub const ADMIN_DENY: &str = "tether.v1.admin.deny";
+
+/// The cluster name in `tether.v1.<area>.<cluster>.…`.
+pub fn cluster_of(subject: &str) -> Option<&str> {
+    let mut it = subject.split('.');
+    match (it.next(), it.next(), it.next(), it.next()) {
+        (Some("tether"), Some("v1"), Some("bootstrap" | "cluster"), Some(c)) => Some(c),
+        _ => None,
+    }
+}
+
+/// NATS auth-callout subject (server → callout service).
+pub const AUTH_CALLOUT: &str = "$SYS.REQ.USER.AUTH";
+
+/// Inbox prefix for a connection id.
+pub fn inbox_prefix(connection_id: &str) -> String {
+    format!("_INBOX.{connection_id}")
+}
+
+/// JetStream names.
+pub const BUCKET_CLUSTERS: &str = "tether-managedclusters";
+pub const BUCKET_LEASES: &str = "tether-leases";
+pub const BUCKET_CSRS: &str = "tether-csrs";
+pub const BUCKET_TOKENS: &str = "tether-bootstrap-tokens";
+pub const STREAM_EVENTS: &str = "TETHER_EVENTS";
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cluster_of_subjects() {
+        assert_eq!(super::cluster_of(&super::cluster_lease("c1")), Some("c1"));
+        assert_eq!(super::cluster_of(&super::bootstrap_csr("c2")), Some("c2"));
+        assert_eq!(super::cluster_of("tether.v1.events.x.y"), None);
+    }
+}
