@@ -1,1 +1,58 @@
-fn main() {}
+//! tunnel-agent binary: parse flags, load config, start telemetry, run.
+
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::Parser;
+
+/// Tether tunnel-agent: keeps reverse tunnels from a managed cluster to the hub's brokers.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Path of the YAML config file.
+    #[arg(long, short, env = "TETHER_AGENT_CONFIG")]
+    config: PathBuf,
+    /// Write the bound admin address here as JSON once listening (for scripts and tests).
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+    /// Tokio worker threads (default: number of CPUs).
+    #[arg(long, env = "TETHER_WORKER_THREADS")]
+    worker_threads: Option<usize>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tether_tls::install_default_crypto();
+    let cfg: tunnel_agent::config::AgentConfig =
+        tether_config::load(&args.config).context("invalid tunnel-agent configuration")?;
+    let workers = args.worker_threads;
+    let sys = actix::System::with_tokio_rt(move || {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        if let Some(n) = workers {
+            b.worker_threads(n);
+        }
+        b.enable_all().build().expect("tokio runtime")
+    });
+    sys.block_on(async move {
+        let _telemetry = tether_telemetry::init_tracing("tunnel-agent");
+        let shutdown = tether_runtime::shutdown_token();
+        let admin = tokio::net::TcpListener::bind(cfg.admin_listen)
+            .await
+            .with_context(|| format!("cannot bind admin_listen {}", cfg.admin_listen))?;
+        if let Some(path) = &args.ready_file {
+            let info = serde_json::json!({ "admin": admin.local_addr()?.to_string() });
+            write_atomically(path, &info.to_string())?;
+        }
+        tunnel_agent::run(cfg, admin, shutdown).await?;
+        anyhow::Ok(())
+    })
+}
+
+fn write_atomically(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).with_context(|| format!("write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("rename to {}", path.display()))?;
+    Ok(())
+}

@@ -1,1 +1,80 @@
-fn main() {}
+//! tunnel-broker binary: parse flags, load config, bind, start telemetry, run.
+
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::Parser;
+use tokio::net::TcpListener;
+
+/// Tether tunnel-broker: accepts agent tunnels and routes hub clients to clusters.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Path of the YAML config file.
+    #[arg(long, short, env = "TETHER_BROKER_CONFIG")]
+    config: PathBuf,
+    /// Write the bound addresses here as JSON once listening (for scripts and tests).
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+    /// Tokio worker threads (default: number of CPUs).
+    #[arg(long, env = "TETHER_WORKER_THREADS")]
+    worker_threads: Option<usize>,
+}
+
+async fn bind(addr: std::net::SocketAddr, field: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot bind {field} {addr}"))
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tether_tls::install_default_crypto();
+    let cfg: tunnel_broker::config::BrokerConfig =
+        tether_config::load(&args.config).context("invalid tunnel-broker configuration")?;
+    let workers = args.worker_threads;
+    let sys = actix::System::with_tokio_rt(move || {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        if let Some(n) = workers {
+            b.worker_threads(n);
+        }
+        b.enable_all().build().expect("tokio runtime")
+    });
+    sys.block_on(async move {
+        let _telemetry = tether_telemetry::init_tracing("tunnel-broker");
+        let shutdown = tether_runtime::shutdown_token();
+        let listeners = tunnel_broker::Listeners {
+            agent: bind(cfg.agent_listen, "agent_listen").await?,
+            client: match cfg.client_listen {
+                Some(a) => Some(bind(a, "client_listen").await?),
+                None => None,
+            },
+            client_tls: match cfg.client_tls_listen {
+                Some(a) => Some(bind(a, "client_tls_listen").await?),
+                None => None,
+            },
+            admin: bind(cfg.admin_listen, "admin_listen").await?,
+        };
+        if let Some(path) = &args.ready_file {
+            let addr = |l: &Option<TcpListener>| {
+                l.as_ref()
+                    .and_then(|l| l.local_addr().ok())
+                    .map(|a| a.to_string())
+            };
+            let info = serde_json::json!({
+                "agent": listeners.agent.local_addr()?.to_string(),
+                "client": addr(&listeners.client),
+                "client_tls": addr(&listeners.client_tls),
+                "admin": listeners.admin.local_addr()?.to_string(),
+            });
+            let tmp = path.with_extension("tmp");
+            std::fs::write(&tmp, info.to_string())
+                .with_context(|| format!("write {}", tmp.display()))?;
+            std::fs::rename(&tmp, path).with_context(|| format!("rename to {}", path.display()))?;
+        }
+        tunnel_broker::run(cfg, listeners, shutdown).await?;
+        anyhow::Ok(())
+    })
+}

@@ -1,1 +1,217 @@
-//! placeholder
+//! Helpers for tests, benchmarks and the demo.
+//!
+//! - [`Pki`]: a CA and leaf certificates written to a directory.
+//! - [`Child`]: a real child process (a Tether binary, an echo server…) that is sent SIGTERM and
+//!   then killed, by PID, when dropped — tests never leave processes behind and never touch
+//!   processes they did not start.
+//! - [`wait_until`]: polls a condition until a deadline (no fixed sleeps in tests).
+//! - [`bin`]: path of a workspace binary built next to the test executable.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use tether_tls::Identity;
+use tether_tls::pki::{CertificateAuthority, LeafSpec};
+
+/// A throwaway PKI in a directory: `ca.crt`, `ca.key`, and `<name>.crt` / `<name>.key` leaves.
+pub struct Pki {
+    pub dir: PathBuf,
+    pub ca: CertificateAuthority,
+}
+
+/// Paths of an issued leaf.
+#[derive(Debug, Clone)]
+pub struct LeafFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
+}
+
+impl Pki {
+    pub fn new(dir: &Path) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let ca = CertificateAuthority::generate("tether-test-ca", Duration::from_secs(86_400))?;
+        std::fs::write(dir.join("ca.crt"), ca.cert_pem())?;
+        std::fs::write(dir.join("ca.key"), ca.key_pem())?;
+        Ok(Self {
+            dir: dir.to_owned(),
+            ca,
+        })
+    }
+
+    pub fn ca_path(&self) -> PathBuf {
+        self.dir.join("ca.crt")
+    }
+
+    /// Issues `<name>.crt/.key` for `identity`, with server SANs when given.
+    pub fn issue(
+        &self,
+        name: &str,
+        identity: Identity,
+        sans: &[&str],
+    ) -> anyhow::Result<LeafFiles> {
+        let mut spec = LeafSpec::new(identity, Duration::from_secs(86_400));
+        if !sans.is_empty() {
+            spec = spec.server(sans.iter().copied());
+        }
+        self.issue_spec(name, &spec)
+    }
+
+    pub fn issue_spec(&self, name: &str, spec: &LeafSpec) -> anyhow::Result<LeafFiles> {
+        let leaf = self.ca.issue(spec)?;
+        let cert = self.dir.join(format!("{name}.crt"));
+        let key = self.dir.join(format!("{name}.key"));
+        std::fs::write(&cert, &leaf.cert_pem)?;
+        std::fs::write(&key, &leaf.key_pem)?;
+        Ok(LeafFiles {
+            cert,
+            key,
+            ca: self.ca_path(),
+        })
+    }
+}
+
+/// A child process stopped (SIGTERM, then SIGKILL after a grace) when dropped.
+pub struct Child {
+    pub name: String,
+    inner: Option<std::process::Child>,
+}
+
+impl Child {
+    /// Spawns `cmd`; stdout/stderr go to `<log_dir>/<name>.log`.
+    pub fn spawn(name: &str, mut cmd: Command, log_dir: &Path) -> anyhow::Result<Self> {
+        let log = std::fs::File::create(log_dir.join(format!("{name}.log")))?;
+        cmd.stdout(Stdio::from(log.try_clone()?))
+            .stderr(Stdio::from(log));
+        let inner = cmd.spawn().with_context(|| format!("spawn {name}"))?;
+        Ok(Self {
+            name: name.to_owned(),
+            inner: Some(inner),
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.inner.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// Sends SIGTERM (graceful drain).
+    pub fn terminate(&self) {
+        if let Some(c) = &self.inner {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(c.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+    }
+
+    /// Kills with SIGKILL at once and reaps.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.inner.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Whether the process has exited; returns its status if so.
+    pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
+        self.inner
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    /// Waits up to `timeout` for exit after a `terminate`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> anyhow::Result<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.try_wait() {
+                self.inner = None;
+                return Ok(s);
+            }
+            if Instant::now() > deadline {
+                bail!("{} did not exit within {timeout:?}", self.name);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        if self.inner.is_some() {
+            self.terminate();
+            let _ = self.wait_exit(Duration::from_secs(3));
+            self.kill();
+        }
+    }
+}
+
+/// Polls `cond` every 20 ms until it returns `Some`, failing after `timeout` with `what`.
+pub fn wait_until<T>(
+    timeout: Duration,
+    what: &str,
+    mut cond: impl FnMut() -> Option<T>,
+) -> anyhow::Result<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = cond() {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Async variant of [`wait_until`].
+pub async fn wait_until_async<T, F, Fut>(
+    timeout: Duration,
+    what: &str,
+    mut cond: F,
+) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = cond().await {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Reads a JSON ready-file written by a Tether binary, waiting for it to appear.
+pub fn read_ready_file(path: &Path, timeout: Duration) -> anyhow::Result<serde_json::Value> {
+    wait_until(timeout, &format!("ready file {}", path.display()), || {
+        let text = std::fs::read_to_string(path).ok()?;
+        serde_json::from_str(&text).ok()
+    })
+}
+
+/// Path of a workspace binary (`target/<profile>/<name>`), found next to the running test
+/// executable. Build binaries first: `cargo build --workspace --bins`.
+pub fn bin(name: &str) -> anyhow::Result<PathBuf> {
+    if let Ok(dir) = std::env::var("TETHER_BIN_DIR") {
+        return Ok(PathBuf::from(dir).join(name));
+    }
+    let exe = std::env::current_exe()?;
+    let mut dir = exe.parent().map(Path::to_path_buf);
+    while let Some(d) = dir {
+        let candidate = d.join(name);
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+        dir = d.parent().map(Path::to_path_buf);
+    }
+    bail!(
+        "binary {name} not found near {}; run `cargo build --workspace --bins` first",
+        exe.display()
+    )
+}

@@ -163,7 +163,8 @@ fn check_host(host: &str) -> Result<(), AddressError> {
         && host.split('.').all(|l| {
             !l.is_empty()
                 && l.len() <= 63
-                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+                && l.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
         });
     if ok {
         Ok(())
@@ -201,19 +202,46 @@ mod tests {
 
     #[test]
     fn errors_name_the_problem() {
-        assert!(matches!(Target::parse("c1"), Err(AddressError::MissingPort(_))));
-        assert!(matches!(Target::parse("c1:x"), Err(AddressError::BadPort(_))));
-        assert!(matches!(Target::parse("c1:0"), Err(AddressError::BadPort(_))));
-        assert!(matches!(Target::parse("C_1:443"), Err(AddressError::BadCluster { .. })));
-        assert!(matches!(Target::parse("a..c.tether:1"), Err(AddressError::BadHost(_))));
-        assert!(matches!(Target::parse("example.com:443"), Err(AddressError::BadHost(_))));
-        assert!(matches!(Target::parse("[::1]:443"), Err(AddressError::BadHost(_))));
+        assert!(matches!(
+            Target::parse("c1"),
+            Err(AddressError::MissingPort(_))
+        ));
+        assert!(matches!(
+            Target::parse("c1:x"),
+            Err(AddressError::BadPort(_))
+        ));
+        assert!(matches!(
+            Target::parse("c1:0"),
+            Err(AddressError::BadPort(_))
+        ));
+        assert!(matches!(
+            Target::parse("C_1:443"),
+            Err(AddressError::BadCluster { .. })
+        ));
+        assert!(matches!(
+            Target::parse("a..c.tether:1"),
+            Err(AddressError::BadHost(_))
+        ));
+        assert!(matches!(
+            Target::parse("example.com:443"),
+            Err(AddressError::BadHost(_))
+        ));
+        assert!(matches!(
+            Target::parse("[::1]:443"),
+            Err(AddressError::BadHost(_))
+        ));
     }
 
     #[test]
     fn from_parts() {
-        assert_eq!(Target::from_parts("c", "", 0).unwrap(), Target::api_server("c"));
+        assert_eq!(
+            Target::from_parts("c", "", 0).unwrap(),
+            Target::api_server("c")
+        );
         assert!(Target::from_parts("c", "h", 70000).is_err());
-        assert_eq!(Target::from_parts("c", "H", 80).unwrap().wire_dest(), "h:80");
+        assert_eq!(
+            Target::from_parts("c", "H", 80).unwrap().wire_dest(),
+            "h:80"
+        );
     }
 }

@@ -14,11 +14,7 @@ pub enum KeepaliveError {
 
 /// Sends a PING every `interval` and fails when one is not answered within `timeout`.
 /// Returns only on failure; cancel it by dropping the future.
-pub async fn run(
-    mut pp: h2::PingPong,
-    interval: Duration,
-    timeout: Duration,
-) -> KeepaliveError {
+pub async fn run(mut pp: h2::PingPong, interval: Duration, timeout: Duration) -> KeepaliveError {
     loop {
         tokio::time::sleep(interval).await;
         match tokio::time::timeout(timeout, pp.ping(h2::Ping::opaque())).await {

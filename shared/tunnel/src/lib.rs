@@ -20,6 +20,7 @@
 
 pub mod address;
 pub mod keepalive;
+pub mod pattern;
 pub mod pump;
 pub mod settings;
 pub mod wire;

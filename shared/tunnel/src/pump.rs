@@ -211,7 +211,31 @@ fn h2_reason(e: &h2::Error) -> AbortReason {
     }
 }
 
-/// Copies socket → stream. Returns the byte count on clean EOF.
+/// Sends `data` on `tx`, waiting for flow-control capacity (the peer's window) — this wait is
+/// the per-stream backpressure.
+pub async fn send_chunk(tx: &mut SendStream<Bytes>, mut data: Bytes) -> Result<(), AbortReason> {
+    while !data.is_empty() {
+        tx.reserve_capacity(data.len());
+        let cap = match poll_fn(|cx| tx.poll_capacity(cx)).await {
+            Some(Ok(n)) => n,
+            Some(Err(e)) => return Err(h2_reason(&e)),
+            None => return Err(AbortReason::PeerReset("stream closed".into())),
+        };
+        if cap == 0 {
+            continue;
+        }
+        let part = data.split_to(cap.min(data.len()));
+        tx.send_data(part, false).map_err(|e| h2_reason(&e))?;
+    }
+    Ok(())
+}
+
+/// Describes an h2 error as an abort reason.
+pub fn h2_abort_reason(e: &h2::Error) -> AbortReason {
+    h2_reason(e)
+}
+
+/// Copies socket → stream until EOF.
 async fn socket_to_stream<R: ChunkReader>(
     rd: &mut R,
     tx: &mut SendStream<Bytes>,
@@ -229,25 +253,13 @@ async fn socket_to_stream<R: ChunkReader>(
                 });
             }
         };
-        let Some(mut data) = chunk else {
+        let Some(data) = chunk else {
             tx.send_data(Bytes::new(), true)
                 .map_err(|e| h2_reason(&e))?;
             return Ok(());
         };
         let len = data.len() as u64;
-        while !data.is_empty() {
-            tx.reserve_capacity(data.len());
-            let cap = match poll_fn(|cx| tx.poll_capacity(cx)).await {
-                Some(Ok(n)) => n,
-                Some(Err(e)) => return Err(h2_reason(&e)),
-                None => return Err(AbortReason::PeerReset("stream closed".into())),
-            };
-            if cap == 0 {
-                continue;
-            }
-            let part = data.split_to(cap.min(data.len()));
-            tx.send_data(part, false).map_err(|e| h2_reason(&e))?;
-        }
+        send_chunk(tx, data).await?;
         *total += len;
         if let Some(c) = counter {
             c.inc_by(len);

@@ -74,7 +74,10 @@ impl TunnelSettings {
     pub fn validate(&self, prefix: &str) -> Result<(), (String, String)> {
         let f = |n: &str| format!("{prefix}{n}");
         if !(65_535..=MAX_WINDOW).contains(&self.stream_window_bytes) {
-            return Err((f("stream_window_bytes"), "must be between 65535 and 2^31-1".into()));
+            return Err((
+                f("stream_window_bytes"),
+                "must be between 65535 and 2^31-1".into(),
+            ));
         }
         if self.connection_window_bytes < self.stream_window_bytes {
             return Err((
@@ -83,7 +86,10 @@ impl TunnelSettings {
             ));
         }
         if !(16_384..=16_777_215).contains(&self.max_frame_bytes) {
-            return Err((f("max_frame_bytes"), "must be between 16384 and 16777215".into()));
+            return Err((
+                f("max_frame_bytes"),
+                "must be between 16384 and 16777215".into(),
+            ));
         }
         if self.max_concurrent_streams == 0 {
             return Err((f("max_concurrent_streams"), "must be at least 1".into()));
@@ -92,7 +98,10 @@ impl TunnelSettings {
             return Err((f("read_chunk_bytes"), "must be at least 1024".into()));
         }
         if self.keepalive_interval.is_zero() || self.keepalive_timeout.is_zero() {
-            return Err((f("keepalive_interval"), "keepalive interval and timeout must be > 0".into()));
+            return Err((
+                f("keepalive_interval"),
+                "keepalive interval and timeout must be > 0".into(),
+            ));
         }
         if self.handshake_timeout.is_zero() || self.write_stall_timeout.is_zero() {
             return Err((f("handshake_timeout"), "timeouts must be > 0".into()));

@@ -137,7 +137,13 @@ impl fmt::Display for DialError {
 /// resolver or the OS can never break the response.
 pub fn header_safe(s: &str) -> String {
     s.chars()
-        .map(|c| if c.is_ascii_graphic() || c == ' ' { c } else { '?' })
+        .map(|c| {
+            if c.is_ascii_graphic() || c == ' ' {
+                c
+            } else {
+                '?'
+            }
+        })
         .take(512)
         .collect()
 }

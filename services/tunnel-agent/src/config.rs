@@ -1,0 +1,260 @@
+//! tunnel-agent configuration (YAML). Every field is documented in docs/configuration.md.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+use tether_config::{ConfigError, Validate};
+use tether_runtime::BackoffConfig;
+use tether_tls::TlsFiles;
+use tether_tunnel::TunnelSettings;
+
+/// Default API server address inside a cluster.
+pub const DEFAULT_APISERVER: &str = "kubernetes.default.svc:443";
+/// Default upper bound for a dial requested by a broker.
+pub const DEFAULT_MAX_DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    /// Managed cluster name; must equal the cluster in the agent's certificate.
+    pub cluster: String,
+    /// Agent replica name (defaults to the host name).
+    #[serde(default)]
+    pub agent: Option<String>,
+    pub tls: TlsFilesConfig,
+    /// How often certificate files are checked for changes.
+    #[serde(default = "default_reload", with = "humantime_serde")]
+    pub tls_reload_interval: Duration,
+    /// Broker endpoints; the agent keeps one tunnel per endpoint.
+    pub brokers: Vec<BrokerEndpoint>,
+    /// Address of the cluster's API server, dialled for `<cluster>:443`.
+    #[serde(default = "default_apiserver")]
+    pub apiserver: String,
+    #[serde(default)]
+    pub policy: TargetPolicy,
+    /// Upper bound for any dial, whatever the broker asks.
+    #[serde(default = "default_max_dial", with = "humantime_serde")]
+    pub max_dial_timeout: Duration,
+    #[serde(default = "default_admin")]
+    pub admin_listen: SocketAddr,
+    #[serde(default)]
+    pub tunnel: TunnelSettings,
+    #[serde(default)]
+    pub backoff: BackoffSettings,
+    /// Time open streams get to finish on SIGTERM.
+    #[serde(default = "default_grace", with = "humantime_serde")]
+    pub shutdown_grace: Duration,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsFilesConfig {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
+}
+
+impl From<&TlsFilesConfig> for TlsFiles {
+    fn from(t: &TlsFilesConfig) -> Self {
+        TlsFiles {
+            cert: t.cert.clone(),
+            key: t.key.clone(),
+            ca: t.ca.clone(),
+        }
+    }
+}
+
+/// One broker endpoint: a failover group of addresses. The agent holds one tunnel to the
+/// group, preferring the first healthy address; a draining broker is skipped.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BrokerEndpoint {
+    #[serde(default)]
+    pub name: Option<String>,
+    pub addresses: Vec<String>,
+    /// Name expected in the broker's certificate.
+    pub server_name: String,
+}
+
+impl BrokerEndpoint {
+    pub fn label(&self) -> String {
+        self.name
+            .clone()
+            .unwrap_or_else(|| self.addresses.join(","))
+    }
+}
+
+/// Which targets brokers may ask this agent to dial. Patterns are `host:port` where host may
+/// start with `*.` (any subdomain) or be `*`, and port may be `*`. Deny wins over allow. The
+/// API server is always allowed.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TargetPolicy {
+    #[serde(default = "allow_all")]
+    pub allow: Vec<String>,
+    #[serde(default)]
+    pub deny: Vec<String>,
+}
+
+impl Default for TargetPolicy {
+    fn default() -> Self {
+        Self {
+            allow: allow_all(),
+            deny: vec![],
+        }
+    }
+}
+
+impl TargetPolicy {
+    pub fn permits(&self, host: &str, port: u16) -> bool {
+        let m = |p: &String| tether_tunnel::pattern::matches(p, host, port);
+        !self.deny.iter().any(m) && self.allow.iter().any(m)
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BackoffSettings {
+    #[serde(with = "humantime_serde")]
+    pub initial: Duration,
+    #[serde(with = "humantime_serde")]
+    pub max: Duration,
+    #[serde(with = "humantime_serde")]
+    pub reset_after: Duration,
+}
+
+impl Default for BackoffSettings {
+    fn default() -> Self {
+        let d = BackoffConfig::default();
+        Self {
+            initial: d.initial,
+            max: d.max,
+            reset_after: d.reset_after,
+        }
+    }
+}
+
+impl From<&BackoffSettings> for BackoffConfig {
+    fn from(b: &BackoffSettings) -> Self {
+        BackoffConfig {
+            initial: b.initial,
+            max: b.max,
+            reset_after: b.reset_after,
+            ..BackoffConfig::default()
+        }
+    }
+}
+
+fn allow_all() -> Vec<String> {
+    vec!["*:*".into()]
+}
+fn default_reload() -> Duration {
+    tether_tls::reload::DEFAULT_RELOAD_INTERVAL
+}
+fn default_apiserver() -> String {
+    DEFAULT_APISERVER.into()
+}
+fn default_max_dial() -> Duration {
+    DEFAULT_MAX_DIAL_TIMEOUT
+}
+fn default_admin() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+fn default_grace() -> Duration {
+    Duration::from_secs(30)
+}
+
+impl AgentConfig {
+    pub fn agent_name(&self) -> String {
+        self.agent.clone().unwrap_or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|s| s.trim().to_owned())
+                .unwrap_or_else(|_| "agent".into())
+        })
+    }
+}
+
+impl Validate for AgentConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        tether_tls::identity::validate_dns_label(&self.cluster)
+            .map_err(|r| ConfigError::invalid("cluster", r))?;
+        if self.brokers.is_empty() {
+            return Err(ConfigError::invalid(
+                "brokers",
+                "at least one broker endpoint is required",
+            ));
+        }
+        for (i, b) in self.brokers.iter().enumerate() {
+            if b.addresses.is_empty() {
+                return Err(ConfigError::invalid(
+                    format!("brokers[{i}].addresses"),
+                    "must not be empty",
+                ));
+            }
+            for (j, a) in b.addresses.iter().enumerate() {
+                if a.rsplit_once(':')
+                    .and_then(|(_, p)| p.parse::<u16>().ok())
+                    .is_none()
+                {
+                    return Err(ConfigError::invalid(
+                        format!("brokers[{i}].addresses[{j}]"),
+                        format!("{a:?} is not host:port"),
+                    ));
+                }
+            }
+            if b.server_name.is_empty() {
+                return Err(ConfigError::invalid(
+                    format!("brokers[{i}].server_name"),
+                    "must not be empty",
+                ));
+            }
+        }
+        if self
+            .apiserver
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse::<u16>().ok())
+            .is_none()
+        {
+            return Err(ConfigError::invalid(
+                "apiserver",
+                format!("{:?} is not host:port", self.apiserver),
+            ));
+        }
+        for (field, list) in [
+            ("policy.allow", &self.policy.allow),
+            ("policy.deny", &self.policy.deny),
+        ] {
+            for (i, p) in list.iter().enumerate() {
+                tether_tunnel::pattern::validate(p)
+                    .map_err(|m| ConfigError::invalid(format!("{field}[{i}]"), m))?;
+            }
+        }
+        if self.max_dial_timeout.is_zero() {
+            return Err(ConfigError::invalid("max_dial_timeout", "must be > 0"));
+        }
+        self.tunnel
+            .validate("tunnel.")
+            .map_err(|(f, m)| ConfigError::invalid(f, m))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_patterns() {
+        let p = TargetPolicy {
+            allow: vec!["*.svc:8080".into(), "db:5432".into()],
+            deny: vec!["secret.svc:*".into()],
+        };
+        assert!(p.permits("web.svc", 8080));
+        assert!(!p.permits("web.svc", 8081));
+        assert!(p.permits("DB", 5432));
+        assert!(!p.permits("secret.svc", 8080));
+        assert!(TargetPolicy::default().permits("anything", 1));
+    }
+}

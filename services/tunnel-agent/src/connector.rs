@@ -1,0 +1,266 @@
+//! The connector actor: one per broker endpoint, keeps a tunnel to it.
+//!
+//! State machine: `connect` → tunnel task runs (tokio, off the actor's thread) → the task ends →
+//! classify, back off with jitter (reset after a healthy period) → `connect` again. A `drain`
+//! from the broker moves the endpoint to its next address at once, while the draining tunnel
+//! keeps serving its open streams until the broker closes it. Run under an actix `Supervisor`:
+//! if the actor stops it is restarted with its backoff state intact.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use tether_runtime::Backoff;
+use tether_telemetry::Readiness;
+use tether_tls::TlsMaterial;
+use tokio::sync::mpsc;
+use tokio_rustls::TlsConnector;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::BrokerEndpoint;
+use crate::tunnel::{AgentShared, TunnelError, TunnelEvent, run_tunnel};
+
+/// Events buffered between a tunnel task and its connector.
+pub const TUNNEL_EVENT_BUFFER: usize = 16;
+/// How long a draining address is avoided.
+pub const DRAIN_AVOID: Duration = Duration::from_secs(30);
+
+/// Connection state of every endpoint, shared by the connectors; drives `/readyz`.
+#[derive(Clone)]
+pub struct EndpointStates {
+    inner: Arc<Mutex<HashMap<String, Option<String>>>>,
+    readiness: Readiness,
+}
+
+impl EndpointStates {
+    pub fn new(endpoints: impl IntoIterator<Item = String>, readiness: Readiness) -> Self {
+        let map = endpoints.into_iter().map(|e| (e, None)).collect();
+        let s = Self {
+            inner: Arc::new(Mutex::new(map)),
+            readiness,
+        };
+        s.publish();
+        s
+    }
+
+    fn set(&self, endpoint: &str, connected_to: Option<String>) {
+        self.inner
+            .lock()
+            .expect("states lock")
+            .insert(endpoint.to_owned(), connected_to);
+        self.publish();
+    }
+
+    fn publish(&self) {
+        let map = self.inner.lock().expect("states lock");
+        let down: Vec<&str> = map
+            .iter()
+            .filter(|(_, v)| v.is_none())
+            .map(|(k, _)| k.as_str())
+            .collect();
+        if down.is_empty() {
+            self.readiness.set_ready();
+        } else {
+            self.readiness.set_not_ready(format!(
+                "no tunnel to broker endpoint(s): {}",
+                down.join(", ")
+            ));
+        }
+    }
+
+    /// Endpoint → broker address currently carrying its tunnel.
+    pub fn snapshot(&self) -> HashMap<String, Option<String>> {
+        self.inner.lock().expect("states lock").clone()
+    }
+}
+
+pub struct Connector {
+    pub endpoint: BrokerEndpoint,
+    pub shared: Arc<AgentShared>,
+    pub tls: Arc<TlsMaterial>,
+    pub backoff: Backoff,
+    pub states: EndpointStates,
+    pub shutdown: CancellationToken,
+    pub grace: Duration,
+    /// Index of the address the current tunnel uses.
+    pub index: usize,
+    /// Generation of the current tunnel; events from older generations are draining tunnels.
+    pub generation: u64,
+    pub avoid: HashMap<usize, Instant>,
+    pub established: HashMap<u64, String>,
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Ended {
+    generation: u64,
+    result: Result<(), TunnelError>,
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Event {
+    generation: u64,
+    event: TunnelEvent,
+}
+
+impl Actor for Connector {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        self.connect(ctx);
+    }
+}
+
+impl Supervised for Connector {
+    fn restarting(&mut self, _ctx: &mut Self::Context) {
+        tracing::warn!(endpoint = %self.endpoint.label(), "connector restarting");
+        self.established.clear();
+    }
+}
+
+impl Connector {
+    fn label(&self) -> String {
+        self.endpoint.label()
+    }
+
+    fn pick_address(&mut self) -> usize {
+        let n = self.endpoint.addresses.len();
+        self.avoid.retain(|_, since| since.elapsed() < DRAIN_AVOID);
+        (0..n)
+            .map(|k| (self.index + k) % n)
+            .find(|i| !self.avoid.contains_key(i))
+            .unwrap_or(self.index % n)
+    }
+
+    fn connect(&mut self, ctx: &mut Context<Self>) {
+        if self.shutdown.is_cancelled() {
+            return;
+        }
+        self.index = self.pick_address();
+        self.generation += 1;
+        let generation = self.generation;
+        let addr = self.endpoint.addresses[self.index].clone();
+        let server_name = match rustls::pki_types::ServerName::try_from(
+            self.endpoint.server_name.clone(),
+        ) {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::error!(server_name = %self.endpoint.server_name, error = %e, "invalid broker server name");
+                return;
+            }
+        };
+        let connector = match self.tls.client_config(&[tether_tls::ALPN_TUNNEL]) {
+            Ok(c) => TlsConnector::from(Arc::new(c)),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot build TLS client config");
+                return;
+            }
+        };
+        tracing::debug!(endpoint = %self.label(), %addr, generation, "connecting");
+        let (ev_tx, mut ev_rx) = mpsc::channel(TUNNEL_EVENT_BUFFER);
+        let me = ctx.address();
+        tokio::spawn(async move {
+            while let Some(event) = ev_rx.recv().await {
+                if me.send(Event { generation, event }).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let task = tokio::spawn(run_tunnel(
+            addr,
+            server_name,
+            connector,
+            Arc::clone(&self.shared),
+            ev_tx,
+            self.shutdown.child_token(),
+            self.grace,
+        ));
+        let me = ctx.address();
+        tokio::spawn(async move {
+            let result = task
+                .await
+                .unwrap_or_else(|e| Err(TunnelError::Lost(format!("tunnel task failed: {e}"))));
+            me.do_send(Ended { generation, result });
+        });
+    }
+}
+
+impl Handler<Event> for Connector {
+    type Result = ();
+
+    fn handle(&mut self, msg: Event, ctx: &mut Context<Self>) {
+        let label = self.label();
+        match msg.event {
+            TunnelEvent::Established { broker } => {
+                let addr = self.endpoint.addresses[self.index].clone();
+                tracing::info!(endpoint = %label, %addr, %broker, "tunnel established");
+                self.backoff.succeeded();
+                self.established.insert(msg.generation, addr.clone());
+                self.shared
+                    .metrics
+                    .tunnels
+                    .with_label_values(&[&label])
+                    .inc();
+                self.shared
+                    .metrics
+                    .tunnel_connects
+                    .with_label_values(&[&label, "ok"])
+                    .inc();
+                if msg.generation == self.generation {
+                    self.states.set(&label, Some(addr));
+                }
+            }
+            TunnelEvent::Drain => {
+                if msg.generation != self.generation {
+                    return;
+                }
+                tracing::info!(endpoint = %label, "broker is draining; moving to another address");
+                self.avoid.insert(self.index, Instant::now());
+                self.index = (self.index + 1) % self.endpoint.addresses.len();
+                self.states.set(&label, None);
+                self.connect(ctx);
+            }
+        }
+    }
+}
+
+impl Handler<Ended> for Connector {
+    type Result = ();
+
+    fn handle(&mut self, msg: Ended, ctx: &mut Context<Self>) {
+        let label = self.label();
+        if self.established.remove(&msg.generation).is_some() {
+            self.shared
+                .metrics
+                .tunnels
+                .with_label_values(&[&label])
+                .dec();
+        }
+        match &msg.result {
+            Ok(()) => {
+                tracing::info!(endpoint = %label, generation = msg.generation, "tunnel closed")
+            }
+            Err(e) => {
+                tracing::warn!(endpoint = %label, generation = msg.generation, error = %e, "tunnel ended");
+                self.shared
+                    .metrics
+                    .tunnel_connects
+                    .with_label_values(&[&label, e.metric_label()])
+                    .inc();
+            }
+        }
+        if msg.generation != self.generation || self.shutdown.is_cancelled() {
+            return; // a draining tunnel finished, or we are stopping
+        }
+        self.states.set(&label, None);
+        if msg.result.is_err() {
+            // Try the next address of the group on the next attempt.
+            self.index = (self.index + 1) % self.endpoint.addresses.len();
+        }
+        let delay = self.backoff.failed();
+        tracing::debug!(endpoint = %label, ?delay, attempt = self.backoff.attempts(), "reconnecting after backoff");
+        ctx.run_later(delay, |act, ctx| act.connect(ctx));
+    }
+}

@@ -1,0 +1,87 @@
+//! Prometheus metrics of the tunnel-agent. Names carry their unit.
+
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
+};
+
+#[derive(Clone)]
+pub struct AgentMetrics {
+    /// Established tunnels per broker endpoint.
+    pub tunnels: IntGaugeVec,
+    pub tunnel_connects: IntCounterVec,
+    pub open_streams: IntGauge,
+    pub dial_duration: Histogram,
+    pub dial_failures: IntCounterVec,
+    pub bytes: IntCounterVec,
+    pub stream_duration: HistogramVec,
+}
+
+impl AgentMetrics {
+    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let m = Self {
+            tunnels: IntGaugeVec::new(
+                Opts::new(
+                    "tether_agent_tunnels",
+                    "Established tunnels, per broker endpoint.",
+                ),
+                &["endpoint"],
+            )?,
+            tunnel_connects: IntCounterVec::new(
+                Opts::new(
+                    "tether_agent_tunnel_connects_total",
+                    "Tunnel connection attempts by result.",
+                ),
+                &["endpoint", "result"],
+            )?,
+            open_streams: IntGauge::new(
+                "tether_agent_open_streams",
+                "Streams currently open to targets.",
+            )?,
+            dial_duration: Histogram::with_opts(
+                HistogramOpts::new(
+                    "tether_agent_dial_duration_seconds",
+                    "Time to dial a target.",
+                )
+                .buckets(vec![
+                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0,
+                ]),
+            )?,
+            dial_failures: IntCounterVec::new(
+                Opts::new(
+                    "tether_agent_dial_failures_total",
+                    "Failed target dials by reason.",
+                ),
+                &["reason"],
+            )?,
+            bytes: IntCounterVec::new(
+                Opts::new(
+                    "tether_agent_bytes_total",
+                    "Bytes carried, by direction (to_target, from_target).",
+                ),
+                &["direction"],
+            )?,
+            stream_duration: HistogramVec::new(
+                HistogramOpts::new(
+                    "tether_agent_stream_duration_seconds",
+                    "Lifetime of tunnelled streams.",
+                )
+                .buckets(vec![0.01, 0.1, 1.0, 10.0, 60.0, 600.0, 3600.0]),
+                &["result"],
+            )?,
+        };
+        registry.register(Box::new(m.tunnels.clone()))?;
+        registry.register(Box::new(m.tunnel_connects.clone()))?;
+        registry.register(Box::new(m.open_streams.clone()))?;
+        registry.register(Box::new(m.dial_duration.clone()))?;
+        registry.register(Box::new(m.dial_failures.clone()))?;
+        registry.register(Box::new(m.bytes.clone()))?;
+        registry.register(Box::new(m.stream_duration.clone()))?;
+        Ok(m)
+    }
+
+    pub fn counter(&self, direction: &str) -> IntCounter {
+        self.bytes.with_label_values(&[direction])
+    }
+}

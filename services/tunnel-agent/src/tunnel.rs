@@ -1,0 +1,403 @@
+//! One tunnel: TCP + TLS to a broker, then HTTP/2 *server* on that connection.
+//!
+//! [`run_tunnel`] returns when the connection ends; the connector actor decides what next.
+//! Each broker request is handled in its own task: `hello` (identity check), `dial` (dial the
+//! target, answer, then splice bytes), `drain` (the broker is leaving).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use h2::server::SendResponse;
+use http::{Request, Response, StatusCode};
+use tether_tunnel::pump::{ByteCounters, TcpChunkReader, splice};
+use tether_tunnel::wire::{self, DialErrorKind, header_safe};
+use tether_tunnel::{DialError, TunnelSettings};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_rustls::TlsConnector;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::config::TargetPolicy;
+use crate::metrics::AgentMetrics;
+
+/// Everything a tunnel needs that outlives it. Shared by all tunnels of the agent.
+pub struct AgentShared {
+    pub cluster: String,
+    pub agent: String,
+    pub apiserver: String,
+    pub policy: TargetPolicy,
+    pub max_dial_timeout: Duration,
+    pub settings: TunnelSettings,
+    pub metrics: AgentMetrics,
+    pub counters: ByteCounters,
+}
+
+/// Events a tunnel reports to its connector.
+#[derive(Debug)]
+pub enum TunnelEvent {
+    /// The broker checked our identity: the tunnel carries traffic now.
+    Established { broker: String },
+    /// The broker asked agents to move elsewhere.
+    Drain,
+}
+
+/// Why a tunnel ended.
+#[derive(Debug, thiserror::Error)]
+pub enum TunnelError {
+    #[error("connect to {addr} failed: {reason}")]
+    Connect { addr: String, reason: String },
+    #[error("TLS handshake with {addr} failed: {reason}")]
+    Tls { addr: String, reason: String },
+    #[error("HTTP/2 handshake with {addr} failed: {reason}")]
+    H2 { addr: String, reason: String },
+    #[error("broker identifies us as {seen}, but this agent is configured as {configured}")]
+    IdentityMismatch { seen: String, configured: String },
+    #[error("connection lost: {0}")]
+    Lost(String),
+    #[error("broker did not answer keepalive: {0}")]
+    Keepalive(String),
+}
+
+impl TunnelError {
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Self::Connect { .. } => "connect_error",
+            Self::Tls { .. } => "tls_error",
+            Self::H2 { .. } => "h2_error",
+            Self::IdentityMismatch { .. } => "identity_mismatch",
+            Self::Lost(_) => "lost",
+            Self::Keepalive(_) => "keepalive_timeout",
+        }
+    }
+}
+
+/// Connects to `addr` and serves the tunnel until it ends or `shutdown` fires (then the
+/// tunnel drains: GOAWAY, open streams get `grace`).
+pub async fn run_tunnel(
+    addr: String,
+    server_name: rustls::pki_types::ServerName<'static>,
+    connector: TlsConnector,
+    shared: Arc<AgentShared>,
+    events: mpsc::Sender<TunnelEvent>,
+    shutdown: CancellationToken,
+    grace: Duration,
+) -> Result<(), TunnelError> {
+    let hs = shared.settings.handshake_timeout;
+    let tcp = match tokio::time::timeout(hs, TcpStream::connect(&addr)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            return Err(TunnelError::Connect {
+                addr,
+                reason: e.to_string(),
+            });
+        }
+        Err(_) => {
+            return Err(TunnelError::Connect {
+                addr,
+                reason: format!("timed out after {hs:?}"),
+            });
+        }
+    };
+    let _ = tcp.set_nodelay(true);
+    let tls = match tokio::time::timeout(hs, connector.connect(server_name, tcp)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            return Err(TunnelError::Tls {
+                addr,
+                reason: e.to_string(),
+            });
+        }
+        Err(_) => {
+            return Err(TunnelError::Tls {
+                addr,
+                reason: format!("timed out after {hs:?}"),
+            });
+        }
+    };
+    let mut conn = match tokio::time::timeout(
+        hs,
+        shared.settings.server_builder().handshake::<_, Bytes>(tls),
+    )
+    .await
+    {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
+            return Err(TunnelError::H2 {
+                addr,
+                reason: e.to_string(),
+            });
+        }
+        Err(_) => {
+            return Err(TunnelError::H2 {
+                addr,
+                reason: format!("timed out after {hs:?}"),
+            });
+        }
+    };
+    let keepalive = tether_tunnel::keepalive::run(
+        conn.ping_pong().expect("ping_pong taken once"),
+        shared.settings.keepalive_interval,
+        shared.settings.keepalive_timeout,
+    );
+    tokio::pin!(keepalive);
+    let (mismatch_tx, mut mismatch_rx) = mpsc::channel::<TunnelError>(1);
+    let mut draining_since: Option<Instant> = None;
+    loop {
+        let grace_left = draining_since.map(|t| grace.saturating_sub(t.elapsed()));
+        tokio::select! {
+            req = conn.accept() => match req {
+                Some(Ok((req, respond))) => {
+                    let shared = Arc::clone(&shared);
+                    let events = events.clone();
+                    let mismatch_tx = mismatch_tx.clone();
+                    tokio::spawn(handle_request(req, respond, shared, events, mismatch_tx));
+                }
+                Some(Err(e)) => return Err(TunnelError::Lost(e.to_string())),
+                None => return Ok(()),
+            },
+            e = &mut keepalive => return Err(TunnelError::Keepalive(e.to_string())),
+            Some(e) = mismatch_rx.recv() => {
+                conn.abrupt_shutdown(h2::Reason::REFUSED_STREAM);
+                let _ = tokio::time::timeout(hs, std::future::poll_fn(|cx| conn.poll_closed(cx))).await;
+                return Err(e);
+            }
+            _ = shutdown.cancelled(), if draining_since.is_none() => {
+                conn.graceful_shutdown();
+                draining_since = Some(Instant::now());
+            }
+            _ = tokio::time::sleep(grace_left.unwrap_or(Duration::MAX)), if grace_left.is_some() => {
+                conn.abrupt_shutdown(h2::Reason::NO_ERROR);
+                return Ok(());
+            }
+        }
+    }
+}
+
+async fn handle_request(
+    req: Request<h2::RecvStream>,
+    mut respond: SendResponse<Bytes>,
+    shared: Arc<AgentShared>,
+    events: mpsc::Sender<TunnelEvent>,
+    mismatch: mpsc::Sender<TunnelError>,
+) {
+    match req.uri().path() {
+        wire::PATH_DIAL => handle_dial(req, respond, shared).await,
+        wire::PATH_HELLO => {
+            let h = |n: &str| {
+                req.headers()
+                    .get(n)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("")
+                    .to_owned()
+            };
+            let (seen_cluster, seen_agent) = (h(wire::HEADER_CLUSTER), h(wire::HEADER_AGENT));
+            let broker = h("tether-broker");
+            if seen_cluster != shared.cluster {
+                let msg = format!(
+                    "certificate names cluster {seen_cluster:?}, agent is configured for {:?}",
+                    shared.cluster
+                );
+                tracing::error!(%broker, "{msg}");
+                let resp = Response::builder()
+                    .status(StatusCode::FORBIDDEN)
+                    .header(wire::HEADER_ERROR_MESSAGE, header_safe(&msg))
+                    .body(())
+                    .expect("valid response");
+                let _ = respond.send_response(resp, true);
+                let _ = mismatch
+                    .send(TunnelError::IdentityMismatch {
+                        seen: format!("cluster {seen_cluster} agent {seen_agent}"),
+                        configured: format!("cluster {}", shared.cluster),
+                    })
+                    .await;
+                return;
+            }
+            let resp = Response::builder()
+                .status(StatusCode::OK)
+                .header(wire::HEADER_CLUSTER, &shared.cluster)
+                .header(wire::HEADER_AGENT, &shared.agent)
+                .body(())
+                .expect("valid response");
+            let _ = respond.send_response(resp, true);
+            let _ = events.send(TunnelEvent::Established { broker }).await;
+        }
+        wire::PATH_DRAIN => {
+            let _ = respond.send_response(Response::new(()), true);
+            let _ = events.send(TunnelEvent::Drain).await;
+        }
+        other => {
+            tracing::warn!(path = other, "unknown tunnel request");
+            respond.send_reset(h2::Reason::REFUSED_STREAM);
+        }
+    }
+}
+
+fn error_response(err: &DialError) -> Response<()> {
+    Response::builder()
+        .status(err.kind.status())
+        .header(wire::HEADER_ERROR, err.kind.metric_label())
+        .header(wire::HEADER_ERROR_MESSAGE, header_safe(&err.message))
+        .body(())
+        .expect("valid response")
+}
+
+async fn handle_dial(
+    req: Request<h2::RecvStream>,
+    mut respond: SendResponse<Bytes>,
+    shared: Arc<AgentShared>,
+) {
+    let h = |n: &str| {
+        req.headers()
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned()
+    };
+    let target = h(wire::HEADER_TARGET);
+    let stream_id = h(wire::HEADER_STREAM);
+    let span = tracing::info_span!("agent_stream", cluster = %shared.cluster, stream = %stream_id, target = %target);
+    tether_telemetry::propagation::set_parent(
+        &span,
+        req.headers()
+            .iter()
+            .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?))),
+    );
+    let timeout = h(wire::HEADER_DIAL_TIMEOUT_MS)
+        .parse::<u64>()
+        .map(Duration::from_millis)
+        .unwrap_or(shared.max_dial_timeout)
+        .min(shared.max_dial_timeout);
+    async move {
+        let started = Instant::now();
+        let dialled = dial(&shared, &target, timeout).await;
+        shared
+            .metrics
+            .dial_duration
+            .observe(started.elapsed().as_secs_f64());
+        let tcp = match dialled {
+            Ok(s) => s,
+            Err(e) => {
+                shared
+                    .metrics
+                    .dial_failures
+                    .with_label_values(&[e.kind.metric_label()])
+                    .inc();
+                tracing::info!(reason = %e, "dial failed");
+                let _ = respond.send_response(error_response(&e), true);
+                return;
+            }
+        };
+        let send = match respond.send_response(Response::new(()), false) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(error = %e, "broker went away before the dial answer");
+                return;
+            }
+        };
+        shared.metrics.open_streams.inc();
+        let (rd, wr) = tcp.into_split();
+        let result = splice(
+            TcpChunkReader::new(rd, shared.settings.read_chunk_bytes),
+            wr,
+            send,
+            req.into_body(),
+            shared.settings.write_stall_timeout,
+            &shared.counters,
+        )
+        .await;
+        shared.metrics.open_streams.dec();
+        let label = match &result {
+            Ok(_) => "ok",
+            Err(e) => e.reason.metric_label(),
+        };
+        shared
+            .metrics
+            .stream_duration
+            .with_label_values(&[label])
+            .observe(started.elapsed().as_secs_f64());
+        match result {
+            Ok(s) => tracing::debug!(
+                to_target = s.from_tunnel_bytes,
+                from_target = s.to_tunnel_bytes,
+                "stream closed"
+            ),
+            Err(e) => tracing::info!(reason = %e.reason, "stream aborted"),
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// Resolves and dials a target, classifying failures.
+async fn dial(
+    shared: &AgentShared,
+    target: &str,
+    timeout: Duration,
+) -> Result<TcpStream, DialError> {
+    let dest = if target == wire::APISERVER_DEST {
+        shared.apiserver.clone()
+    } else {
+        let (host, port) = target
+            .rsplit_once(':')
+            .and_then(|(h, p)| Some((h, p.parse::<u16>().ok()?)))
+            .ok_or_else(|| {
+                DialError::new(
+                    DialErrorKind::BadRequest,
+                    format!("target {target:?} is not host:port"),
+                )
+            })?;
+        if !shared.policy.permits(host, port) {
+            return Err(DialError::new(
+                DialErrorKind::AgentPolicy,
+                format!(
+                    "agent policy of cluster {} forbids {target}",
+                    shared.cluster
+                ),
+            ));
+        }
+        target.to_owned()
+    };
+    let work = async {
+        let addrs: Vec<_> = tokio::net::lookup_host(&dest)
+            .await
+            .map_err(|e| {
+                DialError::new(
+                    DialErrorKind::NameNotFound,
+                    format!("cannot resolve {dest}: {e}"),
+                )
+            })?
+            .collect();
+        if addrs.is_empty() {
+            return Err(DialError::new(
+                DialErrorKind::NameNotFound,
+                format!("{dest} has no addresses"),
+            ));
+        }
+        let mut last = None;
+        for a in addrs {
+            match TcpStream::connect(a).await {
+                Ok(s) => {
+                    let _ = s.set_nodelay(true);
+                    return Ok(s);
+                }
+                Err(e) => last = Some((a, e)),
+            }
+        }
+        let (a, e) = last.expect("at least one address");
+        let kind = if e.kind() == std::io::ErrorKind::ConnectionRefused {
+            DialErrorKind::Refused
+        } else {
+            DialErrorKind::Internal
+        };
+        Err(DialError::new(kind, format!("dial {dest} ({a}): {e}")))
+    };
+    match tokio::time::timeout(timeout, work).await {
+        Ok(r) => r,
+        Err(_) => Err(DialError::new(
+            DialErrorKind::Timeout,
+            format!("dial {dest} timed out after {} ms", timeout.as_millis()),
+        )),
+    }
+}

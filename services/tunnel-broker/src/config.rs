@@ -1,0 +1,184 @@
+//! tunnel-broker configuration (YAML). Every field is documented in docs/configuration.md.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+use tether_config::{ConfigError, Validate};
+use tether_tls::TlsFiles;
+use tether_tunnel::TunnelSettings;
+
+/// Default dial timeout when a client does not ask for one.
+pub const DEFAULT_DIAL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default cap of dials waiting for an answer on one tunnel.
+pub const DEFAULT_MAX_PENDING_DIALS: usize = 1024;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BrokerConfig {
+    /// Broker replica id (appears in logs, metrics and the hello sent to agents).
+    pub id: String,
+    pub tls: TlsFilesConfig,
+    #[serde(default = "default_reload", with = "humantime_serde")]
+    pub tls_reload_interval: Duration,
+    /// Where agents connect (mTLS).
+    pub agent_listen: SocketAddr,
+    /// Plain-TCP HTTP CONNECT listener for hub clients (token auth). Optional.
+    #[serde(default)]
+    pub client_listen: Option<SocketAddr>,
+    /// TLS listener for hub clients: HTTP CONNECT over TLS (ALPN http/1.1) and the gRPC APIs
+    /// (ALPN h2). Client certificate or bearer token.
+    #[serde(default)]
+    pub client_tls_listen: Option<SocketAddr>,
+    #[serde(default = "default_admin")]
+    pub admin_listen: SocketAddr,
+    #[serde(default = "default_dial_timeout", with = "humantime_serde")]
+    pub dial_timeout: Duration,
+    #[serde(default = "default_max_pending")]
+    pub max_pending_dials_per_tunnel: usize,
+    /// Time open streams get to finish when the broker drains (SIGTERM).
+    #[serde(default = "default_grace", with = "humantime_serde")]
+    pub drain_grace: Duration,
+    /// Hub clients and what they may reach.
+    #[serde(default)]
+    pub clients: Vec<ClientConfig>,
+    #[serde(default)]
+    pub tunnel: TunnelSettings,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsFilesConfig {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
+}
+
+impl From<&TlsFilesConfig> for TlsFiles {
+    fn from(t: &TlsFilesConfig) -> Self {
+        TlsFiles {
+            cert: t.cert.clone(),
+            key: t.key.clone(),
+            ca: t.ca.clone(),
+        }
+    }
+}
+
+/// A hub client identity: authenticated by a certificate with CN `tether:client:<name>`, or by
+/// a bearer token whose SHA-256 is `token_sha256` (the token itself is never stored).
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientConfig {
+    pub name: String,
+    #[serde(default)]
+    pub token_sha256: Option<String>,
+    /// What the client may reach. Empty: the API server of every cluster, nothing else.
+    #[serde(default)]
+    pub allow: Vec<AllowRule>,
+}
+
+impl std::fmt::Debug for ClientConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientConfig")
+            .field("name", &self.name)
+            .field(
+                "token_sha256",
+                &self.token_sha256.as_ref().map(|_| "<redacted>"),
+            )
+            .field("allow", &self.allow)
+            .finish()
+    }
+}
+
+/// Clusters (globs: `*`, `prod-*`, exact) and targets (`apiserver` or `host:port` patterns).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AllowRule {
+    pub clusters: Vec<String>,
+    pub targets: Vec<String>,
+}
+
+fn default_reload() -> Duration {
+    tether_tls::reload::DEFAULT_RELOAD_INTERVAL
+}
+fn default_admin() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+fn default_dial_timeout() -> Duration {
+    DEFAULT_DIAL_TIMEOUT
+}
+fn default_max_pending() -> usize {
+    DEFAULT_MAX_PENDING_DIALS
+}
+fn default_grace() -> Duration {
+    Duration::from_secs(30)
+}
+
+impl Validate for BrokerConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.id.is_empty() || self.id.contains(':') {
+            return Err(ConfigError::invalid(
+                "id",
+                "must be non-empty and without ':'",
+            ));
+        }
+        if self.client_listen.is_none() && self.client_tls_listen.is_none() {
+            return Err(ConfigError::invalid(
+                "client_listen",
+                "set client_listen and/or client_tls_listen, or no client can reach the broker",
+            ));
+        }
+        if self.dial_timeout.is_zero() {
+            return Err(ConfigError::invalid("dial_timeout", "must be > 0"));
+        }
+        if self.max_pending_dials_per_tunnel == 0 {
+            return Err(ConfigError::invalid(
+                "max_pending_dials_per_tunnel",
+                "must be at least 1",
+            ));
+        }
+        let mut names = std::collections::HashSet::new();
+        for (i, c) in self.clients.iter().enumerate() {
+            if c.name.is_empty() || c.name.contains(':') {
+                return Err(ConfigError::invalid(
+                    format!("clients[{i}].name"),
+                    "must be non-empty and without ':'",
+                ));
+            }
+            if !names.insert(&c.name) {
+                return Err(ConfigError::invalid(
+                    format!("clients[{i}].name"),
+                    format!("duplicate client {:?}", c.name),
+                ));
+            }
+            if let Some(h) = &c.token_sha256
+                && (h.len() != 64 || hex::decode(h).is_err())
+            {
+                return Err(ConfigError::invalid(
+                    format!("clients[{i}].token_sha256"),
+                    "must be 64 hex characters (sha256 of the token)",
+                ));
+            }
+            for (j, r) in c.allow.iter().enumerate() {
+                if r.clusters.is_empty() || r.targets.is_empty() {
+                    return Err(ConfigError::invalid(
+                        format!("clients[{i}].allow[{j}]"),
+                        "clusters and targets must both be non-empty",
+                    ));
+                }
+                for (k, t) in r.targets.iter().enumerate() {
+                    if t != "apiserver" {
+                        tether_tunnel::pattern::validate(t).map_err(|m| {
+                            ConfigError::invalid(format!("clients[{i}].allow[{j}].targets[{k}]"), m)
+                        })?;
+                    }
+                }
+            }
+        }
+        self.tunnel
+            .validate("tunnel.")
+            .map_err(|(f, m)| ConfigError::invalid(f, m))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,256 @@
+//! The HTTP CONNECT front end (plain TCP and TLS).
+//!
+//! `CONNECT <cluster>:443` reaches the cluster's API server; `CONNECT
+//! <host>.<cluster>.tether:<port>` any other allowed target. Answers explain failures: 400
+//! malformed request, 405 not CONNECT, 407 no/invalid credentials, 403 not allowed, 502 no tunnel
+//! / refused / name not found, 503 overloaded, 504 dial timeout — the reason is in the body and
+//! in `Tether-Error`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tether_tls::Identity;
+use tether_tunnel::pump::{AsyncChunkReader, TcpChunkReader, splice};
+use tether_tunnel::wire::{DialErrorKind, header_safe};
+use tether_tunnel::{DialError, Target};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tracing::Instrument;
+
+use crate::auth::ClientId;
+use crate::dial::Broker;
+
+/// Largest CONNECT request head accepted.
+pub const MAX_HEAD_BYTES: usize = 8 * 1024;
+/// Time a client has to send its CONNECT head.
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most headers parsed in a CONNECT head.
+const MAX_HEADERS: usize = 32;
+
+const FRONTEND: &str = "connect";
+
+struct Head {
+    target: Result<Target, DialError>,
+    credentials: Option<String>,
+}
+
+/// Reads a request head; returns it and any bytes the client sent after it.
+async fn read_head<S: AsyncRead + Unpin>(s: &mut S) -> Result<(Head, Bytes), DialError> {
+    let mut buf = BytesMut::with_capacity(1024);
+    let work = async {
+        loop {
+            if buf.len() >= MAX_HEAD_BYTES {
+                return Err(DialError::new(
+                    DialErrorKind::BadRequest,
+                    format!("request head exceeds {MAX_HEAD_BYTES} bytes"),
+                ));
+            }
+            let n = s
+                .read_buf(&mut buf)
+                .await
+                .map_err(|e| DialError::new(DialErrorKind::BadRequest, format!("read: {e}")))?;
+            if n == 0 {
+                return Err(DialError::new(
+                    DialErrorKind::BadRequest,
+                    "connection closed before the request head ended",
+                ));
+            }
+            let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+            let mut req = httparse::Request::new(&mut headers);
+            match req.parse(&buf) {
+                Ok(httparse::Status::Partial) => continue,
+                Ok(httparse::Status::Complete(len)) => {
+                    let method = req.method.unwrap_or("");
+                    if method != "CONNECT" {
+                        return Err(DialError::new(
+                            DialErrorKind::BadRequest,
+                            format!("method {method} not supported: this is an HTTP CONNECT proxy"),
+                        ));
+                    }
+                    let path = req.path.unwrap_or("");
+                    let credentials = req
+                        .headers
+                        .iter()
+                        .find(|h| h.name.eq_ignore_ascii_case("proxy-authorization"))
+                        .and_then(|h| std::str::from_utf8(h.value).ok())
+                        .map(str::to_owned);
+                    let target = Target::parse(path)
+                        .map_err(|e| DialError::new(DialErrorKind::BadRequest, e.to_string()));
+                    let rest = buf.split_off(len).freeze();
+                    return Ok((
+                        Head {
+                            target,
+                            credentials,
+                        },
+                        rest,
+                    ));
+                }
+                Err(e) => {
+                    return Err(DialError::new(
+                        DialErrorKind::BadRequest,
+                        format!("malformed request: {e}"),
+                    ));
+                }
+            }
+        }
+    };
+    tokio::time::timeout(HEAD_TIMEOUT, work)
+        .await
+        .map_err(|_| {
+            DialError::new(
+                DialErrorKind::BadRequest,
+                format!("no complete request head within {HEAD_TIMEOUT:?}"),
+            )
+        })?
+}
+
+fn error_response(e: &DialError) -> Vec<u8> {
+    let status = e.kind.status();
+    let body = format!("{}\n", e.message);
+    let mut r = format!(
+        "HTTP/1.1 {} {}\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\ntether-error: {}\r\n",
+        status.as_u16(),
+        status.canonical_reason().unwrap_or(""),
+        body.len(),
+        e.kind.metric_label(),
+    );
+    if e.kind == DialErrorKind::Unauthenticated {
+        r.push_str("proxy-authenticate: Bearer realm=\"tether\"\r\nproxy-authenticate: Basic realm=\"tether\"\r\n");
+    }
+    r.push_str("\r\n");
+    let mut out = r.into_bytes();
+    out.extend_from_slice(header_safe(&body).as_bytes());
+    out.push(b'\n');
+    out
+}
+
+const ESTABLISHED: &[u8] = b"HTTP/1.1 200 Connection established\r\n\r\n";
+
+/// Authenticates and authorises a parsed head and opens the stream.
+async fn open(
+    broker: &Broker,
+    head: Head,
+    peer: Option<&Identity>,
+    stream_id: u64,
+) -> Result<crate::dial::OpenStream, DialError> {
+    let target = head.target?;
+    tracing::Span::current().record("cluster", target.cluster.as_str());
+    tracing::Span::current().record("target", tracing::field::display(&target));
+    let client: ClientId = match (&head.credentials, peer) {
+        (Some(c), _) => broker.auth.from_header(c)?,
+        (None, Some(id)) => broker.auth.from_certificate(id)?,
+        (None, None) => {
+            return Err(DialError::new(
+                DialErrorKind::Unauthenticated,
+                "no credentials: present a client certificate or Proxy-Authorization",
+            ));
+        }
+    };
+    tracing::Span::current().record("client", client.name.as_str());
+    broker
+        .dial(FRONTEND, &client, &target, stream_id, None)
+        .await
+}
+
+fn span(stream_id: u64) -> tracing::Span {
+    tracing::info_span!(
+        "connect_stream",
+        stream = stream_id,
+        cluster = tracing::field::Empty,
+        target = tracing::field::Empty,
+        client = tracing::field::Empty
+    )
+}
+
+/// Serves one plain-TCP client connection.
+pub async fn serve_plain(broker: Arc<Broker>, mut tcp: TcpStream) {
+    let _ = tcp.set_nodelay(true);
+    let stream_id = broker.next_stream_id();
+    async move {
+        let opened = match read_head(&mut tcp).await {
+            Ok((head, rest)) => open(&broker, head, None, stream_id)
+                .await
+                .map(|o| (o, rest)),
+            Err(e) => Err(e),
+        };
+        let (stream, rest) = match opened {
+            Ok(x) => x,
+            Err(e) => {
+                if e.kind == DialErrorKind::BadRequest {
+                    broker.record_failure(FRONTEND, &e);
+                }
+                let _ = tcp.write_all(&error_response(&e)).await;
+                let _ = tcp.shutdown().await;
+                return;
+            }
+        };
+        if tcp.write_all(ESTABLISHED).await.is_err() {
+            broker.finish(&stream.ticket, &Ok(Default::default()));
+            return;
+        }
+        let (rd, wr) = tcp.into_split();
+        let crate::dial::OpenStream { send, recv, ticket } = stream;
+        let r = splice(
+            TcpChunkReader::with_prefix(rd, broker.settings.read_chunk_bytes, rest),
+            wr,
+            send,
+            recv,
+            broker.settings.write_stall_timeout,
+            &broker.counters,
+        )
+        .await;
+        broker.finish(&ticket, &r);
+    }
+    .instrument(span(stream_id))
+    .await
+}
+
+/// Serves one client connection that arrived over TLS (ALPN http/1.1).
+pub async fn serve_tls<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+    broker: Arc<Broker>,
+    mut io: S,
+    peer: Option<Identity>,
+) {
+    let stream_id = broker.next_stream_id();
+    async move {
+        let opened = match read_head(&mut io).await {
+            Ok((head, rest)) => open(&broker, head, peer.as_ref(), stream_id)
+                .await
+                .map(|o| (o, rest)),
+            Err(e) => Err(e),
+        };
+        let (stream, rest) = match opened {
+            Ok(x) => x,
+            Err(e) => {
+                if e.kind == DialErrorKind::BadRequest {
+                    broker.record_failure(FRONTEND, &e);
+                }
+                let _ = io.write_all(&error_response(&e)).await;
+                let _ = io.shutdown().await;
+                return;
+            }
+        };
+        if io.write_all(ESTABLISHED).await.is_err() || io.flush().await.is_err() {
+            broker.finish(&stream.ticket, &Ok(Default::default()));
+            return;
+        }
+        let (rd, wr) = tokio::io::split(io);
+        let crate::dial::OpenStream { send, recv, ticket } = stream;
+        let r = splice(
+            tether_tunnel::pump::PrefixedReader::new(
+                rest,
+                AsyncChunkReader::new(rd, broker.settings.read_chunk_bytes),
+            ),
+            wr,
+            send,
+            recv,
+            broker.settings.write_stall_timeout,
+            &broker.counters,
+        )
+        .await;
+        broker.finish(&ticket, &r);
+    }
+    .instrument(span(stream_id))
+    .await
+}

@@ -1,0 +1,188 @@
+//! Opening a stream for a client: authorise, route, ask the agent to dial, account.
+//!
+//! Every front end (HTTP CONNECT, native gRPC, konnectivity) goes through [`Broker::dial`] and
+//! then [`Broker::finish`], so policy, metrics and tracing are the same whatever the protocol.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use h2::{RecvStream, SendStream};
+use tether_tunnel::pump::{ByteCounters, SpliceError, SpliceStats};
+use tether_tunnel::wire::DialErrorKind;
+use tether_tunnel::{DialError, Target, TunnelSettings};
+use tokio::sync::watch;
+
+use crate::auth::{Auth, ClientId};
+use crate::metrics::BrokerMetrics;
+use crate::registry::RouteTable;
+use crate::tunnel::StreamGuard;
+
+/// Shared state of the client side of the broker.
+pub struct Broker {
+    pub id: String,
+    pub routes: watch::Receiver<Arc<RouteTable>>,
+    pub auth: Auth,
+    pub metrics: BrokerMetrics,
+    pub settings: TunnelSettings,
+    pub dial_timeout: Duration,
+    pub counters: ByteCounters,
+    next_stream: AtomicU64,
+}
+
+/// An open stream to a target.
+pub struct OpenStream {
+    pub send: SendStream<Bytes>,
+    pub recv: RecvStream,
+    pub ticket: StreamTicket,
+}
+
+/// The bookkeeping of an open stream; hand it back to [`Broker::finish`] when the stream ends.
+pub struct StreamTicket {
+    pub stream_id: u64,
+    pub frontend: &'static str,
+    started: Instant,
+    _guard: StreamGuard,
+}
+
+impl Broker {
+    pub fn new(
+        id: String,
+        routes: watch::Receiver<Arc<RouteTable>>,
+        auth: Auth,
+        metrics: BrokerMetrics,
+        settings: TunnelSettings,
+        dial_timeout: Duration,
+    ) -> Self {
+        let counters = ByteCounters {
+            to_tunnel: Some(metrics.counter("to_cluster")),
+            from_tunnel: Some(metrics.counter("from_cluster")),
+        };
+        Self {
+            id,
+            routes,
+            auth,
+            metrics,
+            settings,
+            dial_timeout,
+            counters,
+            next_stream: AtomicU64::new(1),
+        }
+    }
+
+    /// A fresh stream id for logs and traces.
+    pub fn next_stream_id(&self) -> u64 {
+        self.next_stream.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Authorises and opens a stream to `target`. Call inside the stream's span.
+    pub async fn dial(
+        &self,
+        frontend: &'static str,
+        client: &ClientId,
+        target: &Target,
+        stream_id: u64,
+        timeout: Option<Duration>,
+    ) -> Result<OpenStream, DialError> {
+        let started = Instant::now();
+        let result = self.dial_inner(client, target, stream_id, timeout).await;
+        self.metrics
+            .dial_duration
+            .with_label_values(&[frontend])
+            .observe(started.elapsed().as_secs_f64());
+        match result {
+            Ok((send, recv, guard)) => {
+                self.metrics
+                    .open_streams
+                    .with_label_values(&[frontend])
+                    .inc();
+                Ok(OpenStream {
+                    send,
+                    recv,
+                    ticket: StreamTicket {
+                        stream_id,
+                        frontend,
+                        started,
+                        _guard: guard,
+                    },
+                })
+            }
+            Err(e) => {
+                self.record_failure(frontend, &e);
+                Err(e)
+            }
+        }
+    }
+
+    /// Counts a failed dial (also for failures before [`Broker::dial`], e.g. bad requests).
+    pub fn record_failure(&self, frontend: &'static str, e: &DialError) {
+        self.metrics
+            .dial_failures
+            .with_label_values(&[frontend, e.kind.metric_label()])
+            .inc();
+        tracing::info!(reason = %e, "dial failed");
+    }
+
+    async fn dial_inner(
+        &self,
+        client: &ClientId,
+        target: &Target,
+        stream_id: u64,
+        timeout: Option<Duration>,
+    ) -> Result<(SendStream<Bytes>, RecvStream, StreamGuard), DialError> {
+        self.auth.authorize(client, target)?;
+        let tunnel = self.routes.borrow().pick(&target.cluster).ok_or_else(|| {
+            DialError::new(
+                DialErrorKind::NoTunnel,
+                format!("no tunnel is connected for cluster {:?}", target.cluster),
+            )
+        })?;
+        let timeout = timeout
+            .unwrap_or(self.dial_timeout)
+            .min(Duration::from_secs(60));
+        let trace = tether_telemetry::propagation::inject(&tracing::Span::current());
+        tunnel.open(target, stream_id, timeout, &trace).await
+    }
+
+    /// Records the end of a stream.
+    pub fn finish(&self, stream: &StreamTicket, result: &Result<SpliceStats, SpliceError>) {
+        let frontend = stream.frontend;
+        self.metrics
+            .open_streams
+            .with_label_values(&[frontend])
+            .dec();
+        let label = match result {
+            Ok(_) => "ok",
+            Err(e) => e.reason.metric_label(),
+        };
+        self.metrics
+            .stream_duration
+            .with_label_values(&[frontend, label])
+            .observe(stream.started.elapsed().as_secs_f64());
+        match result {
+            Ok(s) => tracing::debug!(
+                to_cluster = s.to_tunnel_bytes,
+                from_cluster = s.from_tunnel_bytes,
+                "stream closed"
+            ),
+            Err(e) => tracing::info!(reason = %e.reason, "stream aborted"),
+        }
+    }
+
+    /// Open streams across all front ends.
+    pub fn open_stream_count(&self) -> i64 {
+        ["connect", "grpc", "konnectivity"]
+            .iter()
+            .map(|f| self.metrics.open_streams.with_label_values(&[f]).get())
+            .sum()
+    }
+}
+
+/// Whether a dial error is the client's fault (answer it without retry hints).
+pub fn is_client_error(kind: DialErrorKind) -> bool {
+    matches!(
+        kind,
+        DialErrorKind::BadRequest | DialErrorKind::Unauthenticated | DialErrorKind::Forbidden
+    )
+}

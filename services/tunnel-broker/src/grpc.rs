@@ -1,0 +1,494 @@
+//! gRPC front ends, served on the client TLS listener when ALPN selects `h2`:
+//!
+//! - `tether.tunnel.v1.Dialer/Dial` — the native API: first frame `dial`, answer `result`, then
+//!   `data` both ways; half-close by ending the request stream; abort is a non-OK status.
+//! - `/ProxyService/Proxy` — konnectivity-compatible: DIAL_REQ → DIAL_RSP (error set on
+//!   failure), DATA both ways, CLOSE_REQ → CLOSE_RSP; a broken stream ends with CLOSE_RSP
+//!   carrying the error and a non-OK status. One RPC carries one connection, as konnectivity's
+//!   `CreateSingleUseGrpcTunnel` does.
+//!
+//! Authentication: the TLS client certificate (put into request extensions per connection), or
+//! `authorization: Bearer <token>` metadata. Each RPC's outbound frames go through a bounded
+//! channel ([`OUTBOUND_FRAMES`]); HTTP/2 capacity on the tunnel is released only once a chunk is
+//! queued, so a slow gRPC reader slows only its own tunnel stream.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::Stream;
+use h2::{RecvStream, SendStream};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::service::TowerToHyperService;
+use tether_proto::konnectivity as k;
+use tether_proto::tunnel::v1 as pb;
+use tether_tls::Identity;
+use tether_tunnel::pump::{AbortReason, SpliceError, SpliceStats, h2_abort_reason, send_chunk};
+use tether_tunnel::wire::DialErrorKind;
+use tether_tunnel::{DialError, Target};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tower::ServiceExt as _;
+use tracing::Instrument;
+
+use crate::auth::ClientId;
+use crate::dial::{Broker, OpenStream};
+
+/// Frames buffered towards one gRPC client before backpressure reaches the tunnel stream.
+pub const OUTBOUND_FRAMES: usize = 8;
+/// Time a gRPC client has to send its first (dial) message.
+pub const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The verified certificate identity of the connection a request came on.
+#[derive(Clone, Debug)]
+struct PeerIdentity(Option<Identity>);
+
+type FrameStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+/// Both gRPC services, ready to serve connections.
+#[derive(Clone)]
+pub struct GrpcFrontEnd {
+    routes: tonic::service::Routes,
+    broker: Arc<Broker>,
+}
+
+impl GrpcFrontEnd {
+    pub fn new(broker: Arc<Broker>) -> Self {
+        let routes = tonic::service::Routes::new(pb::dialer_server::DialerServer::new(DialerSvc(
+            Arc::clone(&broker),
+        )))
+        .add_service(k::proxy_service_server::ProxyServiceServer::new(
+            KonnectivitySvc(Arc::clone(&broker)),
+        ));
+        Self { routes, broker }
+    }
+
+    /// Serves HTTP/2 gRPC on one accepted TLS connection until it closes.
+    pub async fn serve_connection<S>(&self, io: S, peer: Option<Identity>)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let peer = PeerIdentity(peer);
+        let svc = self.routes.clone().map_request(
+            move |mut req: http::Request<hyper::body::Incoming>| {
+                req.extensions_mut().insert(peer.clone());
+                req
+            },
+        );
+        let s = &self.broker.settings;
+        let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+        b.initial_stream_window_size(s.stream_window_bytes)
+            .initial_connection_window_size(s.connection_window_bytes)
+            .max_frame_size(s.max_frame_bytes)
+            .max_concurrent_streams(s.max_concurrent_streams)
+            .keep_alive_interval(s.keepalive_interval)
+            .keep_alive_timeout(s.keepalive_timeout)
+            .timer(hyper_util::rt::TokioTimer::new());
+        if let Err(e) = b
+            .serve_connection(TokioIo::new(io), TowerToHyperService::new(svc))
+            .await
+        {
+            tracing::debug!(error = %e, "gRPC client connection ended with error");
+        }
+    }
+}
+
+fn authenticate<T>(broker: &Broker, req: &Request<T>) -> Result<ClientId, DialError> {
+    if let Some(v) = req.metadata().get("authorization") {
+        let v = v.to_str().map_err(|_| {
+            DialError::new(
+                DialErrorKind::Unauthenticated,
+                "authorization metadata is not ASCII",
+            )
+        })?;
+        return broker.auth.from_header(v);
+    }
+    match req.extensions().get::<PeerIdentity>() {
+        Some(PeerIdentity(Some(id))) => broker.auth.from_certificate(id),
+        _ => Err(DialError::new(
+            DialErrorKind::Unauthenticated,
+            "no credentials: present a client certificate or authorization: Bearer <token>",
+        )),
+    }
+}
+
+fn status_of(e: &DialError) -> Status {
+    match e.kind {
+        DialErrorKind::BadRequest => Status::invalid_argument(e.to_string()),
+        DialErrorKind::Unauthenticated => Status::unauthenticated(e.to_string()),
+        DialErrorKind::Forbidden | DialErrorKind::AgentPolicy => {
+            Status::permission_denied(e.to_string())
+        }
+        DialErrorKind::Timeout => Status::deadline_exceeded(e.to_string()),
+        DialErrorKind::Overloaded => Status::resource_exhausted(e.to_string()),
+        _ => Status::unavailable(e.to_string()),
+    }
+}
+
+fn code_of(kind: DialErrorKind) -> pb::DialErrorCode {
+    use pb::DialErrorCode as C;
+    match kind {
+        DialErrorKind::BadRequest => C::BadRequest,
+        DialErrorKind::Unauthenticated | DialErrorKind::Forbidden => C::Forbidden,
+        DialErrorKind::NoTunnel | DialErrorKind::TunnelLost => C::NoTunnel,
+        DialErrorKind::AgentPolicy => C::AgentPolicy,
+        DialErrorKind::Refused => C::Refused,
+        DialErrorKind::Timeout => C::Timeout,
+        DialErrorKind::NameNotFound => C::NameNotFound,
+        DialErrorKind::Overloaded => C::Overloaded,
+        DialErrorKind::Internal => C::Internal,
+    }
+}
+
+/// What a client message means for the tunnel stream.
+enum Inbound {
+    Data(Bytes),
+    /// Close the connection (konnectivity CLOSE_REQ).
+    Close,
+    Ignore,
+}
+
+/// Copies client messages → tunnel and tunnel → client messages until both ends finish.
+/// `wrap` builds an outbound data message; returns the stream's outcome.
+async fn pump<In, Out>(
+    broker: &Broker,
+    mut inbound: Streaming<In>,
+    mut tx: SendStream<Bytes>,
+    mut rx: RecvStream,
+    out: &mpsc::Sender<Result<Out, Status>>,
+    classify: impl Fn(In) -> Inbound,
+    wrap: impl Fn(Bytes) -> Out,
+) -> (Result<SpliceStats, SpliceError>, bool) {
+    let mut stats = SpliceStats::default();
+    let mut closed_by_client = false;
+    let mut down_bytes = 0u64;
+    let result = {
+        let up = async {
+            loop {
+                match inbound.message().await {
+                    Ok(Some(m)) => match classify(m) {
+                        Inbound::Data(b) => {
+                            let n = b.len() as u64;
+                            send_chunk(&mut tx, b).await?;
+                            stats.to_tunnel_bytes += n;
+                            if let Some(c) = &broker.counters.to_tunnel {
+                                c.inc_by(n);
+                            }
+                        }
+                        Inbound::Close => {
+                            closed_by_client = true;
+                            return Err(AbortReason::Cancelled("client sent CLOSE_REQ".into()));
+                        }
+                        Inbound::Ignore => {}
+                    },
+                    Ok(None) => {
+                        tx.send_data(Bytes::new(), true)
+                            .map_err(|e| h2_abort_reason(&e))?;
+                        return Ok::<(), AbortReason>(());
+                    }
+                    Err(s) => {
+                        return Err(AbortReason::Cancelled(format!(
+                            "client stream failed: {}",
+                            s.message()
+                        )));
+                    }
+                }
+            }
+        };
+        let down = async {
+            while let Some(next) = rx.data().await {
+                let data = next.map_err(|e| h2_abort_reason(&e))?;
+                let n = data.len();
+                if out.send(Ok(wrap(data))).await.is_err() {
+                    return Err(AbortReason::Cancelled("client went away".into()));
+                }
+                let _ = rx.flow_control().release_capacity(n);
+                down_bytes += n as u64;
+                if let Some(c) = &broker.counters.from_tunnel {
+                    c.inc_by(n as u64);
+                }
+            }
+            Ok::<(), AbortReason>(())
+        };
+        tokio::pin!(up, down);
+        let (mut up_done, mut down_done) = (false, false);
+        loop {
+            tokio::select! {
+                r = &mut up, if !up_done => match r { Ok(()) => up_done = true, Err(e) => break Err(e) },
+                r = &mut down, if !down_done => match r { Ok(()) => down_done = true, Err(e) => break Err(e) },
+            }
+            if up_done && down_done {
+                break Ok(());
+            }
+        }
+    };
+    stats.from_tunnel_bytes = down_bytes;
+    match result {
+        Ok(()) => (Ok(stats), false),
+        Err(reason) => {
+            tx.send_reset(h2::Reason::CANCEL);
+            (Err(SpliceError { reason, stats }), closed_by_client)
+        }
+    }
+}
+
+struct DialerSvc(Arc<Broker>);
+
+#[tonic::async_trait]
+impl pb::dialer_server::Dialer for DialerSvc {
+    type DialStream = FrameStream<pb::DialFrame>;
+
+    async fn dial(
+        &self,
+        req: Request<Streaming<pb::DialFrame>>,
+    ) -> Result<Response<Self::DialStream>, Status> {
+        let broker = Arc::clone(&self.0);
+        let stream_id = broker.next_stream_id();
+        let span = tracing::info_span!(
+            "grpc_stream",
+            stream = stream_id,
+            cluster = tracing::field::Empty,
+            target = tracing::field::Empty,
+            client = tracing::field::Empty
+        );
+        tether_telemetry::propagation::set_parent(
+            &span,
+            req.metadata().iter().filter_map(|kv| match kv {
+                tonic::metadata::KeyAndValueRef::Ascii(k, v) => {
+                    Some((k.as_str(), v.to_str().ok()?))
+                }
+                _ => None,
+            }),
+        );
+        let client = authenticate(&broker, &req).map_err(|e| {
+            broker.record_failure("grpc", &e);
+            status_of(&e)
+        })?;
+        let mut inbound = req.into_inner();
+        let first = tokio::time::timeout(FIRST_MESSAGE_TIMEOUT, inbound.message())
+            .await
+            .map_err(|_| Status::deadline_exceeded("no dial frame received"))??;
+        let Some(pb::DialFrame {
+            kind: Some(pb::dial_frame::Kind::Dial(d)),
+        }) = first
+        else {
+            return Err(Status::invalid_argument(
+                "the first frame must be a dial request",
+            ));
+        };
+        let target = Target::from_parts(&d.cluster, &d.host, d.port)
+            .map_err(|e| DialError::new(DialErrorKind::BadRequest, e.to_string()));
+        let timeout = (d.timeout_ms > 0).then(|| Duration::from_millis(d.timeout_ms.into()));
+        let (out_tx, out_rx) = mpsc::channel(OUTBOUND_FRAMES);
+        let opened = async {
+            let target = target?;
+            span.record("cluster", target.cluster.as_str());
+            span.record("target", tracing::field::display(&target));
+            span.record("client", client.name.as_str());
+            broker
+                .dial("grpc", &client, &target, stream_id, timeout)
+                .await
+        }
+        .instrument(span.clone())
+        .await;
+        let result_frame = |ok: bool, code: pb::DialErrorCode, message: String| pb::DialFrame {
+            kind: Some(pb::dial_frame::Kind::Result(pb::DialResult {
+                ok,
+                code: code as i32,
+                message,
+                stream_id,
+            })),
+        };
+        let OpenStream { send, recv, ticket } = match opened {
+            Ok(o) => o,
+            Err(e) => {
+                if e.kind == DialErrorKind::BadRequest {
+                    broker.record_failure("grpc", &e);
+                }
+                let _ =
+                    out_tx.try_send(Ok(result_frame(false, code_of(e.kind), e.message.clone())));
+                return Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))));
+            }
+        };
+        let _ = out_tx.try_send(Ok(result_frame(
+            true,
+            pb::DialErrorCode::Unspecified,
+            String::new(),
+        )));
+        tokio::spawn(
+            async move {
+                let (r, _) = pump(
+                    &broker,
+                    inbound,
+                    send,
+                    recv,
+                    &out_tx,
+                    |m: pb::DialFrame| match m.kind {
+                        Some(pb::dial_frame::Kind::Data(b)) => Inbound::Data(b),
+                        _ => Inbound::Ignore,
+                    },
+                    |b| pb::DialFrame {
+                        kind: Some(pb::dial_frame::Kind::Data(b)),
+                    },
+                )
+                .await;
+                if let Err(e) = &r {
+                    let _ = out_tx
+                        .send(Err(Status::aborted(format!(
+                            "stream aborted: {}",
+                            e.reason
+                        ))))
+                        .await;
+                }
+                broker.finish(&ticket, &r);
+            }
+            .instrument(span),
+        );
+        Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))
+    }
+}
+
+struct KonnectivitySvc(Arc<Broker>);
+
+fn packet(kind: k::PacketType, payload: k::packet::Payload) -> k::Packet {
+    k::Packet {
+        r#type: kind as i32,
+        payload: Some(payload),
+    }
+}
+
+#[tonic::async_trait]
+impl k::proxy_service_server::ProxyService for KonnectivitySvc {
+    type ProxyStream = FrameStream<k::Packet>;
+
+    async fn proxy(
+        &self,
+        req: Request<Streaming<k::Packet>>,
+    ) -> Result<Response<Self::ProxyStream>, Status> {
+        let broker = Arc::clone(&self.0);
+        let stream_id = broker.next_stream_id();
+        let connect_id = stream_id as i64;
+        let span = tracing::info_span!(
+            "konnectivity_stream",
+            stream = stream_id,
+            cluster = tracing::field::Empty,
+            target = tracing::field::Empty,
+            client = tracing::field::Empty
+        );
+        let client = authenticate(&broker, &req).map_err(|e| {
+            broker.record_failure("konnectivity", &e);
+            status_of(&e)
+        })?;
+        let mut inbound = req.into_inner();
+        let first = tokio::time::timeout(FIRST_MESSAGE_TIMEOUT, inbound.message())
+            .await
+            .map_err(|_| Status::deadline_exceeded("no DIAL_REQ received"))??;
+        let Some(k::Packet {
+            payload: Some(k::packet::Payload::DialRequest(d)),
+            ..
+        }) = first
+        else {
+            return Err(Status::invalid_argument(
+                "the first packet must be DIAL_REQ",
+            ));
+        };
+        let random = d.random;
+        let (out_tx, out_rx) = mpsc::channel(OUTBOUND_FRAMES);
+        let opened = async {
+            if d.protocol != "tcp" {
+                return Err(DialError::new(
+                    DialErrorKind::BadRequest,
+                    format!("protocol {:?} is not supported (tcp only)", d.protocol),
+                ));
+            }
+            let target = Target::parse(&d.address)
+                .map_err(|e| DialError::new(DialErrorKind::BadRequest, e.to_string()))?;
+            span.record("cluster", target.cluster.as_str());
+            span.record("target", tracing::field::display(&target));
+            span.record("client", client.name.as_str());
+            broker
+                .dial("konnectivity", &client, &target, stream_id, None)
+                .await
+        }
+        .instrument(span.clone())
+        .await;
+        let dial_rsp = |error: String, connect_id: i64| {
+            packet(
+                k::PacketType::DialRsp,
+                k::packet::Payload::DialResponse(k::DialResponse {
+                    error,
+                    connect_id,
+                    random,
+                }),
+            )
+        };
+        let OpenStream { send, recv, ticket } = match opened {
+            Ok(o) => o,
+            Err(e) => {
+                if e.kind == DialErrorKind::BadRequest {
+                    broker.record_failure("konnectivity", &e);
+                }
+                let _ = out_tx.try_send(Ok(dial_rsp(e.to_string(), 0)));
+                return Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))));
+            }
+        };
+        let _ = out_tx.try_send(Ok(dial_rsp(String::new(), connect_id)));
+        tokio::spawn(
+            async move {
+                let (r, closed_by_client) = pump(
+                    &broker,
+                    inbound,
+                    send,
+                    recv,
+                    &out_tx,
+                    |m: k::Packet| match m.payload {
+                        Some(k::packet::Payload::Data(d)) => Inbound::Data(d.data),
+                        Some(k::packet::Payload::CloseRequest(_)) => Inbound::Close,
+                        _ => Inbound::Ignore,
+                    },
+                    |b| {
+                        packet(
+                            k::PacketType::Data,
+                            k::packet::Payload::Data(k::Data {
+                                connect_id,
+                                error: String::new(),
+                                data: b,
+                            }),
+                        )
+                    },
+                )
+                .await;
+                let error = match (&r, closed_by_client) {
+                    (Ok(_), _) | (Err(_), true) => String::new(),
+                    (Err(e), false) => e.reason.to_string(),
+                };
+                let aborted = !error.is_empty();
+                let _ = out_tx
+                    .send(Ok(packet(
+                        k::PacketType::CloseRsp,
+                        k::packet::Payload::CloseResponse(k::CloseResponse {
+                            error: error.clone(),
+                            connect_id,
+                        }),
+                    )))
+                    .await;
+                if aborted {
+                    let _ = out_tx
+                        .send(Err(Status::aborted(format!("stream aborted: {error}"))))
+                        .await;
+                }
+                let outcome = if closed_by_client {
+                    Ok(r.clone().unwrap_or_else(|e| e.stats))
+                } else {
+                    r
+                };
+                broker.finish(&ticket, &outcome);
+            }
+            .instrument(span),
+        );
+        Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))
+    }
+}

@@ -1,0 +1,245 @@
+//! tunnel-broker: the hub side of the tunnels.
+//!
+//! Layout:
+//! - [`config`]: YAML config, validated with errors naming the field.
+//! - [`tunnel`]: accepting agent connections; the [`tunnel::TunnelActor`] that owns each one;
+//!   [`tunnel::TunnelHandle`] to open streams.
+//! - [`registry`]: the registry actor (cluster → tunnels), published as a `watch` snapshot.
+//! - [`auth`]: client identities (certificate or token) and the per-identity access policy.
+//! - [`dial`]: the one path every front end uses to open a stream ([`dial::Broker`]).
+//! - [`connect`]: HTTP CONNECT front end (plain and TLS).
+//! - [`grpc`]: native `tether.tunnel.v1.Dialer/Dial` and konnectivity `ProxyService/Proxy`.
+//! - [`metrics`]: Prometheus metrics.
+//!
+//! [`run`] is what `main` calls, and what tests may call in-process.
+
+#![forbid(unsafe_code)]
+
+pub mod auth;
+pub mod config;
+pub mod connect;
+pub mod dial;
+pub mod grpc;
+pub mod metrics;
+pub mod registry;
+pub mod tunnel;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use prometheus::Registry as PromRegistry;
+use tether_telemetry::{AdminServer, Readiness};
+use tether_tls::{Identity, TlsFiles, TlsMaterial};
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::BrokerConfig;
+use crate::dial::Broker;
+use crate::metrics::BrokerMetrics;
+use crate::registry::Registry;
+use crate::tunnel::{AgentSide, accept_agent};
+
+/// Client or agent connections served at once per listener; accepting pauses at the cap.
+pub const MAX_CONNECTIONS_PER_LISTENER: usize = 65_536;
+/// ALPN protocols on the client TLS listener.
+pub const CLIENT_ALPN: [&[u8]; 2] = [b"h2", b"http/1.1"];
+
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    #[error("TLS material: {0}")]
+    Tls(#[from] tether_tls::TlsError),
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+}
+
+/// The bound listeners of a broker.
+pub struct Listeners {
+    pub agent: TcpListener,
+    pub client: Option<TcpListener>,
+    pub client_tls: Option<TcpListener>,
+    pub admin: TcpListener,
+}
+
+/// Runs the broker until `shutdown`, then drains: stops accepting, tells every agent to move,
+/// lets open streams finish for `drain_grace`. Must run inside an actix `System`.
+pub async fn run(
+    cfg: BrokerConfig,
+    listeners: Listeners,
+    shutdown: CancellationToken,
+) -> Result<(), BrokerError> {
+    let registry = PromRegistry::new();
+    let tls = TlsMaterial::load(TlsFiles::from(&cfg.tls))?;
+    tls.register(&registry)?;
+    tls.spawn_watcher(cfg.tls_reload_interval, shutdown.child_token());
+    let metrics = BrokerMetrics::new(&registry)?;
+    let (reg_actor, routes) = Registry::new(metrics.tunnels.clone());
+    let arbiter = Arbiter::current();
+    let reg_addr = Registry::start_in_arbiter(&arbiter, move |_| reg_actor);
+
+    let agent_acceptor = TlsAcceptor::from(Arc::new(
+        tls.server_config(true, &[tether_tls::ALPN_TUNNEL])?,
+    ));
+    let side = Arc::new(AgentSide {
+        broker_id: cfg.id.clone(),
+        acceptor: agent_acceptor,
+        settings: cfg.tunnel.clone(),
+        max_pending_dials: cfg.max_pending_dials_per_tunnel,
+        registry: reg_addr,
+        metrics: metrics.clone(),
+        arbiter: arbiter.clone(),
+        next_id: Default::default(),
+    });
+    let broker = Arc::new(Broker::new(
+        cfg.id.clone(),
+        routes.clone(),
+        auth::Auth::new(&cfg.clients),
+        metrics.clone(),
+        cfg.tunnel.clone(),
+        cfg.dial_timeout,
+    ));
+    let accepting = CancellationToken::new();
+    let readiness = Readiness::new();
+
+    tokio::spawn(accept_loop(listeners.agent, accepting.clone(), {
+        let side = Arc::clone(&side);
+        move |tcp| {
+            let side = Arc::clone(&side);
+            async move {
+                match accept_agent(Arc::clone(&side), tcp).await {
+                    Ok(()) => side
+                        .metrics
+                        .tunnel_connects
+                        .with_label_values(&["ok"])
+                        .inc(),
+                    Err(e) => {
+                        side.metrics
+                            .tunnel_connects
+                            .with_label_values(&[e.metric_label()])
+                            .inc();
+                        tracing::warn!(error = %e, "agent connection refused");
+                    }
+                }
+            }
+        }
+    }));
+    if let Some(l) = listeners.client {
+        let broker = Arc::clone(&broker);
+        tokio::spawn(accept_loop(l, accepting.clone(), move |tcp| {
+            connect::serve_plain(Arc::clone(&broker), tcp)
+        }));
+    }
+    if let Some(l) = listeners.client_tls {
+        let acceptor = TlsAcceptor::from(Arc::new(tls.server_config(false, &CLIENT_ALPN)?));
+        let broker = Arc::clone(&broker);
+        let grpc = grpc::GrpcFrontEnd::new(Arc::clone(&broker));
+        let hs = cfg.tunnel.handshake_timeout;
+        tokio::spawn(accept_loop(l, accepting.clone(), move |tcp| {
+            let acceptor = acceptor.clone();
+            let broker = Arc::clone(&broker);
+            let grpc = grpc.clone();
+            async move {
+                let _ = tcp.set_nodelay(true);
+                let tls = match tokio::time::timeout(hs, acceptor.accept(tcp)).await {
+                    Ok(Ok(s)) => s,
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "client TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => return,
+                };
+                let (_, conn) = tls.get_ref();
+                let peer = conn
+                    .peer_certificates()
+                    .and_then(|c| c.first())
+                    .and_then(|c| Identity::from_certificate(c).ok());
+                if conn.alpn_protocol() == Some(b"h2") {
+                    grpc.serve_connection(tls, peer).await;
+                } else {
+                    connect::serve_tls(broker, tls, peer).await;
+                }
+            }
+        }));
+    }
+    readiness.set_ready();
+    let routes_dbg = routes.clone();
+    let admin = AdminServer::new(registry, readiness.clone()).with_json_route(
+        "/debug/tunnels",
+        move || {
+            let table = routes_dbg.borrow().clone();
+            let list: Vec<_> = table
+                .clusters
+                .values()
+                .flatten()
+                .map(|t| {
+                    serde_json::json!({
+                        "id": t.id, "cluster": t.cluster, "agent": t.agent,
+                        "open_streams": t.open_streams(), "draining": t.is_draining(),
+                    })
+                })
+                .collect();
+            serde_json::Value::Array(list).to_string()
+        },
+    );
+    let admin_stop = CancellationToken::new();
+    tokio::spawn(admin.serve(listeners.admin, admin_stop.clone()));
+    tracing::info!(broker = %cfg.id, "tunnel-broker started");
+
+    shutdown.cancelled().await;
+    tracing::info!(grace = ?cfg.drain_grace, "draining: no new connections, agents asked to move");
+    accepting.cancel();
+    readiness.set_not_ready("draining");
+    let table = routes.borrow().clone();
+    let drains: Vec<_> = table
+        .clusters
+        .values()
+        .flatten()
+        .map(|t| {
+            let t = Arc::clone(t);
+            tokio::spawn(async move { t.send_drain().await })
+        })
+        .collect();
+    for d in drains {
+        let _ = d.await;
+    }
+    let deadline = tokio::time::Instant::now() + cfg.drain_grace;
+    while broker.open_stream_count() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tracing::info!(open_streams = broker.open_stream_count(), "drain finished");
+    admin_stop.cancel();
+    Ok(())
+}
+
+/// Accepts connections until `stop`, running `handle` for each in its own task; at most
+/// [`MAX_CONNECTIONS_PER_LISTENER`] handlers run at once (accepting waits for a free slot).
+async fn accept_loop<F, Fut>(listener: TcpListener, stop: CancellationToken, handle: F)
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS_PER_LISTENER));
+    loop {
+        let slot = tokio::select! {
+            _ = stop.cancelled() => return,
+            s = Arc::clone(&slots).acquire_owned() => s.expect("semaphore never closed"),
+        };
+        let tcp = tokio::select! {
+            _ = stop.cancelled() => return,
+            r = listener.accept() => match r {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let fut = handle(tcp);
+        tokio::spawn(async move {
+            fut.await;
+            drop(slot);
+        });
+    }
+}

@@ -1,0 +1,86 @@
+//! Prometheus metrics of the tunnel-broker. Names carry their unit.
+
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
+
+#[derive(Clone)]
+pub struct BrokerMetrics {
+    pub tunnels: IntGauge,
+    pub tunnel_connects: IntCounterVec,
+    pub open_streams: IntGaugeVec,
+    pub dial_duration: HistogramVec,
+    pub dial_failures: IntCounterVec,
+    pub bytes: IntCounterVec,
+    pub stream_duration: HistogramVec,
+}
+
+impl BrokerMetrics {
+    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let m = Self {
+            tunnels: IntGauge::new(
+                "tether_broker_tunnels",
+                "Agent tunnels currently registered.",
+            )?,
+            tunnel_connects: IntCounterVec::new(
+                Opts::new(
+                    "tether_broker_tunnel_connects_total",
+                    "Agent connection attempts by result.",
+                ),
+                &["result"],
+            )?,
+            open_streams: IntGaugeVec::new(
+                Opts::new(
+                    "tether_broker_open_streams",
+                    "Client streams currently open, by front end.",
+                ),
+                &["frontend"],
+            )?,
+            dial_duration: HistogramVec::new(
+                HistogramOpts::new(
+                    "tether_broker_dial_duration_seconds",
+                    "Time from a client's request to the agent's dial answer.",
+                )
+                .buckets(vec![
+                    0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0, 10.0,
+                ]),
+                &["frontend"],
+            )?,
+            dial_failures: IntCounterVec::new(
+                Opts::new(
+                    "tether_broker_dial_failures_total",
+                    "Failed client dials by reason.",
+                ),
+                &["frontend", "reason"],
+            )?,
+            bytes: IntCounterVec::new(
+                Opts::new(
+                    "tether_broker_bytes_total",
+                    "Bytes carried, by direction (to_cluster, from_cluster).",
+                ),
+                &["direction"],
+            )?,
+            stream_duration: HistogramVec::new(
+                HistogramOpts::new(
+                    "tether_broker_stream_duration_seconds",
+                    "Lifetime of client streams.",
+                )
+                .buckets(vec![0.01, 0.1, 1.0, 10.0, 60.0, 600.0, 3600.0]),
+                &["frontend", "result"],
+            )?,
+        };
+        registry.register(Box::new(m.tunnels.clone()))?;
+        registry.register(Box::new(m.tunnel_connects.clone()))?;
+        registry.register(Box::new(m.open_streams.clone()))?;
+        registry.register(Box::new(m.dial_duration.clone()))?;
+        registry.register(Box::new(m.dial_failures.clone()))?;
+        registry.register(Box::new(m.bytes.clone()))?;
+        registry.register(Box::new(m.stream_duration.clone()))?;
+        Ok(m)
+    }
+
+    pub fn counter(&self, direction: &str) -> IntCounter {
+        self.bytes.with_label_values(&[direction])
+    }
+}

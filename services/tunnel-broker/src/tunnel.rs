@@ -1,0 +1,343 @@
+//! Agent tunnels on the broker side.
+//!
+//! [`accept_agent`] runs the handshake of one agent connection (TLS with a required client
+//! certificate, HTTP/2 client handshake, `hello` identity check). The tunnel is then owned by a
+//! [`TunnelActor`]: it registers the [`TunnelHandle`] with the registry, watches the connection
+//! and its keepalive (tokio tasks), and deregisters when either ends. Front ends open streams
+//! through the handle directly; bytes never pass through an actor.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use actix::prelude::*;
+use bytes::Bytes;
+use h2::client::SendRequest;
+use h2::{RecvStream, SendStream};
+use http::{Method, Request, StatusCode};
+use tether_tls::Identity;
+use tether_tunnel::wire::{self, DialErrorKind};
+use tether_tunnel::{DialError, Target, TunnelSettings};
+use tokio::net::TcpStream;
+use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
+
+use crate::metrics::BrokerMetrics;
+use crate::registry::{Deregister, Register, Registry};
+
+/// Time the agent has to answer the `hello` request.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What front ends use to open streams on one agent tunnel. Cheap to share.
+pub struct TunnelHandle {
+    pub id: u64,
+    pub cluster: String,
+    pub agent: String,
+    send: SendRequest<Bytes>,
+    open: AtomicUsize,
+    pending: Semaphore,
+    draining: AtomicBool,
+}
+
+impl std::fmt::Debug for TunnelHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TunnelHandle")
+            .field("id", &self.id)
+            .field("cluster", &self.cluster)
+            .field("agent", &self.agent)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Decrements the tunnel's open-stream count when the stream ends.
+pub struct StreamGuard(Arc<TunnelHandle>);
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl TunnelHandle {
+    pub fn open_streams(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Asks the agent to dial `target`; on success returns the stream's two halves.
+    pub async fn open(
+        self: &Arc<Self>,
+        target: &Target,
+        stream_id: u64,
+        timeout: Duration,
+        trace_headers: &std::collections::HashMap<String, String>,
+    ) -> Result<(SendStream<Bytes>, RecvStream, StreamGuard), DialError> {
+        let _permit = self.pending.try_acquire().map_err(|_| {
+            DialError::new(
+                DialErrorKind::Overloaded,
+                format!(
+                    "too many pending dials on the tunnel of cluster {}",
+                    self.cluster
+                ),
+            )
+        })?;
+        let mut req = Request::builder()
+            .method(Method::POST)
+            .uri(format!("https://tunnel{}", wire::PATH_DIAL))
+            .header(wire::HEADER_TARGET, target.wire_dest())
+            .header(wire::HEADER_STREAM, stream_id.to_string())
+            .header(
+                wire::HEADER_DIAL_TIMEOUT_MS,
+                timeout.as_millis().to_string(),
+            );
+        for (k, v) in trace_headers {
+            req = req.header(k.as_str(), v.as_str());
+        }
+        let req = req
+            .body(())
+            .map_err(|e| DialError::new(DialErrorKind::BadRequest, e.to_string()))?;
+        let lost = |e: h2::Error| {
+            DialError::new(
+                DialErrorKind::TunnelLost,
+                format!("tunnel to cluster {} failed: {e}", self.cluster),
+            )
+        };
+        // The agent enforces the dial timeout and answers 504; the margin covers the round trip.
+        let budget = timeout + Duration::from_secs(2);
+        let work = async {
+            let mut send = self.send.clone().ready().await.map_err(lost)?;
+            let (resp, tx) = send.send_request(req, false).map_err(lost)?;
+            let resp = resp.await.map_err(lost)?;
+            Ok::<_, DialError>((resp, tx))
+        };
+        let (resp, tx) = tokio::time::timeout(budget, work).await.map_err(|_| {
+            DialError::new(
+                DialErrorKind::Timeout,
+                format!(
+                    "no dial answer from cluster {} within {} ms",
+                    self.cluster,
+                    budget.as_millis()
+                ),
+            )
+        })??;
+        if resp.status() != StatusCode::OK {
+            let h = |n: &str| {
+                resp.headers()
+                    .get(n)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("")
+            };
+            let kind = DialErrorKind::from_label(h(wire::HEADER_ERROR));
+            let message = h(wire::HEADER_ERROR_MESSAGE);
+            return Err(DialError::new(
+                kind,
+                if message.is_empty() {
+                    format!("agent answered {}", resp.status())
+                } else {
+                    message.to_owned()
+                },
+            ));
+        }
+        self.open.fetch_add(1, Ordering::Relaxed);
+        Ok((tx, resp.into_body(), StreamGuard(Arc::clone(self))))
+    }
+
+    /// Tells the agent this broker is draining.
+    pub async fn send_drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+        let req = Request::builder()
+            .method(Method::POST)
+            .uri(format!("https://tunnel{}", wire::PATH_DRAIN))
+            .body(())
+            .expect("valid request");
+        let work = async {
+            let mut send = self.send.clone().ready().await?;
+            let (resp, _) = send.send_request(req, true)?;
+            resp.await
+        };
+        if let Err(e) = tokio::time::timeout(HELLO_TIMEOUT, work).await {
+            tracing::debug!(cluster = %self.cluster, error = %e, "drain notice not answered");
+        }
+    }
+}
+
+/// Shared state of the agent side of the broker.
+pub struct AgentSide {
+    pub broker_id: String,
+    pub acceptor: TlsAcceptor,
+    pub settings: TunnelSettings,
+    pub max_pending_dials: usize,
+    pub registry: Addr<Registry>,
+    pub metrics: BrokerMetrics,
+    pub arbiter: ArbiterHandle,
+    pub next_id: std::sync::atomic::AtomicU64,
+}
+
+/// Why an agent connection was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum AcceptError {
+    #[error("TLS handshake failed: {0}")]
+    Tls(String),
+    #[error("handshake timed out after {0:?}")]
+    Timeout(Duration),
+    #[error("client certificate: {0}")]
+    Identity(String),
+    #[error("certificate identity {0} is not a tunnel agent")]
+    NotAnAgent(String),
+    #[error("HTTP/2 handshake failed: {0}")]
+    H2(String),
+    #[error("agent refused the hello: {0}")]
+    IdentityMismatch(String),
+}
+
+impl AcceptError {
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Self::Tls(_) => "tls_error",
+            Self::Timeout(_) => "timeout",
+            Self::Identity(_) | Self::NotAnAgent(_) => "bad_identity",
+            Self::H2(_) => "h2_error",
+            Self::IdentityMismatch(_) => "identity_mismatch",
+        }
+    }
+}
+
+/// Runs the handshake of one agent connection and hands it to a new [`TunnelActor`].
+pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), AcceptError> {
+    let _ = tcp.set_nodelay(true);
+    let hs = side.settings.handshake_timeout;
+    let tls = tokio::time::timeout(hs, side.acceptor.accept(tcp))
+        .await
+        .map_err(|_| AcceptError::Timeout(hs))?
+        .map_err(|e| AcceptError::Tls(e.to_string()))?;
+    let cert = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first().cloned())
+        .ok_or_else(|| AcceptError::Identity("no client certificate".into()))?;
+    let identity =
+        Identity::from_certificate(&cert).map_err(|e| AcceptError::Identity(e.to_string()))?;
+    let (cluster, agent) = match &identity {
+        Identity::AddonAgent {
+            cluster,
+            addon,
+            agent,
+        } if addon == tether_tls::identity::TUNNEL_ADDON => (cluster.clone(), agent.clone()),
+        other => return Err(AcceptError::NotAnAgent(other.to_string())),
+    };
+    let (send, mut conn) = tokio::time::timeout(
+        hs,
+        side.settings.client_builder().handshake::<_, Bytes>(tls),
+    )
+    .await
+    .map_err(|_| AcceptError::Timeout(hs))?
+    .map_err(|e| AcceptError::H2(e.to_string()))?;
+    let ping_pong = conn.ping_pong().expect("ping_pong taken once");
+    let (closed_tx, closed_rx) = tokio::sync::oneshot::channel::<String>();
+    tokio::spawn(async move {
+        let reason = match conn.await {
+            Ok(()) => "closed".to_owned(),
+            Err(e) => e.to_string(),
+        };
+        let _ = closed_tx.send(reason);
+    });
+    // hello: tell the agent who its certificate says it is; it refuses if that is not its cluster.
+    let hello = Request::builder()
+        .method(Method::POST)
+        .uri(format!("https://tunnel{}", wire::PATH_HELLO))
+        .header(wire::HEADER_CLUSTER, &cluster)
+        .header(wire::HEADER_AGENT, &agent)
+        .header("tether-broker", &side.broker_id)
+        .body(())
+        .expect("valid request");
+    let answer = tokio::time::timeout(HELLO_TIMEOUT, async {
+        let mut s = send.clone().ready().await?;
+        let (resp, _) = s.send_request(hello, true)?;
+        resp.await
+    })
+    .await
+    .map_err(|_| AcceptError::Timeout(HELLO_TIMEOUT))?
+    .map_err(|e| AcceptError::H2(e.to_string()))?;
+    if answer.status() != StatusCode::OK {
+        let msg = answer
+            .headers()
+            .get(wire::HEADER_ERROR_MESSAGE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("no reason given")
+            .to_owned();
+        return Err(AcceptError::IdentityMismatch(format!("{identity}: {msg}")));
+    }
+    let handle = Arc::new(TunnelHandle {
+        id: side.next_id.fetch_add(1, Ordering::Relaxed),
+        cluster,
+        agent,
+        send,
+        open: AtomicUsize::new(0),
+        pending: Semaphore::new(side.max_pending_dials),
+        draining: AtomicBool::new(false),
+    });
+    let actor = TunnelActor {
+        handle,
+        registry: side.registry.clone(),
+        keepalive: Some((
+            ping_pong,
+            side.settings.keepalive_interval,
+            side.settings.keepalive_timeout,
+        )),
+        closed: Some(closed_rx),
+    };
+    TunnelActor::start_in_arbiter(&side.arbiter, move |_| actor);
+    Ok(())
+}
+
+/// Owns one registered tunnel for its lifetime.
+pub struct TunnelActor {
+    handle: Arc<TunnelHandle>,
+    registry: Addr<Registry>,
+    keepalive: Option<(h2::PingPong, Duration, Duration)>,
+    closed: Option<tokio::sync::oneshot::Receiver<String>>,
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Ended(String);
+
+impl Actor for TunnelActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        self.registry.do_send(Register(Arc::clone(&self.handle)));
+        let (pp, interval, timeout) = self.keepalive.take().expect("started once");
+        let closed = self.closed.take().expect("started once");
+        let me = ctx.address();
+        let cluster = self.handle.cluster.clone();
+        let id = self.handle.id;
+        tokio::spawn(async move {
+            let reason = tokio::select! {
+                r = closed => r.unwrap_or_else(|_| "connection task ended".into()),
+                e = tether_tunnel::keepalive::run(pp, interval, timeout) => e.to_string(),
+            };
+            tracing::info!(%cluster, tunnel = id, %reason, "tunnel connection ended");
+            me.do_send(Ended(reason));
+        });
+    }
+
+    fn stopped(&mut self, _: &mut Self::Context) {
+        self.registry.do_send(Deregister {
+            cluster: self.handle.cluster.clone(),
+            tunnel_id: self.handle.id,
+        });
+    }
+}
+
+impl Handler<Ended> for TunnelActor {
+    type Result = ();
+    fn handle(&mut self, msg: Ended, ctx: &mut Context<Self>) {
+        tracing::debug!(cluster = %self.handle.cluster, tunnel = self.handle.id, reason = %msg.0, "stopping tunnel actor");
+        ctx.stop();
+    }
+}
