@@ -261,6 +261,16 @@ pub fn read_bootstrap(path: &Path) -> Result<BootstrapConfig, KubeconfigError> {
     Ok(BootstrapConfig { endpoint, token })
 }
 
+/// Parses the endpoint of a hub kubeconfig held in memory; `origin` names it in errors.
+pub fn parse_hub_endpoint(text: &str, origin: &str) -> Result<HubEndpoint, KubeconfigError> {
+    let kc = Kubeconfig::from_yaml(text).map_err(|e| KubeconfigError::Parse {
+        path: origin.to_string(),
+        reason: e.to_string(),
+    })?;
+    let (cluster, _) = current_cluster(&kc, origin)?;
+    endpoint_from(cluster, origin)
+}
+
 /// Reads the endpoint of a hub kubeconfig (user = client cert files).
 pub fn read_hub_endpoint(path: &Path) -> Result<HubEndpoint, KubeconfigError> {
     let p = path.display().to_string();

@@ -1,0 +1,276 @@
+//! The registration controller actor and the NATS subscription pumps that feed it.
+//!
+//! One pump task per subscription reads messages and `send().await`s them to the actor, at most
+//! [`MAX_INFLIGHT_PER_SUBJECT`] at a time per subscription, so a slow store slows the pumps
+//! rather than growing queues. The actor answers with a `ResponseFuture` (requests of different
+//! clusters proceed concurrently; ordering per object comes from KV compare-and-swap) and runs
+//! the lease monitor on an interval, never overlapping two checks.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use actix::prelude::*;
+use futures::StreamExt;
+use tether_control::connect::ERROR_HEADER;
+use tether_control::resources::{AdminClusterRequest, CsrGet, CsrSubmit, ErrorReply, LeaseRenew};
+use tether_control::subjects;
+use tokio_util::sync::CancellationToken;
+
+use crate::hub::HubCtx;
+
+/// Concurrent requests in flight per subscription.
+pub const MAX_INFLIGHT_PER_SUBJECT: usize = 64;
+/// Actor mailbox capacity (messages waiting beyond the in-flight ones).
+pub const CONTROLLER_MAILBOX_CAPACITY: usize = 256;
+/// Queue group so several hub replicas share the work.
+pub const QUEUE_GROUP: &str = "tether-registration";
+
+/// What a message on one of the controller's subjects asks for.
+#[derive(Debug)]
+pub enum Request {
+    SubmitCsr {
+        cluster: String,
+        body: CsrSubmit,
+        renewal: bool,
+        trace_id: Option<String>,
+    },
+    GetCsr {
+        cluster: String,
+        body: CsrGet,
+        renewal: bool,
+    },
+    Lease {
+        cluster: String,
+        body: LeaseRenew,
+    },
+    Accept(AdminClusterRequest),
+    Deny(AdminClusterRequest),
+    /// A raw auth-callout request JWT.
+    Callout(bytes::Bytes),
+}
+
+/// The answer to publish.
+#[derive(Debug)]
+pub enum Reply {
+    Json(Vec<u8>),
+    Error(String),
+    /// A JWT (callout response), or nothing when the request was not understood.
+    Raw(Option<String>),
+}
+
+#[derive(Message)]
+#[rtype(result = "Reply")]
+pub struct Handle(pub Request);
+
+/// The hub's registration controller.
+pub struct RegistrationController {
+    ctx: Arc<HubCtx>,
+    checking: Arc<AtomicBool>,
+}
+
+impl RegistrationController {
+    pub fn start_with(ctx: Arc<HubCtx>) -> Addr<Self> {
+        Self::create(|c| {
+            c.set_mailbox_capacity(CONTROLLER_MAILBOX_CAPACITY);
+            Self {
+                ctx,
+                checking: Arc::new(AtomicBool::new(false)),
+            }
+        })
+    }
+}
+
+impl Actor for RegistrationController {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        let interval = self.ctx.policy.lease_check_interval;
+        ctx.run_interval(interval, |act, _ctx| {
+            if act.checking.swap(true, Ordering::AcqRel) {
+                return;
+            }
+            let hub = act.ctx.clone();
+            let flag = act.checking.clone();
+            actix::spawn(async move {
+                if let Err(e) = hub.check_leases().await {
+                    tracing::warn!(error = %e, "lease check failed");
+                }
+                flag.store(false, Ordering::Release);
+            });
+        });
+    }
+}
+
+fn json<T: serde::Serialize>(r: Result<T, crate::hub::HubError>) -> Reply {
+    match r {
+        Ok(v) => match serde_json::to_vec(&v) {
+            Ok(b) => Reply::Json(b),
+            Err(e) => Reply::Error(e.to_string()),
+        },
+        Err(e) => Reply::Error(e.to_string()),
+    }
+}
+
+impl Handler<Handle> for RegistrationController {
+    type Result = ResponseFuture<Reply>;
+
+    fn handle(&mut self, msg: Handle, _ctx: &mut Self::Context) -> Self::Result {
+        let hub = self.ctx.clone();
+        Box::pin(async move {
+            match msg.0 {
+                Request::SubmitCsr {
+                    cluster,
+                    body,
+                    renewal,
+                    trace_id,
+                } => json(hub.submit_csr(&cluster, body, renewal, trace_id).await),
+                Request::GetCsr {
+                    cluster,
+                    body,
+                    renewal,
+                } => json(hub.get_csr(&cluster, &body.csr_name, renewal).await),
+                Request::Lease { cluster, body } => json(hub.renew_lease(&cluster, body).await),
+                Request::Accept(r) => json(hub.accept(r).await),
+                Request::Deny(r) => json(hub.deny(r).await),
+                Request::Callout(raw) => Reply::Raw(crate::callout::respond(&hub, &raw).await),
+            }
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    BootstrapCsr,
+    BootstrapCsrGet,
+    ClusterCsr,
+    ClusterCsrGet,
+    Lease,
+    Accept,
+    Deny,
+    Callout,
+}
+
+impl Kind {
+    fn label(self) -> &'static str {
+        match self {
+            Kind::BootstrapCsr => "bootstrap.csr",
+            Kind::BootstrapCsrGet => "bootstrap.csr.get",
+            Kind::ClusterCsr => "cluster.csr",
+            Kind::ClusterCsrGet => "cluster.csr.get",
+            Kind::Lease => "cluster.lease",
+            Kind::Accept => "admin.accept",
+            Kind::Deny => "admin.deny",
+            Kind::Callout => "auth.callout",
+        }
+    }
+}
+
+fn parse(kind: Kind, msg: &async_nats::Message) -> Result<Request, String> {
+    let subject = msg.subject.as_str();
+    let cluster = || {
+        subjects::cluster_of(subject)
+            .map(str::to_string)
+            .ok_or_else(|| format!("subject {subject} names no cluster"))
+    };
+    let body = |what: &str| format!("malformed {what} body: ");
+    let trace_id = tether_control::trace::extract(msg.headers.as_ref()).map(|t| t.trace_id);
+    Ok(match kind {
+        Kind::BootstrapCsr | Kind::ClusterCsr => Request::SubmitCsr {
+            cluster: cluster()?,
+            body: serde_json::from_slice(&msg.payload).map_err(|e| body("CSR") + &e.to_string())?,
+            renewal: matches!(kind, Kind::ClusterCsr),
+            trace_id,
+        },
+        Kind::BootstrapCsrGet | Kind::ClusterCsrGet => Request::GetCsr {
+            cluster: cluster()?,
+            body: serde_json::from_slice(&msg.payload)
+                .map_err(|e| body("CSR get") + &e.to_string())?,
+            renewal: matches!(kind, Kind::ClusterCsrGet),
+        },
+        Kind::Lease => Request::Lease {
+            cluster: cluster()?,
+            body: serde_json::from_slice(&msg.payload)
+                .map_err(|e| body("lease") + &e.to_string())?,
+        },
+        Kind::Accept => Request::Accept(
+            serde_json::from_slice(&msg.payload).map_err(|e| body("accept") + &e.to_string())?,
+        ),
+        Kind::Deny => Request::Deny(
+            serde_json::from_slice(&msg.payload).map_err(|e| body("deny") + &e.to_string())?,
+        ),
+        Kind::Callout => Request::Callout(msg.payload.clone()),
+    })
+}
+
+async fn answer(client: &async_nats::Client, reply_to: async_nats::Subject, reply: Reply) {
+    let r = match reply {
+        Reply::Json(b) => client.publish(reply_to, b.into()).await,
+        Reply::Raw(Some(jwt)) => client.publish(reply_to, jwt.into()).await,
+        Reply::Raw(None) => Ok(()),
+        Reply::Error(e) => {
+            let mut h = async_nats::HeaderMap::new();
+            h.insert(ERROR_HEADER, e.replace(['\r', '\n'], " ").as_str());
+            let body = serde_json::to_vec(&ErrorReply { error: e }).unwrap_or_default();
+            client.publish_with_headers(reply_to, h, body.into()).await
+        }
+    };
+    if let Err(e) = r {
+        tracing::debug!(error = %e, "cannot publish reply");
+    }
+}
+
+/// Subscribes to every controller subject and pumps requests into the actor.
+pub async fn start_pumps(
+    client: async_nats::Client,
+    addr: Addr<RegistrationController>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<Vec<tokio::task::JoinHandle<()>>> {
+    let table = [
+        (subjects::BOOTSTRAP_CSR_ALL, Kind::BootstrapCsr),
+        (subjects::BOOTSTRAP_CSR_GET_ALL, Kind::BootstrapCsrGet),
+        (subjects::CLUSTER_CSR_ALL, Kind::ClusterCsr),
+        (subjects::CLUSTER_CSR_GET_ALL, Kind::ClusterCsrGet),
+        (subjects::CLUSTER_LEASE_ALL, Kind::Lease),
+        (subjects::ADMIN_ACCEPT, Kind::Accept),
+        (subjects::ADMIN_DENY, Kind::Deny),
+        (subjects::AUTH_CALLOUT, Kind::Callout),
+    ];
+    let mut handles = Vec::new();
+    for (subject, kind) in table {
+        let sub = client
+            .queue_subscribe(subject, QUEUE_GROUP.to_string())
+            .await
+            .map_err(|e| anyhow::anyhow!("subscribing {subject}: {e}"))?;
+        let client = client.clone();
+        let addr = addr.clone();
+        let stop = shutdown.clone();
+        let metrics_label = kind.label();
+        handles.push(tokio::spawn(async move {
+            let work = sub.for_each_concurrent(MAX_INFLIGHT_PER_SUBJECT, |msg| {
+                let client = client.clone();
+                let addr = addr.clone();
+                async move {
+                    let Some(reply_to) = msg.reply.clone() else {
+                        return;
+                    };
+                    let reply = match parse(kind, &msg) {
+                        Ok(req) => match addr.send(Handle(req)).await {
+                            Ok(r) => r,
+                            Err(e) => Reply::Error(format!("controller unavailable: {e}")),
+                        },
+                        Err(e) => Reply::Error(e),
+                    };
+                    if let Reply::Error(e) = &reply {
+                        tracing::info!(subject = %msg.subject, error = %e, "request refused");
+                    }
+                    answer(&client, reply_to, reply).await;
+                }
+            });
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = work => tracing::warn!(subject = metrics_label, "subscription ended"),
+            }
+        }));
+    }
+    Ok(handles)
+}

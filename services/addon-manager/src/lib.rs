@@ -1,0 +1,136 @@
+//! The hub's addon-manager. For now: the registration controller (OCM's hub registration
+//! controllers) and the NATS auth callout.
+//!
+//! Layout:
+//! - [`hub`]: [`hub::HubCtx`], the shared state (store, CA, callout issuer, policy, metrics, the
+//!   in-memory lease table) and the reconcile logic as async functions over it.
+//! - [`controller`]: the [`controller::RegistrationController`] actor that owns the lease monitor
+//!   and serves the request subjects; NATS subscriptions are pumped into it with `send().await`
+//!   so a full mailbox slows the pumps down instead of dropping work.
+//! - [`callout`]: who may connect to NATS with what permissions.
+//! - [`metrics`]: Prometheus metrics.
+//!
+//! [`run`] wires it together: connect as `tether-hub`, open the JetStream store, import
+//! bootstrap tokens, start the actor and the admin server, and wait for shutdown.
+#![forbid(unsafe_code)]
+
+pub mod callout;
+pub mod controller;
+pub mod hub;
+pub mod metrics;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use tether_control::connect::{self, ConnectConfig, Credentials};
+use tether_control::hub::{HUB_USER, HubDir};
+use tether_control::resources::BootstrapTokenRecord;
+use tether_control::store::{Bucket, HubStore};
+use tokio_util::sync::CancellationToken;
+
+/// Process options that are not in hub.yaml.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    pub nats_url: Option<String>,
+    pub admin_listen: Option<String>,
+    pub ready_file: Option<PathBuf>,
+}
+
+/// Retries `connect` with jittered backoff until it works or shutdown: NATS may start after us.
+async fn connect_with_retry(
+    cfg: &ConnectConfig,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<tether_control::NatsConnection> {
+    let mut backoff = tether_runtime::Backoff::new(tether_runtime::BackoffConfig {
+        max: std::time::Duration::from_secs(5),
+        ..Default::default()
+    });
+    loop {
+        match connect::connect(cfg).await {
+            Ok(c) => return Ok(c),
+            Err(e) => {
+                let d = backoff.failed();
+                tracing::warn!(error = %e, retry_in = ?d, "cannot connect to hub NATS");
+                tokio::select! {
+                    _ = shutdown.cancelled() => anyhow::bail!("shut down while connecting to NATS"),
+                    _ = tokio::time::sleep(d) => {}
+                }
+            }
+        }
+    }
+}
+
+/// Runs the hub controller until `shutdown` is cancelled. Must run inside an actix System.
+pub async fn run(hub: HubDir, opts: RunOptions, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let endpoint = hub.endpoint(opts.nats_url.as_deref())?;
+    let password = hub.read(&hub.config.nats.hub_password_file)?;
+    let cfg = ConnectConfig::new(
+        endpoint,
+        Credentials::HubUser {
+            user: HUB_USER.into(),
+            password: password.trim().to_string(),
+        },
+        "hub",
+    );
+    let conn = connect_with_retry(&cfg, &shutdown).await?;
+    tracing::info!("connected to hub NATS");
+    let store = HubStore::open(conn.client.clone())
+        .await
+        .context("opening JetStream buckets")?;
+
+    // Import bootstrap tokens written by `tetherctl init` (existing records win).
+    let tokens_text = hub.read(&hub.config.bootstrap_tokens_file)?;
+    let tokens: Vec<BootstrapTokenRecord> = serde_json::from_str(&tokens_text)
+        .with_context(|| format!("parsing {}", hub.config.bootstrap_tokens_file.display()))?;
+    for t in &tokens {
+        store.create(Bucket::Tokens, &t.id, t).await?;
+    }
+
+    let ca = tether_pki::HubCa::from_pem(
+        &hub.read(&hub.config.ca.cert_file)?,
+        &hub.read(&hub.config.ca.key_file)?,
+    )?;
+    let issuer = tether_control::auth::CalloutIssuer::from_seed(
+        &hub.read(&hub.config.callout_issuer_seed_file)?,
+    )?;
+    let mut registry = prometheus::Registry::new();
+    let metrics = metrics::Metrics::register(&mut registry)?;
+    let ctx = Arc::new(hub::HubCtx::new(
+        store,
+        conn.client.clone(),
+        ca,
+        issuer,
+        hub.config.registration.clone(),
+        metrics,
+    ));
+    ctx.load_leases().await?;
+
+    let readiness = tether_telemetry::Readiness::new();
+    let mut admin_addr = None;
+    if let Some(listen) = &opts.admin_listen {
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("cannot bind admin listen {listen}"))?;
+        admin_addr = Some(listener.local_addr()?);
+        let server = tether_telemetry::AdminServer::new(registry.clone(), readiness.clone());
+        tokio::spawn(server.serve(listener, shutdown.child_token()));
+    }
+
+    let addr = controller::RegistrationController::start_with(ctx.clone());
+    let pumps =
+        controller::start_pumps(conn.client.clone(), addr.clone(), shutdown.child_token()).await?;
+    readiness.set_ready();
+    tracing::info!(admin = ?admin_addr, "addon-manager ready");
+    if let Some(p) = &opts.ready_file {
+        let body = serde_json::json!({ "admin": admin_addr.map(|a| a.to_string()) });
+        std::fs::write(p, body.to_string()).with_context(|| format!("writing {}", p.display()))?;
+    }
+    shutdown.cancelled().await;
+    tracing::info!("shutting down");
+    for p in pumps {
+        p.abort();
+    }
+    let _ = conn.client.flush().await;
+    Ok(())
+}
