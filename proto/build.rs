@@ -9,8 +9,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={f}");
     }
     let fds = protox::compile(files, ["proto"])?;
-    tonic_prost_build::configure()
-        .bytes(".")
-        .compile_fds(fds)?;
+    tonic_prost_build::configure().bytes(".").compile_fds(fds)?;
     Ok(())
 }

@@ -58,7 +58,10 @@ pub fn load<T: DeserializeOwned + Validate>(path: &Path) -> Result<T, ConfigErro
 }
 
 /// Parses and validates YAML text; `origin` is only used in error messages.
-pub fn from_str<T: DeserializeOwned + Validate>(text: &str, origin: &Path) -> Result<T, ConfigError> {
+pub fn from_str<T: DeserializeOwned + Validate>(
+    text: &str,
+    origin: &Path,
+) -> Result<T, ConfigError> {
     let value: serde_json::Value = if text.trim().is_empty() {
         serde_json::Value::Object(Default::default())
     } else {

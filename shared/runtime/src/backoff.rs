@@ -119,7 +119,11 @@ mod tests {
         for base in bases {
             let d = b.failed();
             assert!(d <= Duration::from_millis(base), "{d:?} > {base}ms");
-            assert!(d >= Duration::from_millis(base / 2), "{d:?} < {}ms", base / 2);
+            assert!(
+                d >= Duration::from_millis(base / 2),
+                "{d:?} < {}ms",
+                base / 2
+            );
         }
         assert_eq!(b.attempts(), 6);
     }

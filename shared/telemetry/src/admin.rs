@@ -134,7 +134,10 @@ impl AdminServer {
             "/healthz" | "/livez" => text(StatusCode::OK, "ok\n".into()),
             "/readyz" => match self.readiness.get() {
                 Ok(()) => text(StatusCode::OK, "ready\n".into()),
-                Err(reason) => text(StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")),
+                Err(reason) => text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("not ready: {reason}\n"),
+                ),
             },
             "/metrics" => {
                 let mut buf = Vec::new();

@@ -16,7 +16,9 @@ pub const TRACEPARENT: &str = "traceparent";
 pub fn inject(span: &tracing::Span) -> HashMap<String, String> {
     let cx = span.context();
     let mut map = HashMap::new();
-    opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&cx, &mut MapInjector(&mut map)));
+    opentelemetry::global::get_text_map_propagator(|p| {
+        p.inject_context(&cx, &mut MapInjector(&mut map))
+    });
     map
 }
 

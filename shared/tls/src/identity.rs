@@ -231,8 +231,18 @@ mod tests {
 
     #[test]
     fn rejects_bad_cluster_names() {
-        let e = Identity::from_common_name("system:open-cluster-management:Bad_Name:a").unwrap_err();
-        assert!(matches!(e, IdentityError::InvalidName { part: "cluster name", .. }), "{e}");
+        let e =
+            Identity::from_common_name("system:open-cluster-management:Bad_Name:a").unwrap_err();
+        assert!(
+            matches!(
+                e,
+                IdentityError::InvalidName {
+                    part: "cluster name",
+                    ..
+                }
+            ),
+            "{e}"
+        );
         assert!(Identity::from_common_name("CN=root").is_err());
         assert!(Identity::from_common_name("tether:client:").is_err());
     }

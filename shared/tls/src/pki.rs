@@ -7,8 +7,8 @@
 use std::time::{Duration, SystemTime};
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose,
-    IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, SanType,
 };
 
 use crate::Identity;
@@ -83,7 +83,8 @@ pub struct CertificateAuthority {
 
 impl std::fmt::Debug for CertificateAuthority {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CertificateAuthority").finish_non_exhaustive()
+        f.debug_struct("CertificateAuthority")
+            .finish_non_exhaustive()
     }
 }
 
@@ -214,11 +215,15 @@ mod tests {
     fn issued_cert_carries_identity() {
         let ca = CertificateAuthority::generate("test-ca", Duration::from_secs(3600)).unwrap();
         let id = Identity::tunnel_agent("c1", "a1");
-        let leaf = ca.issue(&LeafSpec::new(id.clone(), Duration::from_secs(600))).unwrap();
+        let leaf = ca
+            .issue(&LeafSpec::new(id.clone(), Duration::from_secs(600)))
+            .unwrap();
         let der = CertificateDer::from_pem_slice(leaf.cert_pem.as_bytes()).unwrap();
         assert_eq!(Identity::from_certificate(&der).unwrap(), id);
         assert!(!format!("{leaf:?}").contains("PRIVATE"));
         let again = CertificateAuthority::from_pem(ca.cert_pem(), &ca.key_pem()).unwrap();
-        again.issue(&LeafSpec::new(id, Duration::from_secs(1))).unwrap();
+        again
+            .issue(&LeafSpec::new(id, Duration::from_secs(1)))
+            .unwrap();
     }
 }

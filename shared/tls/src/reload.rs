@@ -18,7 +18,10 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::CertifiedKey;
-use rustls::{ClientConfig, DigitallySignedStruct, DistinguishedName, RootCertStore, ServerConfig, SignatureScheme};
+use rustls::{
+    ClientConfig, DigitallySignedStruct, DistinguishedName, RootCertStore, ServerConfig,
+    SignatureScheme,
+};
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
@@ -285,7 +288,8 @@ pub fn load_roots(path: &Path) -> Result<RootCertStore, TlsError> {
 
 fn not_after(cert: &CertificateDer<'_>) -> Result<i64, String> {
     use x509_parser::prelude::{FromDer, X509Certificate};
-    let (_, x) = X509Certificate::from_der(cert.as_ref()).map_err(|e| format!("bad certificate: {e}"))?;
+    let (_, x) =
+        X509Certificate::from_der(cert.as_ref()).map_err(|e| format!("bad certificate: {e}"))?;
     Ok(x.validity().not_after.timestamp())
 }
 
@@ -344,7 +348,8 @@ impl ClientCertVerifier for ReloadingClientVerifier {
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> Result<ClientCertVerified, rustls::Error> {
-        self.inner().verify_client_cert(end_entity, intermediates, now)
+        self.inner()
+            .verify_client_cert(end_entity, intermediates, now)
     }
 
     fn verify_tls12_signature(
@@ -382,10 +387,13 @@ impl ServerCertVerifier for ReloadingServerVerifier {
         ocsp: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        self.0
-            .snapshot()
-            .server_verifier
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
+        self.0.snapshot().server_verifier.verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp,
+            now,
+        )
     }
 
     fn verify_tls12_signature(
@@ -394,7 +402,10 @@ impl ServerCertVerifier for ReloadingServerVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.snapshot().server_verifier.verify_tls12_signature(message, cert, dss)
+        self.0
+            .snapshot()
+            .server_verifier
+            .verify_tls12_signature(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -403,11 +414,13 @@ impl ServerCertVerifier for ReloadingServerVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.snapshot().server_verifier.verify_tls13_signature(message, cert, dss)
+        self.0
+            .snapshot()
+            .server_verifier
+            .verify_tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.0.snapshot().server_verifier.supported_verify_schemes()
     }
 }
-
