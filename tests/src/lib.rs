@@ -212,16 +212,25 @@ pub async fn connect(
     authority: &str,
     token: Option<&str>,
 ) -> anyhow::Result<Result<tokio::net::TcpStream, (u16, String)>> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(broker).await?;
+    let s = tokio::net::TcpStream::connect(broker).await?;
     s.set_nodelay(true)?;
     let auth = token
         .map(|t| format!("proxy-authorization: Bearer {t}\r\n"))
         .unwrap_or_default();
-    s.write_all(
-        format!("CONNECT {authority} HTTP/1.1\r\nhost: {authority}\r\n{auth}\r\n").as_bytes(),
-    )
-    .await?;
+    let head = format!("CONNECT {authority} HTTP/1.1\r\nhost: {authority}\r\n{auth}\r\n");
+    send_head(s, head.as_bytes()).await
+}
+
+/// Sends a raw request head (anything, even garbage) on `s` and reads the response head:
+/// returns the stream after a 200, or the status code and the whole response (head and body)
+/// of anything else.
+pub async fn send_head<S>(mut s: S, head: &[u8]) -> anyhow::Result<Result<S, (u16, String)>>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    s.write_all(head).await?;
+    s.flush().await?;
     // Read the response head byte by byte so no tunnelled byte is consumed.
     let mut head = Vec::new();
     let mut b = [0u8; 1];
@@ -243,9 +252,12 @@ pub async fn connect(
     if code == 200 {
         return Ok(Ok(s));
     }
-    let mut body = String::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut body)).await;
-    Ok(Err((code, format!("{text}{body}"))))
+    let mut body = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut body)).await;
+    Ok(Err((
+        code,
+        format!("{text}{}", String::from_utf8_lossy(&body)),
+    )))
 }
 
 /// A TCP echo server on 127.0.0.1:0 (in-process), for tests.
@@ -264,4 +276,340 @@ pub async fn echo_server() -> anyhow::Result<SocketAddr> {
         }
     });
     Ok(a)
+}
+
+/// A broker, an agent for one cluster tunnelled to it, and an echo target "inside" the cluster
+/// (also the agent's API server, so `<cluster>:443` echoes too). Dropped agent first, then the
+/// broker, then the hub directory.
+pub struct Setup {
+    pub agent: Agent,
+    pub broker: Broker,
+    pub echo: SocketAddr,
+    pub hub: Hub,
+}
+
+impl Setup {
+    /// Starts everything and waits until the tunnel is registered on the broker.
+    pub async fn start(
+        cluster: &str,
+        broker_extra: &str,
+        agent_extra: &str,
+    ) -> anyhow::Result<Self> {
+        let hub = Hub::new()?;
+        let echo = echo_server().await?;
+        let broker = hub.start_broker("b1", broker_extra)?;
+        let agent = hub.start_agent(
+            cluster,
+            cluster,
+            &[vec![broker.agent_addr]],
+            echo,
+            agent_extra,
+        )?;
+        wait_agent_ready(&agent).await?;
+        wait_tunnel(&broker, cluster).await?;
+        Ok(Self {
+            agent,
+            broker,
+            echo,
+            hub,
+        })
+    }
+
+    /// The cluster-qualified authority of the echo target.
+    pub fn echo_authority(&self) -> String {
+        qualified(&self.agent.cluster, self.echo)
+    }
+
+    /// `CONNECT`s to the echo target as the `ops` client; fails on anything but 200.
+    pub async fn connect_echo(&self) -> anyhow::Result<tokio::net::TcpStream> {
+        connect_ok(self.broker.client_addr, &self.echo_authority()).await
+    }
+}
+
+/// `<ip>.<cluster>.tether:<port>` for an address reachable by the agent.
+pub fn qualified(cluster: &str, addr: SocketAddr) -> String {
+    format!("{}.{cluster}.tether:{}", addr.ip(), addr.port())
+}
+
+/// `CONNECT`s as the `ops` client; an error for anything but 200.
+pub async fn connect_ok(
+    broker: SocketAddr,
+    authority: &str,
+) -> anyhow::Result<tokio::net::TcpStream> {
+    match connect(broker, authority, Some(OPS_TOKEN)).await? {
+        Ok(s) => Ok(s),
+        Err((code, body)) => anyhow::bail!("CONNECT {authority} answered {code}: {body}"),
+    }
+}
+
+impl Drop for Hub {
+    /// When a test fails, prints the end of every process log so the failure can be read.
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let Ok(entries) = std::fs::read_dir(self.dir.path()) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "log") {
+                let text = std::fs::read_to_string(&p).unwrap_or_default();
+                let lines: Vec<&str> = text.lines().collect();
+                let tail = &lines[lines.len().saturating_sub(40)..];
+                eprintln!("===== {} (last {} lines)", p.display(), tail.len());
+                for l in tail {
+                    eprintln!("{l}");
+                }
+            }
+        }
+    }
+}
+
+/// Sum of the Prometheus samples of `name` whose labels include all of `labels` (0 if none).
+pub async fn metric(admin: SocketAddr, name: &str, labels: &[(&str, &str)]) -> anyhow::Result<f64> {
+    let (code, body) = admin_get(admin, "/metrics").await?;
+    anyhow::ensure!(code == 200, "/metrics answered {code}");
+    Ok(sum_samples(&body, name, labels))
+}
+
+/// Sums the samples of `name` in a Prometheus text exposition whose labels include `labels`.
+pub fn sum_samples(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let mut sum = 0.0;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let (n, lbls) = match series.split_once('{') {
+            Some((n, rest)) => (n, rest.trim_end_matches('}')),
+            None => (series, ""),
+        };
+        if n != name {
+            continue;
+        }
+        let all = labels
+            .iter()
+            .all(|(k, v)| lbls.split(',').any(|kv| kv == format!("{k}=\"{v}\"")));
+        if all && let Ok(v) = value.parse::<f64>() {
+            sum += v;
+        }
+    }
+    sum
+}
+
+/// A rustls client config trusting the hub CA (`ca`), offering `alpn`, optionally presenting a
+/// client certificate.
+pub fn client_tls_config(
+    ca: &Path,
+    alpn: &[&[u8]],
+    client_cert: Option<&LeafFiles>,
+) -> anyhow::Result<rustls::ClientConfig> {
+    tether_tls::install_default_crypto();
+    let roots = tether_tls::reload::load_roots(ca)?;
+    let b = rustls::ClientConfig::builder().with_root_certificates(roots);
+    let mut cfg = match client_cert {
+        Some(leaf) => b.with_client_auth_cert(
+            tether_tls::pem::read_certs(&leaf.cert)?,
+            tether_tls::pem::read_key(&leaf.key)?,
+        )?,
+        None => b.with_no_client_auth(),
+    };
+    cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(cfg)
+}
+
+/// A TLS stream to a broker's client TLS port.
+pub type ClientTls = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+/// TLS (server name `localhost`) to `addr` with `cfg`.
+pub async fn tls_connect(addr: SocketAddr, cfg: rustls::ClientConfig) -> anyhow::Result<ClientTls> {
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    tcp.set_nodelay(true)?;
+    let name = rustls::pki_types::ServerName::try_from("localhost")?;
+    let tls = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg)).connect(name, tcp),
+    )
+    .await??;
+    Ok(tls)
+}
+
+/// `CONNECT` over TLS (ALPN http/1.1) to a broker's client TLS port.
+pub async fn connect_tls(
+    addr: SocketAddr,
+    cfg: rustls::ClientConfig,
+    authority: &str,
+    token: Option<&str>,
+) -> anyhow::Result<Result<ClientTls, (u16, String)>> {
+    let tls = tls_connect(addr, cfg).await?;
+    let auth = token
+        .map(|t| format!("proxy-authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    let head = format!("CONNECT {authority} HTTP/1.1\r\nhost: {authority}\r\n{auth}\r\n");
+    send_head(tls, head.as_bytes()).await
+}
+
+/// Deterministic, position-dependent test data: a random block of [`Payload::BLOCK`] bytes;
+/// chunk `i` is the block rotated by an offset that depends on `i`, so a lost, duplicated or
+/// reordered chunk changes the checksum. Producing a chunk costs no computation (a slice).
+pub struct Payload {
+    doubled: Vec<u8>,
+}
+
+impl Payload {
+    pub const BLOCK: usize = 1 << 20;
+
+    pub fn new() -> Self {
+        use rand::RngCore as _;
+        let mut block = vec![0u8; Self::BLOCK];
+        rand::rng().fill_bytes(&mut block);
+        let mut doubled = block.clone();
+        doubled.extend_from_slice(&block);
+        Self { doubled }
+    }
+
+    /// Chunk `i`, `len` ≤ [`Payload::BLOCK`] bytes.
+    pub fn chunk(&self, i: u64, len: usize) -> &[u8] {
+        let off = (i.wrapping_mul(7_919 * 61) % Self::BLOCK as u64) as usize;
+        &self.doubled[off..off + len.min(Self::BLOCK)]
+    }
+}
+
+impl Default for Payload {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Outcome of [`echo_transfer`].
+#[derive(Debug)]
+pub struct Transfer {
+    pub sent: u64,
+    pub received: u64,
+    pub sent_sha256: String,
+    pub received_sha256: String,
+    pub elapsed: Duration,
+}
+
+impl Transfer {
+    /// Bytes per second in each direction.
+    pub fn throughput(&self) -> f64 {
+        self.sent as f64 / self.elapsed.as_secs_f64()
+    }
+
+    /// Whether everything sent came back intact.
+    pub fn intact(&self) -> bool {
+        self.sent == self.received && self.sent_sha256 == self.received_sha256
+    }
+}
+
+/// Writes `total` bytes of [`Payload`] to a stream connected to an echo target, half-closes,
+/// and reads the echo to EOF at the same time; hashes both sides ([`Sha256`]). A read error is
+/// returned as an error (never counted as EOF).
+pub async fn echo_transfer<S>(
+    s: S,
+    payload: std::sync::Arc<Payload>,
+    total: u64,
+) -> anyhow::Result<Transfer>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const CHUNK: usize = 256 << 10;
+    let started = std::time::Instant::now();
+    let (mut rd, mut wr) = tokio::io::split(s);
+    let writer = tokio::spawn(async move {
+        let mut h = Sha256::new();
+        let mut sent = 0u64;
+        let mut i = 0u64;
+        while sent < total {
+            let n = (CHUNK as u64).min(total - sent) as usize;
+            let c = payload.chunk(i, n);
+            h.update(c);
+            wr.write_all(c).await?;
+            sent += n as u64;
+            i += 1;
+        }
+        wr.shutdown().await?;
+        anyhow::Ok((sent, h.hex(), wr))
+    });
+    let mut h = Sha256::new();
+    let mut received = 0u64;
+    let mut buf = vec![0u8; CHUNK];
+    loop {
+        let n = rd
+            .read(&mut buf)
+            .await
+            .with_context(|| format!("read after {received} bytes"))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        received += n as u64;
+    }
+    let (sent, sent_sha256, _wr) = writer.await??;
+    Ok(Transfer {
+        sent,
+        received,
+        sent_sha256,
+        received_sha256: h.hex(),
+        elapsed: started.elapsed(),
+    })
+}
+
+/// Incremental SHA-256 from ring (through rustls's ring provider): assembly, so fast even in a
+/// debug build, where the pure-Rust `sha2` crate manages ~15 MiB/s and would dominate every
+/// transfer test.
+pub struct Sha256(Box<dyn rustls::crypto::hash::Context>);
+
+impl Sha256 {
+    pub fn new() -> Self {
+        let suite = rustls::crypto::ring::cipher_suite::TLS13_AES_128_GCM_SHA256
+            .tls13()
+            .expect("a TLS 1.3 suite");
+        Self(suite.common.hash_provider.start())
+    }
+
+    pub fn update(&mut self, data: &[u8]) {
+        self.0.update(data);
+    }
+
+    pub fn hex(self) -> String {
+        hex::encode(self.0.finish().as_ref())
+    }
+}
+
+impl Default for Sha256 {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Human-readable bytes per second.
+pub fn rate(bytes_per_sec: f64) -> String {
+    format!("{:.1} MiB/s", bytes_per_sec / (1 << 20) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sha256_is_sha256() {
+        let mut h = Sha256::new();
+        h.update(b"ab");
+        h.update(b"c");
+        assert_eq!(
+            h.hex(),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+
+    #[test]
+    fn sums_labelled_samples() {
+        let text = "# HELP x y\nm{a=\"1\",b=\"2\"} 3\nm{a=\"1\",b=\"3\"} 4\nm 5\nmm 6\n";
+        assert_eq!(sum_samples(text, "m", &[("a", "1")]), 7.0);
+        assert_eq!(sum_samples(text, "m", &[("b", "3")]), 4.0);
+        assert_eq!(sum_samples(text, "m", &[]), 12.0);
+    }
 }
