@@ -37,6 +37,15 @@ if ! have_nats_version; then
   hash -r
 fi
 
+# Put the real 2.15 binary (not a pyenv shim, whose PID is not the server's) first on PATH.
+SCRIPTS_DIR="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))' 2>/dev/null || true)"
+if [ -n "$SCRIPTS_DIR" ] && [ -x "$SCRIPTS_DIR/nats-server" ] && "$SCRIPTS_DIR/nats-server" --version | grep -q "v${NATS_PIP_VERSION}"; then
+  if [ -w /usr/local/bin ]; then
+    ln -sf "$SCRIPTS_DIR/nats-server" /usr/local/bin/nats-server
+    hash -r
+  fi
+fi
+
 # Report what the tests will find (tests look up nats-server on PATH, or TETHER_NATS_SERVER).
 echo "install-deps: nats-server $(nats-server --version 2>/dev/null || echo missing) at $(command -v nats-server || echo '?')"
 for b in squid tinyproxy stunnel4 iperf3 socat; do
