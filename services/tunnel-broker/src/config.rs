@@ -45,6 +45,20 @@ pub struct BrokerConfig {
     pub clients: Vec<ClientConfig>,
     #[serde(default)]
     pub tunnel: TunnelSettings,
+    /// Other broker replicas. A stream for a cluster with no tunnel here is relayed to a peer
+    /// that has one (the peer never relays further).
+    #[serde(default)]
+    pub peers: Vec<PeerConfig>,
+}
+
+/// A peer broker, reached on its `agent_listen` address with ALPN `tether-relay/1`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerConfig {
+    pub id: String,
+    pub address: String,
+    /// Name expected in the peer's certificate.
+    pub server_name: String,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -174,6 +188,30 @@ impl Validate for BrokerConfig {
                         })?;
                     }
                 }
+            }
+        }
+        for (i, p) in self.peers.iter().enumerate() {
+            if p.id == self.id {
+                return Err(ConfigError::invalid(
+                    format!("peers[{i}].id"),
+                    "a broker cannot be its own peer",
+                ));
+            }
+            if p.address
+                .rsplit_once(':')
+                .and_then(|(_, port)| port.parse::<u16>().ok())
+                .is_none()
+            {
+                return Err(ConfigError::invalid(
+                    format!("peers[{i}].address"),
+                    format!("{:?} is not host:port", p.address),
+                ));
+            }
+            if p.server_name.is_empty() {
+                return Err(ConfigError::invalid(
+                    format!("peers[{i}].server_name"),
+                    "must not be empty",
+                ));
             }
         }
         self.tunnel

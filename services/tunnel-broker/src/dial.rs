@@ -15,6 +15,7 @@ use tether_tunnel::{DialError, Target, TunnelSettings};
 use tokio::sync::watch;
 
 use crate::auth::{Auth, ClientId};
+
 use crate::metrics::BrokerMetrics;
 use crate::registry::RouteTable;
 use crate::tunnel::StreamGuard;
@@ -28,6 +29,8 @@ pub struct Broker {
     pub settings: TunnelSettings,
     pub dial_timeout: Duration,
     pub counters: ByteCounters,
+    /// Live relay connections to peer brokers.
+    pub peers: watch::Receiver<Arc<Vec<Arc<crate::tunnel::TunnelHandle>>>>,
     next_stream: AtomicU64,
 }
 
@@ -54,6 +57,7 @@ impl Broker {
         metrics: BrokerMetrics,
         settings: TunnelSettings,
         dial_timeout: Duration,
+        peers: watch::Receiver<Arc<Vec<Arc<crate::tunnel::TunnelHandle>>>>,
     ) -> Self {
         let counters = ByteCounters {
             to_tunnel: Some(metrics.counter("to_cluster")),
@@ -67,6 +71,7 @@ impl Broker {
             settings,
             dial_timeout,
             counters,
+            peers,
             next_stream: AtomicU64::new(1),
         }
     }
@@ -85,8 +90,34 @@ impl Broker {
         stream_id: u64,
         timeout: Option<Duration>,
     ) -> Result<OpenStream, DialError> {
+        if let Err(e) = self.auth.authorize(client, target) {
+            self.record_failure(frontend, &e);
+            return Err(e);
+        }
+        self.open(frontend, target, stream_id, timeout, true).await
+    }
+
+    /// Opens a stream for a peer broker's relay: local tunnels only, never relayed further.
+    /// The peer authorised its client already.
+    pub async fn dial_for_peer(
+        &self,
+        target: &Target,
+        stream_id: u64,
+        timeout: Option<Duration>,
+    ) -> Result<OpenStream, DialError> {
+        self.open("relay", target, stream_id, timeout, false).await
+    }
+
+    async fn open(
+        &self,
+        frontend: &'static str,
+        target: &Target,
+        stream_id: u64,
+        timeout: Option<Duration>,
+        may_relay: bool,
+    ) -> Result<OpenStream, DialError> {
         let started = Instant::now();
-        let result = self.dial_inner(client, target, stream_id, timeout).await;
+        let result = self.dial_inner(target, stream_id, timeout, may_relay).await;
         self.metrics
             .dial_duration
             .with_label_values(&[frontend])
@@ -126,23 +157,45 @@ impl Broker {
 
     async fn dial_inner(
         &self,
-        client: &ClientId,
         target: &Target,
         stream_id: u64,
         timeout: Option<Duration>,
+        may_relay: bool,
     ) -> Result<(SendStream<Bytes>, RecvStream, StreamGuard), DialError> {
-        self.auth.authorize(client, target)?;
-        let tunnel = self.routes.borrow().pick(&target.cluster).ok_or_else(|| {
-            DialError::new(
-                DialErrorKind::NoTunnel,
-                format!("no tunnel is connected for cluster {:?}", target.cluster),
-            )
-        })?;
         let timeout = timeout
             .unwrap_or(self.dial_timeout)
             .min(Duration::from_secs(60));
         let trace = tether_telemetry::propagation::inject(&tracing::Span::current());
-        tunnel.open(target, stream_id, timeout, &trace).await
+        let local = self.routes.borrow().pick(&target.cluster);
+        if let Some(tunnel) = local {
+            return tunnel.open(target, stream_id, timeout, &trace).await;
+        }
+        let peers = if may_relay {
+            self.peers.borrow().clone()
+        } else {
+            Arc::default()
+        };
+        for peer in peers.iter() {
+            match peer.open(target, stream_id, timeout, &trace).await {
+                Ok(s) => {
+                    tracing::debug!(peer = %peer.agent, "stream relayed");
+                    return Ok(s);
+                }
+                Err(e) if matches!(e.kind, DialErrorKind::NoTunnel | DialErrorKind::TunnelLost) => {
+                    continue;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(DialError::new(
+            DialErrorKind::NoTunnel,
+            format!(
+                "no tunnel is connected for cluster {:?} on broker {} or its {} reachable peer(s)",
+                target.cluster,
+                self.id,
+                peers.len()
+            ),
+        ))
     }
 
     /// Records the end of a stream.
@@ -172,7 +225,7 @@ impl Broker {
 
     /// Open streams across all front ends.
     pub fn open_stream_count(&self) -> i64 {
-        ["connect", "grpc", "konnectivity"]
+        ["connect", "grpc", "konnectivity", "relay"]
             .iter()
             .map(|f| self.metrics.open_streams.with_label_values(&[f]).get())
             .sum()

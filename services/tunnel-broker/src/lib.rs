@@ -9,6 +9,7 @@
 //! - [`dial`]: the one path every front end uses to open a stream ([`dial::Broker`]).
 //! - [`connect`]: HTTP CONNECT front end (plain and TLS).
 //! - [`grpc`]: native `tether.tunnel.v1.Dialer/Dial` and konnectivity `ProxyService/Proxy`.
+//! - [`peers`]: relaying streams to peer brokers that hold the cluster's tunnel.
 //! - [`metrics`]: Prometheus metrics.
 //!
 //! [`run`] is what `main` calls, and what tests may call in-process.
@@ -21,6 +22,7 @@ pub mod connect;
 pub mod dial;
 pub mod grpc;
 pub mod metrics;
+pub mod peers;
 pub mod registry;
 pub mod tunnel;
 
@@ -79,7 +81,7 @@ pub async fn run(
     let reg_addr = Registry::start_in_arbiter(&arbiter, move |_| reg_actor);
 
     let agent_acceptor = TlsAcceptor::from(Arc::new(
-        tls.server_config(true, &[tether_tls::ALPN_TUNNEL])?,
+        tls.server_config(true, &[tether_tls::ALPN_TUNNEL, tether_tls::ALPN_RELAY])?,
     ));
     let side = Arc::new(AgentSide {
         broker_id: cfg.id.clone(),
@@ -90,7 +92,9 @@ pub async fn run(
         metrics: metrics.clone(),
         arbiter: arbiter.clone(),
         next_id: Default::default(),
+        broker: Default::default(),
     });
+    let (peer_table, peer_routes) = peers::PeerTable::new();
     let broker = Arc::new(Broker::new(
         cfg.id.clone(),
         routes.clone(),
@@ -98,7 +102,20 @@ pub async fn run(
         metrics.clone(),
         cfg.tunnel.clone(),
         cfg.dial_timeout,
+        peer_routes,
     ));
+    let _ = side.broker.set(Arc::clone(&broker));
+    let mut peer_connectors = Vec::new();
+    for peer in &cfg.peers {
+        let c = peers::PeerConnector::new(
+            peer.clone(),
+            Arc::clone(&tls),
+            Arc::clone(&broker),
+            peer_table.clone(),
+            cfg.max_pending_dials_per_tunnel,
+        );
+        peer_connectors.push(Supervisor::start_in_arbiter(&arbiter, move |_| c));
+    }
     let accepting = CancellationToken::new();
     let readiness = Readiness::new();
 

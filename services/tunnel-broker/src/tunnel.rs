@@ -59,6 +59,26 @@ impl Drop for StreamGuard {
 }
 
 impl TunnelHandle {
+    /// A handle over an HTTP/2 connection on which this broker opens streams (to an agent, or
+    /// to a peer broker's relay).
+    pub fn new(
+        id: u64,
+        cluster: String,
+        agent: String,
+        send: SendRequest<Bytes>,
+        max_pending_dials: usize,
+    ) -> Self {
+        Self {
+            id,
+            cluster,
+            agent,
+            send,
+            open: AtomicUsize::new(0),
+            pending: Semaphore::new(max_pending_dials),
+            draining: AtomicBool::new(false),
+        }
+    }
+
     pub fn open_streams(&self) -> usize {
         self.open.load(Ordering::Relaxed)
     }
@@ -87,6 +107,7 @@ impl TunnelHandle {
         let mut req = Request::builder()
             .method(Method::POST)
             .uri(format!("https://tunnel{}", wire::PATH_DIAL))
+            .header(wire::HEADER_CLUSTER, &target.cluster)
             .header(wire::HEADER_TARGET, target.wire_dest())
             .header(wire::HEADER_STREAM, stream_id.to_string())
             .header(
@@ -174,6 +195,8 @@ pub struct AgentSide {
     pub metrics: BrokerMetrics,
     pub arbiter: ArbiterHandle,
     pub next_id: std::sync::atomic::AtomicU64,
+    /// The client side, for serving peer brokers' relays (set once at start-up).
+    pub broker: std::sync::OnceLock<Arc<crate::dial::Broker>>,
 }
 
 /// Why an agent connection was refused.
@@ -205,7 +228,8 @@ impl AcceptError {
     }
 }
 
-/// Runs the handshake of one agent connection and hands it to a new [`TunnelActor`].
+/// Runs the handshake of one connection on the agent listener: an agent's tunnel (handed to a
+/// new [`TunnelActor`]) or, with ALPN `tether-relay/1`, a peer broker's relay connection.
 pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), AcceptError> {
     let _ = tcp.set_nodelay(true);
     let hs = side.settings.handshake_timeout;
@@ -213,6 +237,27 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
         .await
         .map_err(|_| AcceptError::Timeout(hs))?
         .map_err(|e| AcceptError::Tls(e.to_string()))?;
+    if tls.get_ref().1.alpn_protocol() == Some(tether_tls::ALPN_RELAY) {
+        let cert = tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first().cloned());
+        let peer = cert
+            .map(|c| Identity::from_certificate(&c))
+            .transpose()
+            .map_err(|e| AcceptError::Identity(e.to_string()))?;
+        let Some(Identity::Broker { id }) = peer else {
+            return Err(AcceptError::NotAnAgent(
+                "relay connection without a broker certificate".into(),
+            ));
+        };
+        let Some(broker) = side.broker.get().cloned() else {
+            return Err(AcceptError::H2("broker not ready for relays".into()));
+        };
+        tokio::spawn(crate::peers::serve_relay(broker, tls, id));
+        return Ok(());
+    }
     let cert = tls
         .get_ref()
         .1
@@ -271,15 +316,13 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
             .to_owned();
         return Err(AcceptError::IdentityMismatch(format!("{identity}: {msg}")));
     }
-    let handle = Arc::new(TunnelHandle {
-        id: side.next_id.fetch_add(1, Ordering::Relaxed),
+    let handle = Arc::new(TunnelHandle::new(
+        side.next_id.fetch_add(1, Ordering::Relaxed),
         cluster,
         agent,
         send,
-        open: AtomicUsize::new(0),
-        pending: Semaphore::new(side.max_pending_dials),
-        draining: AtomicBool::new(false),
-    });
+        side.max_pending_dials,
+    ));
     let actor = TunnelActor {
         handle,
         registry: side.registry.clone(),

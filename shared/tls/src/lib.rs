@@ -21,6 +21,8 @@ pub use reload::{TlsError, TlsFiles, TlsMaterial};
 
 /// ALPN protocol of the broker↔agent tunnel (HTTP/2 with Tether's stream semantics).
 pub const ALPN_TUNNEL: &[u8] = b"tether-tunnel/1";
+/// ALPN protocol of broker→broker relay connections (the dialling broker is the HTTP/2 client).
+pub const ALPN_RELAY: &[u8] = b"tether-relay/1";
 
 /// Installs ring as the process-wide rustls crypto provider. Idempotent; call at the start of
 /// every `main` and test harness (two enabled providers make rustls refuse to pick one).

@@ -118,6 +118,19 @@ impl Target {
         Ok(Self::host_port(cluster, host.to_ascii_lowercase(), port))
     }
 
+    /// Rebuilds a target from the tunnel's `tether-cluster` and `tether-target` headers.
+    pub fn from_wire(cluster: &str, dest: &str) -> Result<Self, AddressError> {
+        if dest == crate::wire::APISERVER_DEST {
+            check_cluster(cluster)?;
+            return Ok(Self::api_server(cluster));
+        }
+        let (host, port) = dest
+            .rsplit_once(':')
+            .ok_or_else(|| AddressError::MissingPort(dest.to_owned()))?;
+        let port: u32 = port.parse().map_err(|_| AddressError::BadPort(dest.to_owned()))?;
+        Self::from_parts(cluster, host, port)
+    }
+
     /// The target as sent to the agent: `apiserver` or `host:port`.
     pub fn wire_dest(&self) -> String {
         match &self.dest {

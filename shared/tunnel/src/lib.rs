@@ -22,6 +22,7 @@ pub mod address;
 pub mod keepalive;
 pub mod pattern;
 pub mod pump;
+pub mod relay;
 pub mod settings;
 pub mod wire;
 

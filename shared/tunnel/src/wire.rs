@@ -1,11 +1,12 @@
 //! What travels on the tunnel besides bytes: request paths, headers and dial errors.
 //!
-//! Requests are opened by the broker (HTTP/2 client) and served by the agent:
+//! Requests are opened by the broker (HTTP/2 client) and served by the agent — or, on a relay
+//! connection (ALPN `tether-relay/1`), by a peer broker that forwards `dial` to its own tunnel:
 //!
 //! | path | meaning |
 //! |---|---|
 //! | `POST /tether.tunnel.v1/hello` | sent once after connecting; the agent answers with its claimed cluster/agent in `tether-cluster` / `tether-agent`, which the broker checks against the certificate |
-//! | `POST /tether.tunnel.v1/dial` | one tunnelled TCP connection; `tether-target` is `apiserver` or `host:port`, `tether-stream` the broker's stream id, `tether-dial-timeout-ms` the dial budget, plus W3C `traceparent` |
+//! | `POST /tether.tunnel.v1/dial` | one tunnelled TCP connection; `tether-cluster` the cluster, `tether-target` is `apiserver` or `host:port`, `tether-stream` the broker's stream id, `tether-dial-timeout-ms` the dial budget, plus W3C `traceparent` |
 //! | `POST /tether.tunnel.v1/drain` | the broker is shutting down: open no new tunnel to it, find another broker |
 //!
 //! A dial answers `200` and then carries bytes both ways, or answers an error status with
@@ -131,6 +132,16 @@ impl fmt::Display for DialError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}: {}", self.kind.metric_label(), self.message)
     }
+}
+
+/// The tunnel's answer for a failed dial: its status, `tether-error` and the reason.
+pub fn error_response(err: &DialError) -> http::Response<()> {
+    http::Response::builder()
+        .status(err.kind.status())
+        .header(HEADER_ERROR, err.kind.metric_label())
+        .header(HEADER_ERROR_MESSAGE, header_safe(&err.message))
+        .body(())
+        .expect("valid response")
 }
 
 /// Header values must be visible ASCII; replace anything else so an error message from a

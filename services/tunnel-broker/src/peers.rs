@@ -1,0 +1,313 @@
+//! Broker-to-broker relay: a client may reach any broker; a broker with no tunnel for the
+//! cluster relays the stream to a peer that has one.
+//!
+//! - Dialling side: one supervised [`PeerConnector`] actor per configured peer keeps an mTLS
+//!   connection to the peer's agent listener with ALPN `tether-relay/1` (this broker's own
+//!   certificate, CN `tether:broker:<id>`), and is the HTTP/2 client on it. Live peer
+//!   connections are published in a [`PeerTable`]; [`crate::dial::Broker`] tries them in turn
+//!   when it has no local tunnel (a peer without the cluster answers `no_tunnel` at once).
+//! - Serving side: [`serve_relay`] answers a peer's `dial` requests from **local** tunnels only
+//!   (so a relay never loops) and splices the two HTTP/2 streams; windows chain end to end.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use actix::prelude::*;
+use bytes::Bytes;
+use h2::server::SendResponse;
+use http::{Request, Response};
+use tether_runtime::{Backoff, BackoffConfig};
+use tether_tls::TlsMaterial;
+use tether_tunnel::wire::{self, DialErrorKind};
+use tether_tunnel::{DialError, Target};
+use tokio::sync::watch;
+use tokio_rustls::TlsConnector;
+use tracing::Instrument;
+
+use crate::config::PeerConfig;
+use crate::dial::Broker;
+use crate::tunnel::TunnelHandle;
+
+/// Live peer connections, published as a `watch` snapshot (peer id order).
+#[derive(Clone)]
+pub struct PeerTable {
+    inner: Arc<Mutex<BTreeMap<String, Arc<TunnelHandle>>>>,
+    tx: Arc<watch::Sender<Arc<Vec<Arc<TunnelHandle>>>>>,
+}
+
+impl PeerTable {
+    pub fn new() -> (Self, watch::Receiver<Arc<Vec<Arc<TunnelHandle>>>>) {
+        let (tx, rx) = watch::channel(Arc::new(Vec::new()));
+        (
+            Self {
+                inner: Default::default(),
+                tx: Arc::new(tx),
+            },
+            rx,
+        )
+    }
+
+    fn set(&self, peer: &str, handle: Option<Arc<TunnelHandle>>) {
+        let mut map = self.inner.lock().expect("peer table lock");
+        match handle {
+            Some(h) => map.insert(peer.to_owned(), h),
+            None => map.remove(peer),
+        };
+        self.tx
+            .send_replace(Arc::new(map.values().cloned().collect()));
+    }
+}
+
+/// Keeps the relay connection to one peer broker.
+pub struct PeerConnector {
+    pub peer: PeerConfig,
+    pub tls: Arc<TlsMaterial>,
+    pub broker: Arc<Broker>,
+    pub table: PeerTable,
+    pub backoff: Backoff,
+    pub max_pending_dials: usize,
+    pub generation: u64,
+}
+
+impl PeerConnector {
+    pub fn new(
+        peer: PeerConfig,
+        tls: Arc<TlsMaterial>,
+        broker: Arc<Broker>,
+        table: PeerTable,
+        max_pending_dials: usize,
+    ) -> Self {
+        Self {
+            peer,
+            tls,
+            broker,
+            table,
+            backoff: Backoff::new(BackoffConfig {
+                initial: Duration::from_millis(100),
+                max: Duration::from_secs(10),
+                ..BackoffConfig::default()
+            }),
+            max_pending_dials,
+            generation: 0,
+        }
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct PeerEnded {
+    generation: u64,
+    reason: String,
+    was_up: bool,
+}
+
+impl Actor for PeerConnector {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        self.connect(ctx);
+    }
+}
+
+impl Supervised for PeerConnector {}
+
+impl PeerConnector {
+    fn connect(&mut self, ctx: &mut Context<Self>) {
+        self.generation += 1;
+        let generation = self.generation;
+        let peer = self.peer.clone();
+        let tls = Arc::clone(&self.tls);
+        let settings = self.broker.settings.clone();
+        let table = self.table.clone();
+        let max_pending = self.max_pending_dials;
+        let me = ctx.address();
+        tokio::spawn(async move {
+            let (reason, was_up) = match open_peer(&peer, &tls, &settings).await {
+                Err(e) => (e, false),
+                Ok((send, conn_end, pp)) => {
+                    let handle = Arc::new(TunnelHandle::new(
+                        generation,
+                        String::new(),
+                        format!("broker/{}", peer.id),
+                        send,
+                        max_pending,
+                    ));
+                    table.set(&peer.id, Some(handle));
+                    tracing::info!(peer = %peer.id, address = %peer.address, "relay connection to peer up");
+                    let reason = tokio::select! {
+                        r = conn_end => r.unwrap_or_else(|_| "connection task ended".into()),
+                        e = tether_tunnel::keepalive::run(pp, settings.keepalive_interval, settings.keepalive_timeout) => e.to_string(),
+                    };
+                    table.set(&peer.id, None);
+                    (reason, true)
+                }
+            };
+            me.do_send(PeerEnded {
+                generation,
+                reason,
+                was_up,
+            });
+        });
+    }
+}
+
+type PeerConn = (
+    h2::client::SendRequest<Bytes>,
+    tokio::sync::oneshot::Receiver<String>,
+    h2::PingPong,
+);
+
+async fn open_peer(
+    peer: &PeerConfig,
+    tls: &Arc<TlsMaterial>,
+    settings: &tether_tunnel::TunnelSettings,
+) -> Result<PeerConn, String> {
+    let hs = settings.handshake_timeout;
+    let name = rustls::pki_types::ServerName::try_from(peer.server_name.clone())
+        .map_err(|e| format!("server_name: {e}"))?;
+    let cfg = tls
+        .client_config(&[tether_tls::ALPN_RELAY])
+        .map_err(|e| e.to_string())?;
+    let tcp = tokio::time::timeout(hs, tokio::net::TcpStream::connect(&peer.address))
+        .await
+        .map_err(|_| format!("connect timed out after {hs:?}"))?
+        .map_err(|e| format!("connect: {e}"))?;
+    let _ = tcp.set_nodelay(true);
+    let stream = tokio::time::timeout(hs, TlsConnector::from(Arc::new(cfg)).connect(name, tcp))
+        .await
+        .map_err(|_| format!("TLS timed out after {hs:?}"))?
+        .map_err(|e| format!("TLS: {e}"))?;
+    let (send, mut conn) =
+        tokio::time::timeout(hs, settings.client_builder().handshake::<_, Bytes>(stream))
+            .await
+            .map_err(|_| format!("HTTP/2 handshake timed out after {hs:?}"))?
+            .map_err(|e| format!("HTTP/2: {e}"))?;
+    let pp = conn.ping_pong().expect("ping_pong taken once");
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let reason = match conn.await {
+            Ok(()) => "closed".to_owned(),
+            Err(e) => e.to_string(),
+        };
+        let _ = tx.send(reason);
+    });
+    Ok((send, rx, pp))
+}
+
+impl Handler<PeerEnded> for PeerConnector {
+    type Result = ();
+
+    fn handle(&mut self, msg: PeerEnded, ctx: &mut Context<Self>) {
+        if msg.generation != self.generation {
+            return;
+        }
+        if msg.was_up {
+            self.backoff.succeeded();
+        }
+        let delay = self.backoff.failed();
+        tracing::info!(peer = %self.peer.id, reason = %msg.reason, ?delay, "relay connection to peer down; retrying");
+        ctx.run_later(delay, |act, ctx| act.connect(ctx));
+    }
+}
+
+/// Serves a peer broker's relay connection: each `dial` is answered from local tunnels.
+pub async fn serve_relay<S>(broker: Arc<Broker>, io: S, peer_id: String)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let hs = broker.settings.handshake_timeout;
+    let mut conn = match tokio::time::timeout(
+        hs,
+        broker.settings.server_builder().handshake::<_, Bytes>(io),
+    )
+    .await
+    {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
+            return tracing::warn!(peer = %peer_id, error = %e, "relay HTTP/2 handshake failed");
+        }
+        Err(_) => return tracing::warn!(peer = %peer_id, "relay HTTP/2 handshake timed out"),
+    };
+    tracing::info!(peer = %peer_id, "serving relay connection from peer");
+    let keepalive = tether_tunnel::keepalive::run(
+        conn.ping_pong().expect("ping_pong taken once"),
+        broker.settings.keepalive_interval,
+        broker.settings.keepalive_timeout,
+    );
+    tokio::pin!(keepalive);
+    loop {
+        tokio::select! {
+            req = conn.accept() => match req {
+                Some(Ok((req, respond))) => {
+                    tokio::spawn(relay_request(Arc::clone(&broker), req, respond));
+                }
+                Some(Err(e)) => return tracing::info!(peer = %peer_id, error = %e, "relay connection ended"),
+                None => return,
+            },
+            e = &mut keepalive => return tracing::info!(peer = %peer_id, error = %e, "relay peer unresponsive"),
+        }
+    }
+}
+
+async fn relay_request(
+    broker: Arc<Broker>,
+    req: Request<h2::RecvStream>,
+    mut respond: SendResponse<Bytes>,
+) {
+    if req.uri().path() != wire::PATH_DIAL {
+        respond.send_reset(h2::Reason::REFUSED_STREAM);
+        return;
+    }
+    let header = |n: &str| {
+        req.headers()
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned()
+    };
+    let (cluster, dest, origin, timeout) = (
+        header(wire::HEADER_CLUSTER),
+        header(wire::HEADER_TARGET),
+        header(wire::HEADER_STREAM),
+        header(wire::HEADER_DIAL_TIMEOUT_MS),
+    );
+    let stream_id = broker.next_stream_id();
+    let span = tracing::info_span!("relay_stream", stream = stream_id, cluster = %cluster, target = %dest, origin_stream = %origin);
+    tether_telemetry::propagation::set_parent(
+        &span,
+        req.headers()
+            .iter()
+            .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?))),
+    );
+    async move {
+        let target = match Target::from_wire(&cluster, &dest) {
+            Ok(t) => t,
+            Err(e) => {
+                let e = DialError::new(DialErrorKind::BadRequest, e.to_string());
+                let _ = respond.send_response(wire::error_response(&e), true);
+                return;
+            }
+        };
+        let timeout = timeout.parse::<u64>().ok().map(Duration::from_millis);
+        let opened = match broker.dial_for_peer(&target, stream_id, timeout).await {
+            Ok(o) => o,
+            Err(e) => {
+                let _ = respond.send_response(wire::error_response(&e), true);
+                return;
+            }
+        };
+        let crate::dial::OpenStream { send, recv, ticket } = opened;
+        let back = match respond.send_response(Response::new(()), false) {
+            Ok(s) => s,
+            Err(_) => {
+                broker.finish(&ticket, &Ok(Default::default()));
+                return;
+            }
+        };
+        let r = tether_tunnel::relay::splice_streams((back, req.into_body()), (send, recv)).await;
+        broker.finish(&ticket, &r);
+    }
+    .instrument(span)
+    .await
+}

@@ -1,0 +1,59 @@
+//! Splicing two HTTP/2 streams: how a broker relays a stream it received from a peer broker to
+//! its own tunnel for the cluster.
+//!
+//! Each direction forwards DATA frames with [`crate::pump::send_chunk`] (waiting for the far
+//! side's window) and releases the near side's capacity only after forwarding, so the two
+//! windows chain: a slow client slows the agent's stream and nothing else. END_STREAM is
+//! forwarded as END_STREAM; an error in either direction resets both streams.
+
+use bytes::Bytes;
+use h2::{Reason, RecvStream, SendStream};
+
+use crate::pump::{AbortReason, SpliceError, SpliceStats, h2_abort_reason, send_chunk};
+
+async fn forward(rx: &mut RecvStream, tx: &mut SendStream<Bytes>, total: &mut u64) -> Result<(), AbortReason> {
+    while let Some(next) = rx.data().await {
+        let data = next.map_err(|e| h2_abort_reason(&e))?;
+        let n = data.len();
+        send_chunk(tx, data).await?;
+        let _ = rx.flow_control().release_capacity(n);
+        *total += n as u64;
+    }
+    tx.send_data(Bytes::new(), true).map_err(|e| h2_abort_reason(&e))
+}
+
+/// Relays between stream `a` (e.g. from a peer broker) and stream `b` (e.g. to an agent) until
+/// both directions ended; `to_tunnel_bytes` counts a → b.
+pub async fn splice_streams(
+    (mut a_tx, mut a_rx): (SendStream<Bytes>, RecvStream),
+    (mut b_tx, mut b_rx): (SendStream<Bytes>, RecvStream),
+) -> Result<SpliceStats, SpliceError> {
+    let (mut ab, mut ba) = (0u64, 0u64);
+    let result = {
+        let up = forward(&mut a_rx, &mut b_tx, &mut ab);
+        let down = forward(&mut b_rx, &mut a_tx, &mut ba);
+        tokio::pin!(up, down);
+        let (mut up_done, mut down_done) = (false, false);
+        loop {
+            tokio::select! {
+                r = &mut up, if !up_done => match r { Ok(()) => up_done = true, Err(e) => break Err(e) },
+                r = &mut down, if !down_done => match r { Ok(()) => down_done = true, Err(e) => break Err(e) },
+            }
+            if up_done && down_done {
+                break Ok(());
+            }
+        }
+    };
+    let stats = SpliceStats {
+        to_tunnel_bytes: ab,
+        from_tunnel_bytes: ba,
+    };
+    match result {
+        Ok(()) => Ok(stats),
+        Err(reason) => {
+            a_tx.send_reset(Reason::CANCEL);
+            b_tx.send_reset(Reason::CANCEL);
+            Err(SpliceError { reason, stats })
+        }
+    }
+}
