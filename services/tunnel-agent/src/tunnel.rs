@@ -300,7 +300,7 @@ async fn handle_dial(
         let (rd, wr) = tcp.into_split();
         let result = splice(
             TcpChunkReader::new(rd, shared.settings.read_chunk_bytes),
-            wr,
+            crate::socket::ResettableWriteHalf::new(wr),
             send,
             req.into_body(),
             shared.settings.write_stall_timeout,

@@ -6,16 +6,21 @@
 //! / refused / name not found, 503 overloaded, 504 dial timeout — the reason is in the body and
 //! in `Tether-Error`.
 
+use std::io;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use tether_tls::Identity;
+use tether_tunnel::pump::AbortableWrite;
 use tether_tunnel::pump::{AsyncChunkReader, TcpChunkReader, splice};
 use tether_tunnel::wire::{DialErrorKind, header_safe};
 use tether_tunnel::{DialError, Target};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::net::tcp::OwnedWriteHalf;
 use tracing::Instrument;
 
 use crate::auth::ClientId;
@@ -127,26 +132,31 @@ fn error_response(e: &DialError) -> Vec<u8> {
 
 const ESTABLISHED: &[u8] = b"HTTP/1.1 200 Connection established\r\n\r\n";
 
-/// Authenticates and authorises a parsed head and opens the stream.
+/// Authenticates and authorises a parsed head and opens the stream. Failures before the dial
+/// (bad target, missing or unknown credentials) are counted here; [`Broker::dial`] counts its own.
 async fn open(
     broker: &Broker,
     head: Head,
     peer: Option<&Identity>,
     stream_id: u64,
 ) -> Result<crate::dial::OpenStream, DialError> {
-    let target = head.target?;
-    tracing::Span::current().record("cluster", target.cluster.as_str());
-    tracing::Span::current().record("target", tracing::field::display(&target));
-    let client: ClientId = match (&head.credentials, peer) {
-        (Some(c), _) => broker.auth.from_header(c)?,
-        (None, Some(id)) => broker.auth.from_certificate(id)?,
-        (None, None) => {
-            return Err(DialError::new(
-                DialErrorKind::Unauthenticated,
-                "no credentials: present a client certificate or Proxy-Authorization",
-            ));
-        }
-    };
+    let checked = (|| {
+        let target = head.target?;
+        tracing::Span::current().record("cluster", target.cluster.as_str());
+        tracing::Span::current().record("target", tracing::field::display(&target));
+        let client: ClientId = match (&head.credentials, peer) {
+            (Some(c), _) => broker.auth.from_header(c)?,
+            (None, Some(id)) => broker.auth.from_certificate(id)?,
+            (None, None) => {
+                return Err(DialError::new(
+                    DialErrorKind::Unauthenticated,
+                    "no credentials: present a client certificate or Proxy-Authorization",
+                ));
+            }
+        };
+        Ok((target, client))
+    })();
+    let (target, client) = checked.inspect_err(|e| broker.record_failure(FRONTEND, e))?;
     tracing::Span::current().record("client", client.name.as_str());
     broker
         .dial(FRONTEND, &client, &target, stream_id, None)
@@ -172,14 +182,14 @@ pub async fn serve_plain(broker: Arc<Broker>, mut tcp: TcpStream) {
             Ok((head, rest)) => open(&broker, head, None, stream_id)
                 .await
                 .map(|o| (o, rest)),
-            Err(e) => Err(e),
+            Err(e) => {
+                broker.record_failure(FRONTEND, &e);
+                Err(e)
+            }
         };
         let (stream, rest) = match opened {
             Ok(x) => x,
             Err(e) => {
-                if e.kind == DialErrorKind::BadRequest {
-                    broker.record_failure(FRONTEND, &e);
-                }
                 let _ = tcp.write_all(&error_response(&e)).await;
                 let _ = tcp.shutdown().await;
                 return;
@@ -193,7 +203,7 @@ pub async fn serve_plain(broker: Arc<Broker>, mut tcp: TcpStream) {
         let crate::dial::OpenStream { send, recv, ticket } = stream;
         let r = splice(
             TcpChunkReader::with_prefix(rd, broker.settings.read_chunk_bytes, rest),
-            wr,
+            ResettableWriteHalf::new(wr),
             send,
             recv,
             broker.settings.write_stall_timeout,
@@ -218,14 +228,14 @@ pub async fn serve_tls<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
             Ok((head, rest)) => open(&broker, head, peer.as_ref(), stream_id)
                 .await
                 .map(|o| (o, rest)),
-            Err(e) => Err(e),
+            Err(e) => {
+                broker.record_failure(FRONTEND, &e);
+                Err(e)
+            }
         };
         let (stream, rest) = match opened {
             Ok(x) => x,
             Err(e) => {
-                if e.kind == DialErrorKind::BadRequest {
-                    broker.record_failure(FRONTEND, &e);
-                }
                 let _ = io.write_all(&error_response(&e)).await;
                 let _ = io.shutdown().await;
                 return;
@@ -253,4 +263,59 @@ pub async fn serve_tls<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     }
     .instrument(span(stream_id))
     .await
+}
+
+/// The write half of a TCP socket that an abort closes with RST *only*.
+///
+/// Dropping a tokio `OwnedWriteHalf` shuts its write side down (a FIN). With zero linger set,
+/// the final close then sends RST, but the FIN is already on its way and the peer reads it as a
+/// clean EOF before the reset arrives — exactly the confusion the tunnel must never cause. On
+/// abort this type sets zero linger and *forgets* the write half (no FIN), so the socket is
+/// reset when the read half drops.
+pub struct ResettableWriteHalf(Option<OwnedWriteHalf>);
+
+impl ResettableWriteHalf {
+    pub fn new(wr: OwnedWriteHalf) -> Self {
+        Self(Some(wr))
+    }
+}
+
+fn aborted() -> io::Error {
+    io::Error::new(io::ErrorKind::BrokenPipe, "stream aborted")
+}
+
+impl AsyncWrite for ResettableWriteHalf {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut().0.as_mut() {
+            Some(w) => Pin::new(w).poll_write(cx, buf),
+            None => Poll::Ready(Err(aborted())),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut().0.as_mut() {
+            Some(w) => Pin::new(w).poll_flush(cx),
+            None => Poll::Ready(Ok(())),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut().0.as_mut() {
+            Some(w) => Pin::new(w).poll_shutdown(cx),
+            None => Poll::Ready(Err(aborted())),
+        }
+    }
+}
+
+impl AbortableWrite for ResettableWriteHalf {
+    fn abort(&mut self) {
+        if let Some(w) = self.0.take() {
+            let _ = w.as_ref().set_zero_linger();
+            w.forget();
+        }
+    }
 }
