@@ -4,6 +4,8 @@
 //! [`Hub::start`] starts a broker; [`Hub::start_agent`] an agent for a cluster. Both read their
 //! bound addresses back from `--ready-file`. Everything is stopped (by PID) on drop.
 
+pub mod apiserver;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -3,12 +3,11 @@
 //! requests reach a cluster's API server (a real TLS server on loopback standing in for
 //! kube-apiserver, which cannot run here) through the tunnel.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use tether_client::{ClientError, Dialer, DialerConfig, Token};
+use tether_e2e::apiserver::{FakeApiServer, KUBE_TOKEN};
 use tether_e2e::{Hub, OPS_TOKEN, echo_server, wait_agent_ready, wait_tunnel};
-use tether_tls::Identity;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn dialer(hub: &Hub, broker: &tether_e2e::Broker) -> anyhow::Result<Dialer> {
@@ -69,65 +68,12 @@ async fn dialer_stream_round_trip_half_close_and_errors() -> anyhow::Result<()> 
     Ok(())
 }
 
-/// A minimal HTTPS server answering `/version` like kube-apiserver.
-async fn fake_apiserver(hub: &Hub) -> anyhow::Result<std::net::SocketAddr> {
-    let leaf = hub.pki.issue(
-        "apiserver",
-        Identity::Hub {
-            component: "kube-apiserver".into(),
-        },
-        &["kubernetes.default.svc", "localhost"],
-    )?;
-    let tls = tether_tls::TlsMaterial::load(tether_tls::TlsFiles {
-        cert: leaf.cert,
-        key: leaf.key,
-        ca: leaf.ca,
-    })?;
-    let acceptor =
-        tokio_rustls::TlsAcceptor::from(Arc::new(tls.server_config(false, &[b"http/1.1"])?));
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = l.local_addr()?;
-    tokio::spawn(async move {
-        while let Ok((tcp, _)) = l.accept().await {
-            let acceptor = acceptor.clone();
-            tokio::spawn(async move {
-                let Ok(mut s) = acceptor.accept(tcp).await else {
-                    return;
-                };
-                let mut buf = vec![0u8; 8192];
-                let mut got = Vec::new();
-                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => got.extend_from_slice(&buf[..n]),
-                    }
-                }
-                let head = String::from_utf8_lossy(&got);
-                let ok = head.starts_with("GET /version")
-                    && head.contains("authorization: Bearer kube-token");
-                let body = r#"{"major":"1","minor":"32","gitVersion":"v1.32.0-tether-test","gitCommit":"","gitTreeState":"","buildDate":"","goVersion":"","compiler":"","platform":"linux/amd64"}"#;
-                let resp = if ok {
-                    format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                        body.len()
-                    )
-                } else {
-                    "HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n".to_owned()
-                };
-                let _ = s.write_all(resp.as_bytes()).await;
-                let _ = s.shutdown().await;
-            });
-        }
-    });
-    Ok(addr)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kube_client_reaches_api_server_through_tunnel() -> anyhow::Result<()> {
     let hub = Hub::new()?;
-    let api = fake_apiserver(&hub).await?;
+    let api = FakeApiServer::start(&hub).await?;
     let broker = hub.start_broker("b1", "")?;
-    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], api, "")?;
+    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], api.addr, "")?;
     wait_agent_ready(&agent).await?;
     wait_tunnel(&broker, "c1").await?;
     let d = dialer(&hub, &broker).await?;
@@ -136,7 +82,7 @@ async fn kube_client_reaches_api_server_through_tunnel() -> anyhow::Result<()> {
     let mut cfg = kube::Config::new("https://c1:443".parse()?);
     cfg.root_cert = Some(ca_der.iter().map(|c| c.to_vec()).collect());
     cfg.tls_server_name = Some("kubernetes.default.svc".into());
-    cfg.auth_info.token = Some("kube-token".to_owned().into());
+    cfg.auth_info.token = Some(KUBE_TOKEN.to_owned().into());
     let client = d.kube_client("c1", cfg)?;
     let v = tokio::time::timeout(Duration::from_secs(20), client.apiserver_version()).await??;
     assert_eq!(v.git_version, "v1.32.0-tether-test");

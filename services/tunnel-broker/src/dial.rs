@@ -46,7 +46,14 @@ pub struct StreamTicket {
     pub stream_id: u64,
     pub frontend: &'static str,
     started: Instant,
-    _guard: StreamGuard,
+    guard: StreamGuard,
+}
+
+impl StreamTicket {
+    /// Last measured round trip of the tunnel (or relay link) carrying the stream.
+    pub fn tunnel_rtt(&self) -> Option<Duration> {
+        self.guard.tunnel().rtt()
+    }
 }
 
 impl Broker {
@@ -135,7 +142,7 @@ impl Broker {
                         stream_id,
                         frontend,
                         started,
-                        _guard: guard,
+                        guard,
                     },
                 })
             }

@@ -294,12 +294,13 @@ impl pb::dialer_server::Dialer for DialerSvc {
         }
         .instrument(span.clone())
         .await;
-        let result_frame = |ok: bool, code: pb::DialErrorCode, message: String| pb::DialFrame {
+        let result_frame = |ok: bool, code: pb::DialErrorCode, message: String, rtt: Option<Duration>| pb::DialFrame {
             kind: Some(pb::dial_frame::Kind::Result(pb::DialResult {
                 ok,
                 code: code as i32,
                 message,
                 stream_id,
+                tunnel_rtt_micros: rtt.map_or(0, |d| d.as_micros() as u64),
             })),
         };
         let OpenStream { send, recv, ticket } = match opened {
@@ -309,7 +310,7 @@ impl pb::dialer_server::Dialer for DialerSvc {
                     broker.record_failure("grpc", &e);
                 }
                 let _ =
-                    out_tx.try_send(Ok(result_frame(false, code_of(e.kind), e.message.clone())));
+                    out_tx.try_send(Ok(result_frame(false, code_of(e.kind), e.message.clone(), None)));
                 return Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))));
             }
         };
@@ -317,6 +318,7 @@ impl pb::dialer_server::Dialer for DialerSvc {
             true,
             pb::DialErrorCode::Unspecified,
             String::new(),
+            ticket.tunnel_rtt(),
         )));
         tokio::spawn(
             async move {

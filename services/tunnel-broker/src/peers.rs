@@ -133,11 +133,11 @@ impl PeerConnector {
                         send,
                         max_pending,
                     ));
-                    table.set(&peer.id, Some(handle));
+                    table.set(&peer.id, Some(Arc::clone(&handle)));
                     tracing::info!(peer = %peer.id, address = %peer.address, "relay connection to peer up");
                     let reason = tokio::select! {
                         r = conn_end => r.unwrap_or_else(|_| "connection task ended".into()),
-                        e = tether_tunnel::keepalive::run(pp, settings.keepalive_interval, settings.keepalive_timeout) => e.to_string(),
+                        e = tether_tunnel::keepalive::run_measured(pp, settings.keepalive_interval, settings.keepalive_timeout, handle.rtt_cell()) => e.to_string(),
                     };
                     table.set(&peer.id, None);
                     (reason, true)

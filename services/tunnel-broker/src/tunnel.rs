@@ -37,6 +37,8 @@ pub struct TunnelHandle {
     open: AtomicUsize,
     pending: Semaphore,
     draining: AtomicBool,
+    /// Last HTTP/2 PING round trip on this connection, µs (0 = not measured yet).
+    rtt_micros: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for TunnelHandle {
@@ -51,6 +53,13 @@ impl std::fmt::Debug for TunnelHandle {
 
 /// Decrements the tunnel's open-stream count when the stream ends.
 pub struct StreamGuard(Arc<TunnelHandle>);
+
+impl StreamGuard {
+    /// The tunnel carrying the stream.
+    pub fn tunnel(&self) -> &TunnelHandle {
+        &self.0
+    }
+}
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
@@ -76,11 +85,25 @@ impl TunnelHandle {
             open: AtomicUsize::new(0),
             pending: Semaphore::new(max_pending_dials),
             draining: AtomicBool::new(false),
+            rtt_micros: Default::default(),
         }
     }
 
     pub fn open_streams(&self) -> usize {
         self.open.load(Ordering::Relaxed)
+    }
+
+    /// Last measured round trip of the tunnel (HTTP/2 PING), if any.
+    pub fn rtt(&self) -> Option<Duration> {
+        match self.rtt_micros.load(Ordering::Relaxed) {
+            0 => None,
+            us => Some(Duration::from_micros(us)),
+        }
+    }
+
+    /// Where the keepalive stores its measurements.
+    pub fn rtt_cell(&self) -> &std::sync::atomic::AtomicU64 {
+        &self.rtt_micros
     }
 
     pub fn is_draining(&self) -> bool {
@@ -359,10 +382,11 @@ impl Actor for TunnelActor {
         let me = ctx.address();
         let cluster = self.handle.cluster.clone();
         let id = self.handle.id;
+        let handle = Arc::clone(&self.handle);
         tokio::spawn(async move {
             let reason = tokio::select! {
                 r = closed => r.unwrap_or_else(|_| "connection task ended".into()),
-                e = tether_tunnel::keepalive::run(pp, interval, timeout) => e.to_string(),
+                e = tether_tunnel::keepalive::run_measured(pp, interval, timeout, handle.rtt_cell()) => e.to_string(),
             };
             tracing::info!(%cluster, tunnel = id, %reason, "tunnel connection ended");
             me.do_send(Ended(reason));

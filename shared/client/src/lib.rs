@@ -179,6 +179,8 @@ impl Dialer {
             pending: Bytes::new(),
             eof: false,
             stream_id: result.stream_id,
+            tunnel_rtt: (result.tunnel_rtt_micros > 0)
+                .then(|| Duration::from_micros(result.tunnel_rtt_micros)),
         })
     }
 
@@ -253,9 +255,15 @@ pub struct DialStream {
     pending: Bytes,
     eof: bool,
     stream_id: u64,
+    tunnel_rtt: Option<Duration>,
 }
 
 impl DialStream {
+    /// The broker's last measured round trip of the tunnel carrying this stream.
+    pub fn tunnel_rtt(&self) -> Option<Duration> {
+        self.tunnel_rtt
+    }
+
     /// The broker's id for this stream (appears in its logs and traces).
     pub fn stream_id(&self) -> u64 {
         self.stream_id

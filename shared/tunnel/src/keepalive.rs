@@ -1,7 +1,8 @@
 //! HTTP/2 PING keepalive: a dead peer is detected within `interval + timeout`, not the hour
-//! konnectivity defaults to.
+//! konnectivity defaults to. Each answered PING also measures the tunnel's round trip.
 
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 /// Why the keepalive loop ended.
 #[derive(Debug, thiserror::Error)]
@@ -14,11 +15,32 @@ pub enum KeepaliveError {
 
 /// Sends a PING every `interval` and fails when one is not answered within `timeout`.
 /// Returns only on failure; cancel it by dropping the future.
-pub async fn run(mut pp: h2::PingPong, interval: Duration, timeout: Duration) -> KeepaliveError {
+pub async fn run(pp: h2::PingPong, interval: Duration, timeout: Duration) -> KeepaliveError {
+    run_measured(pp, interval, timeout, &AtomicU64::new(0)).await
+}
+
+/// Like [`run`], storing each measured round trip in microseconds into `rtt_micros`. The first
+/// PING is sent at once so the round trip is known as soon as the tunnel is up.
+pub async fn run_measured(
+    mut pp: h2::PingPong,
+    interval: Duration,
+    timeout: Duration,
+    rtt_micros: &AtomicU64,
+) -> KeepaliveError {
+    let mut first = true;
     loop {
-        tokio::time::sleep(interval).await;
+        if !first {
+            tokio::time::sleep(interval).await;
+        }
+        first = false;
+        let sent = Instant::now();
         match tokio::time::timeout(timeout, pp.ping(h2::Ping::opaque())).await {
-            Ok(Ok(_pong)) => {}
+            Ok(Ok(_pong)) => {
+                let us = u64::try_from(sent.elapsed().as_micros())
+                    .unwrap_or(u64::MAX)
+                    .max(1);
+                rtt_micros.store(us, Ordering::Relaxed);
+            }
             Ok(Err(e)) => return KeepaliveError::Failed(e),
             Err(_) => return KeepaliveError::Timeout(timeout),
         }

@@ -1,0 +1,156 @@
+//! health-prober configuration (YAML); documented in docs/configuration.md.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+use tether_config::{ConfigError, Validate};
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProberConfig {
+    pub broker: BrokerAccess,
+    /// Time between the starts of two probe rounds.
+    #[serde(default = "default_interval", with = "humantime_serde")]
+    pub interval: Duration,
+    /// Budget of one probe (dial + TLS + request).
+    #[serde(default = "default_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+    /// Probes in flight at once.
+    #[serde(default = "default_concurrency")]
+    pub concurrency: usize,
+    /// Consecutive failures before a healthy cluster is reported unhealthy.
+    #[serde(default = "default_failures")]
+    pub failure_threshold: u32,
+    /// Consecutive successes before an unhealthy cluster is reported healthy.
+    #[serde(default = "one")]
+    pub success_threshold: u32,
+    /// Clusters to probe (a static list; the hub's ManagedCluster list replaces it on NATS).
+    #[serde(default)]
+    pub clusters: Vec<String>,
+    /// CA bundle that signed the clusters' API server certificates. Without it the probe's TLS
+    /// is not verified (the probe sends no credentials) and results say `tls_verified: false`.
+    #[serde(default)]
+    pub apiserver_ca: Option<PathBuf>,
+    /// Name checked in API server certificates.
+    #[serde(default = "default_apiserver_name")]
+    pub apiserver_server_name: String,
+    /// Per-cluster probe target instead of the API server.
+    #[serde(default)]
+    pub targets: BTreeMap<String, ProbeTarget>,
+    #[serde(default = "default_admin")]
+    pub admin_listen: SocketAddr,
+}
+
+/// How the prober reaches brokers: the native gRPC Dial API.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BrokerAccess {
+    /// `https://host:port` of a broker's client TLS listener.
+    pub endpoint: String,
+    pub server_name: String,
+    pub ca: PathBuf,
+    /// Client certificate (CN `tether:client:<name>`) and key; or a token file.
+    #[serde(default)]
+    pub cert: Option<PathBuf>,
+    #[serde(default)]
+    pub key: Option<PathBuf>,
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+}
+
+/// A plain-HTTP or HTTPS target inside the cluster.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeTarget {
+    pub host: String,
+    pub port: u16,
+    #[serde(default = "default_path")]
+    pub path: String,
+    #[serde(default)]
+    pub tls: bool,
+}
+
+fn default_interval() -> Duration {
+    Duration::from_secs(30)
+}
+fn default_timeout() -> Duration {
+    Duration::from_secs(5)
+}
+fn default_concurrency() -> usize {
+    64
+}
+fn default_failures() -> u32 {
+    2
+}
+fn one() -> u32 {
+    1
+}
+fn default_apiserver_name() -> String {
+    "kubernetes.default.svc".into()
+}
+fn default_path() -> String {
+    "/healthz".into()
+}
+fn default_admin() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+impl Validate for ProberConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if !self.broker.endpoint.starts_with("https://") {
+            return Err(ConfigError::invalid(
+                "broker.endpoint",
+                "must be https://host:port",
+            ));
+        }
+        match (&self.broker.cert, &self.broker.key, &self.broker.token_file) {
+            (Some(_), Some(_), _) | (None, None, Some(_)) => {}
+            (Some(_), None, _) | (None, Some(_), _) => {
+                return Err(ConfigError::invalid(
+                    "broker.cert",
+                    "cert and key go together",
+                ));
+            }
+            (None, None, None) => {
+                return Err(ConfigError::invalid(
+                    "broker.token_file",
+                    "set cert+key or token_file",
+                ));
+            }
+        }
+        if self.interval < Duration::from_millis(100) {
+            return Err(ConfigError::invalid("interval", "must be at least 100ms"));
+        }
+        if self.timeout.is_zero() || self.timeout > self.interval {
+            return Err(ConfigError::invalid(
+                "timeout",
+                "must be > 0 and not longer than interval",
+            ));
+        }
+        if self.concurrency == 0 {
+            return Err(ConfigError::invalid("concurrency", "must be at least 1"));
+        }
+        if self.failure_threshold == 0 || self.success_threshold == 0 {
+            return Err(ConfigError::invalid(
+                "failure_threshold",
+                "thresholds must be at least 1",
+            ));
+        }
+        for (i, c) in self.clusters.iter().enumerate() {
+            tether_tls::identity::validate_dns_label(c)
+                .map_err(|r| ConfigError::invalid(format!("clusters[{i}]"), r))?;
+        }
+        for (name, t) in &self.targets {
+            if t.port == 0 || t.host.is_empty() || !t.path.starts_with('/') {
+                return Err(ConfigError::invalid(
+                    format!("targets.{name}"),
+                    "needs host, a non-zero port and a path starting with /",
+                ));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,136 @@
+//! health-prober: probes every managed cluster through the tunnels and publishes health.
+//!
+//! Layout:
+//! - [`config`]: YAML config.
+//! - [`probe`]: one cluster's prober, reusing its tunnelled connection across rounds.
+//! - [`health`]: the damped health table.
+//! - [`engine`]: the scheduler actor (rounds, bounded concurrency, overrun accounting).
+//! - [`metrics`]: Prometheus metrics.
+//!
+//! Results are served on the admin listener at `/debug/health` (JSON).
+
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod engine;
+pub mod health;
+pub mod metrics;
+pub mod probe;
+
+use std::sync::Arc;
+
+use actix::prelude::*;
+use prometheus::Registry;
+use tether_client::{ClientCert, Dialer, DialerConfig, Token};
+use tether_telemetry::{AdminServer, Readiness};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::ProberConfig;
+use crate::engine::Scheduler;
+use crate::health::{Damping, HealthTable};
+use crate::metrics::ProberMetrics;
+use crate::probe::{ProbeContext, UnverifiedProbeTls};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProberError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("broker: {0}")]
+    Broker(#[from] tether_client::ClientError),
+    #[error("TLS: {0}")]
+    Tls(#[from] tether_tls::TlsError),
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+}
+
+fn read(path: &std::path::Path) -> Result<String, ProberError> {
+    std::fs::read_to_string(path).map_err(|source| ProberError::Read {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Runs the prober until `shutdown`; call inside an actix `System`.
+pub async fn run(
+    cfg: ProberConfig,
+    admin: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), ProberError> {
+    let registry = Registry::new();
+    let metrics = ProberMetrics::new(&registry)?;
+    let b = &cfg.broker;
+    let client_cert = match (&b.cert, &b.key) {
+        (Some(c), Some(k)) => Some(ClientCert {
+            cert_pem: read(c)?,
+            key_pem: read(k)?,
+        }),
+        _ => None,
+    };
+    let token = match &b.token_file {
+        Some(p) => Some(Token(read(p)?.trim().to_owned())),
+        None => None,
+    };
+    let dialer = Dialer::connect(DialerConfig {
+        endpoint: b.endpoint.clone(),
+        server_name: b.server_name.clone(),
+        ca_pem: read(&b.ca)?,
+        client_cert,
+        token,
+        connect_timeout: cfg.timeout,
+    })
+    .await?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let (tls, tls_verified) = match &cfg.apiserver_ca {
+        Some(ca) => {
+            let roots = tether_tls::reload::load_roots(ca)?;
+            (
+                rustls::ClientConfig::builder()
+                    .with_root_certificates(roots)
+                    .with_no_client_auth(),
+                true,
+            )
+        }
+        None => (
+            rustls::ClientConfig::builder()
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(UnverifiedProbeTls(provider)))
+                .with_no_client_auth(),
+            false,
+        ),
+    };
+    let ctx = Arc::new(ProbeContext {
+        dialer,
+        tls: Arc::new(tls),
+        tls_verified,
+        apiserver_name: cfg.apiserver_server_name.clone(),
+    });
+    let table = HealthTable::default();
+    let scheduler = Scheduler::new(
+        ctx,
+        cfg.clusters.clone(),
+        cfg.targets.clone(),
+        cfg.interval,
+        cfg.timeout,
+        cfg.concurrency,
+        Damping {
+            failure_threshold: cfg.failure_threshold,
+            success_threshold: cfg.success_threshold,
+        },
+        table.clone(),
+        metrics,
+    );
+    let _scheduler = Scheduler::start_in_arbiter(&Arbiter::current(), move |_| scheduler);
+    let readiness = Readiness::new();
+    readiness.set_ready();
+    let admin_server = AdminServer::new(registry, readiness)
+        .with_json_route("/debug/health", move || {
+            serde_json::to_string(&table.snapshot()).unwrap_or_default()
+        });
+    tracing::info!(clusters = cfg.clusters.len(), interval = ?cfg.interval, "health-prober started");
+    admin_server.serve(admin, shutdown).await;
+    Ok(())
+}

@@ -1,0 +1,48 @@
+//! health-prober binary: parse flags, load config, start telemetry, run.
+
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::Parser;
+
+/// Tether health-prober: probes every managed cluster through the tunnels.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Path of the YAML config file.
+    #[arg(long, short, env = "TETHER_PROBER_CONFIG")]
+    config: PathBuf,
+    /// Write the bound admin address here as JSON once listening (for scripts and tests).
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tether_tls::install_default_crypto();
+    let cfg: health_prober::config::ProberConfig =
+        tether_config::load(&args.config).context("invalid health-prober configuration")?;
+    let sys = actix::System::with_tokio_rt(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .expect("tokio runtime")
+    });
+    sys.block_on(async move {
+        let _telemetry = tether_telemetry::init_tracing("health-prober");
+        let shutdown = tether_runtime::shutdown_token();
+        let admin = tokio::net::TcpListener::bind(cfg.admin_listen)
+            .await
+            .with_context(|| format!("cannot bind admin_listen {}", cfg.admin_listen))?;
+        if let Some(path) = &args.ready_file {
+            let info = serde_json::json!({ "admin": admin.local_addr()?.to_string() });
+            let tmp = path.with_extension("tmp");
+            std::fs::write(&tmp, info.to_string())?;
+            std::fs::rename(&tmp, path)?;
+        }
+        health_prober::run(cfg, admin, shutdown).await?;
+        anyhow::Ok(())
+    })
+}
