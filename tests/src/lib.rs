@@ -43,6 +43,8 @@ pub struct Agent {
 pub struct Hub {
     pub dir: tempfile::TempDir,
     pub pki: Pki,
+    /// Environment variables given to every process the hub starts (e.g. OTLP export).
+    pub env: Vec<(String, String)>,
 }
 
 fn sha256_hex(s: &str) -> String {
@@ -63,7 +65,11 @@ impl Hub {
         tether_tls::install_default_crypto();
         let dir = tempfile::tempdir()?;
         let pki = Pki::new(&dir.path().join("pki"))?;
-        Ok(Self { dir, pki })
+        Ok(Self {
+            dir,
+            pki,
+            env: Vec::new(),
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -90,6 +96,7 @@ impl Hub {
         let ready = self.path().join(format!("broker-{id}.ready"));
         let _ = std::fs::remove_file(&ready);
         let mut cmd = Command::new(bin("tunnel-broker")?);
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         cmd.arg("--config")
             .arg(&config_path)
             .arg("--ready-file")
@@ -139,6 +146,7 @@ impl Hub {
         std::fs::write(&config_path, cfg)?;
         let ready = self.path().join(format!("{name}.ready"));
         let mut cmd = Command::new(bin("tunnel-agent")?);
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         cmd.arg("--config")
             .arg(&config_path)
             .arg("--ready-file")

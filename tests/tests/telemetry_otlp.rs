@@ -1,0 +1,150 @@
+//! Traces: with the standard OTEL_EXPORTER_OTLP_ENDPOINT set, broker and agent export spans over
+//! OTLP/gRPC (to a real OTLP receiver in this test), the stream's spans carry the cluster and
+//! stream id, and the agent's span joins the broker's trace (context carried in the tunnel's
+//! HTTP/2 headers).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use tether_e2e::{Hub, OPS_TOKEN, connect, echo_server, wait_agent_ready, wait_tunnel};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+#[derive(Debug, Clone)]
+struct SpanRecord {
+    service: String,
+    name: String,
+    trace_id: Vec<u8>,
+    attrs: Vec<(String, String)>,
+}
+
+#[derive(Clone, Default)]
+struct Receiver(Arc<Mutex<Vec<SpanRecord>>>);
+
+#[tonic::async_trait]
+impl TraceService for Receiver {
+    async fn export(
+        &self,
+        req: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let mut out = self.0.lock().expect("lock");
+        for rs in req.into_inner().resource_spans {
+            let service = rs
+                .resource
+                .iter()
+                .flat_map(|r| r.attributes.iter())
+                .find(|kv| kv.key == "service.name")
+                .and_then(|kv| kv.value.as_ref()?.value.as_ref())
+                .map(|v| match v {
+                    Value::StringValue(s) => s.clone(),
+                    other => format!("{other:?}"),
+                })
+                .unwrap_or_default();
+            for ss in rs.scope_spans {
+                for s in ss.spans {
+                    let attrs = s
+                        .attributes
+                        .iter()
+                        .map(|kv| {
+                            let v = match kv.value.as_ref().and_then(|v| v.value.as_ref()) {
+                                Some(Value::StringValue(s)) => s.clone(),
+                                Some(Value::IntValue(i)) => i.to_string(),
+                                Some(other) => format!("{other:?}"),
+                                None => String::new(),
+                            };
+                            (kv.key.clone(), v)
+                        })
+                        .collect();
+                    out.push(SpanRecord {
+                        service: service.clone(),
+                        name: s.name,
+                        trace_id: s.trace_id,
+                        attrs,
+                    });
+                }
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+fn attr<'a>(s: &'a SpanRecord, k: &str) -> Option<&'a str> {
+    s.attrs
+        .iter()
+        .find(|(key, _)| key == k)
+        .map(|(_, v)| v.as_str())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_are_exported_and_joined_across_the_tunnel() -> anyhow::Result<()> {
+    let receiver = Receiver::default();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let otlp = l.local_addr()?;
+    let svc = TraceServiceServer::new(receiver.clone());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
+    );
+
+    let mut hub = Hub::new()?;
+    hub.env = vec![
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT".into(),
+            format!("http://{otlp}"),
+        ),
+        ("OTEL_BSP_SCHEDULE_DELAY".into(), "100".into()),
+    ];
+    let echo = echo_server().await?;
+    let broker = hub.start_broker("b1", "")?;
+    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&broker, "c1").await?;
+
+    let mut s = match connect(broker.client_addr, "c1:443", Some(OPS_TOKEN)).await? {
+        Ok(s) => s,
+        Err((code, body)) => anyhow::bail!("CONNECT failed: {code} {body}"),
+    };
+    s.write_all(b"traced").await?;
+    let mut six = [0u8; 6];
+    s.read_exact(&mut six).await?;
+    drop(s);
+
+    let (b, a) = tether_test_support::wait_until_async(
+        Duration::from_secs(20),
+        "broker and agent stream spans",
+        || async {
+            let spans = receiver.0.lock().expect("lock").clone();
+            let b = spans
+                .iter()
+                .find(|s| s.service == "tunnel-broker" && s.name == "connect_stream")?
+                .clone();
+            let a = spans
+                .iter()
+                .find(|s| s.service == "tunnel-agent" && s.name == "agent_stream")?
+                .clone();
+            Some((b, a))
+        },
+    )
+    .await?;
+    assert_eq!(attr(&b, "cluster"), Some("c1"), "{b:?}");
+    assert!(attr(&b, "stream").is_some(), "{b:?}");
+    assert_eq!(attr(&a, "cluster"), Some("c1"), "{a:?}");
+    assert_eq!(
+        attr(&a, "stream"),
+        attr(&b, "stream"),
+        "agent span has the broker's stream id"
+    );
+    assert!(!b.trace_id.is_empty());
+    assert_eq!(
+        a.trace_id, b.trace_id,
+        "agent span is not in the broker's trace"
+    );
+    Ok(())
+}
