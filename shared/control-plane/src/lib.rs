@@ -21,7 +21,8 @@ pub mod auth;
 pub mod connect;
 pub mod hub;
 pub mod kubeconfig;
-pub mod proxy;
+/// Forward-proxy dialling lives in its own crate; re-exported under its old path.
+pub use tether_proxy as proxy;
 pub mod resources;
 pub mod store;
 pub mod subjects;

@@ -1,4 +1,7 @@
-//! Reaching hub NATS through an HTTP or HTTPS forward proxy (HTTP CONNECT).
+//! Dialling through HTTP or HTTPS forward proxies (HTTP CONNECT).
+//!
+//! Used by the registration-agent (hub NATS) and the tunnel-agent (broker tunnels). [`env`]
+//! decides which proxy, if any, a connection uses (`HTTP(S)_PROXY`, `NO_PROXY`).
 //!
 //! async-nats has no proxy support, so [`ProxyForwarder`] listens on `127.0.0.1:0` and, for each
 //! connection the NATS client opens, dials the proxy (TCP, or TLS to an `https://` proxy verified
@@ -8,6 +11,10 @@
 //!
 //! [`ProxyDialer::dial`] is also used as a pre-flight probe so that proxy failures surface as
 //! named errors ([`ProxyError`]) instead of an opaque "connection closed" inside async-nats.
+
+pub mod env;
+
+pub use env::ProxySettings;
 
 use std::fmt;
 use std::net::SocketAddr;
