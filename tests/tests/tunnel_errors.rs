@@ -32,9 +32,7 @@ async fn expect_status(
 }
 
 /// Reads until EOF or error; returns the bytes read and how it ended.
-async fn read_until_end<R: tokio::io::AsyncRead + Unpin>(
-    rd: &mut R,
-) -> (u64, std::io::Result<()>) {
+async fn read_until_end<R: tokio::io::AsyncRead + Unpin>(rd: &mut R) -> (u64, std::io::Result<()>) {
     let mut buf = vec![0u8; 256 << 10];
     let mut n = 0u64;
     loop {
@@ -216,7 +214,14 @@ async fn agent_certificate_for_other_cluster_is_refused() -> anyhow::Result<()> 
     .await?;
     assert_eq!(ok, 0.0, "the mismatched agent must never be accepted");
     for authority in ["b:443", "a:443"] {
-        expect_status(broker.client_addr, authority, Some(OPS_TOKEN), 502, "no tunnel").await?;
+        expect_status(
+            broker.client_addr,
+            authority,
+            Some(OPS_TOKEN),
+            502,
+            "no tunnel",
+        )
+        .await?;
     }
     let (_, tunnels) = tether_e2e::admin_get(broker.admin_addr, "/debug/tunnels").await?;
     assert_eq!(tunnels.trim(), "[]");
@@ -235,15 +240,22 @@ async fn unauthenticated_and_unauthorised_clients_are_refused() -> anyhow::Resul
         body.to_lowercase().contains("proxy-authenticate: bearer"),
         "407 needs a Proxy-Authenticate challenge: {body}"
     );
-    expect_status(b, &echo, Some("wrong-token"), 407, "unknown or revoked token").await?;
+    expect_status(
+        b,
+        &echo,
+        Some("wrong-token"),
+        407,
+        "unknown or revoked token",
+    )
+    .await?;
     expect_status(b, "c1:443", Some("wrong-token"), 407, "token").await?;
     // Wrong Basic credentials too.
     let head = format!(
         "CONNECT {echo} HTTP/1.1\r\nproxy-authorization: Basic {}\r\n\r\n",
         base64_encode(b"user:wrong")
     );
-    let r = tether_e2e::send_head(tokio::net::TcpStream::connect(b).await?, head.as_bytes())
-        .await?;
+    let r =
+        tether_e2e::send_head(tokio::net::TcpStream::connect(b).await?, head.as_bytes()).await?;
     assert_eq!(r.err().map(|e| e.0), Some(407));
     // apionly has no rules: API server yes, anything else 403.
     expect_status(b, &echo, Some("apionly-token"), 403, "may not reach").await?;
@@ -259,8 +271,8 @@ async fn unauthenticated_and_unauthorised_clients_are_refused() -> anyhow::Resul
         "CONNECT {echo} HTTP/1.1\r\nproxy-authorization: Basic {}\r\n\r\n",
         base64_encode(format!("ops:{OPS_TOKEN}").as_bytes())
     );
-    let r = tether_e2e::send_head(tokio::net::TcpStream::connect(b).await?, head.as_bytes())
-        .await?;
+    let r =
+        tether_e2e::send_head(tokio::net::TcpStream::connect(b).await?, head.as_bytes()).await?;
     assert!(r.is_ok(), "Basic ops credentials: {:?}", r.err());
     let failures = metric(
         setup.broker.admin_addr,
@@ -268,7 +280,10 @@ async fn unauthenticated_and_unauthorised_clients_are_refused() -> anyhow::Resul
         &[("reason", "unauthenticated")],
     )
     .await?;
-    assert!(failures >= 4.0, "unauthenticated refusals counted: {failures}");
+    assert!(
+        failures >= 4.0,
+        "unauthenticated refusals counted: {failures}"
+    );
     Ok(())
 }
 
@@ -295,7 +310,10 @@ async fn malformed_connect_is_400_with_reason() -> anyhow::Result<()> {
     let setup = Setup::start("c1", "", "").await?;
     let auth = format!("proxy-authorization: Bearer {OPS_TOKEN}\r\n");
     let cases: Vec<(Vec<u8>, &str)> = vec![
-        (b"\x16\x03\x01\x02\x00garbage\r\n\r\n".to_vec(), "malformed request"),
+        (
+            b"\x16\x03\x01\x02\x00garbage\r\n\r\n".to_vec(),
+            "malformed request",
+        ),
         (b"hello there\r\n\r\n".to_vec(), "malformed request"),
         (
             format!("GET / HTTP/1.1\r\nhost: c1\r\n{auth}\r\n").into_bytes(),
@@ -444,7 +462,11 @@ async fn dial_refused_and_unknown_host_are_502() -> anyhow::Result<()> {
     .await?;
     assert!(body.contains("tether-error: agent_policy"), "{body}");
     expect_status(b, "nope:443", Some(OPS_TOKEN), 502, "no tunnel").await?;
-    for (reason, n) in [("refused", 1.0), ("name_not_found", 1.0), ("no_tunnel", 1.0)] {
+    for (reason, n) in [
+        ("refused", 1.0),
+        ("name_not_found", 1.0),
+        ("no_tunnel", 1.0),
+    ] {
         let v = metric(
             setup.broker.admin_addr,
             "tether_broker_dial_failures_total",

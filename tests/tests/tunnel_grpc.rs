@@ -175,7 +175,9 @@ async fn konnectivity_round_trip() -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn next_frame(inbound: &mut tonic::Streaming<pb::DialFrame>) -> anyhow::Result<Option<pb::DialFrame>> {
+async fn next_frame(
+    inbound: &mut tonic::Streaming<pb::DialFrame>,
+) -> anyhow::Result<Option<pb::DialFrame>> {
     Ok(tokio::time::timeout(Duration::from_secs(10), inbound.message()).await??)
 }
 
@@ -329,8 +331,7 @@ async fn konnectivity_stream_aborted_when_agent_dies() -> anyhow::Result<()> {
     ))
     .await?;
     let mut inbound = client.proxy(req).await?.into_inner();
-    let Some(k::packet::Payload::DialResponse(d)) = next_packet(&mut inbound).await?.payload
-    else {
+    let Some(k::packet::Payload::DialResponse(d)) = next_packet(&mut inbound).await?.payload else {
         panic!("expected a DialResponse");
     };
     assert_eq!(d.error, "");
@@ -342,7 +343,10 @@ async fn konnectivity_stream_aborted_when_agent_dies() -> anyhow::Result<()> {
         match tokio::time::timeout(Duration::from_secs(30), inbound.message()).await? {
             Ok(Some(p)) => {
                 if let Some(k::packet::Payload::CloseResponse(c)) = p.payload {
-                    assert!(!c.error.is_empty(), "CLOSE_RSP after an abort must carry the error");
+                    assert!(
+                        !c.error.is_empty(),
+                        "CLOSE_RSP after an abort must carry the error"
+                    );
                     saw_close_error = true;
                 }
             }

@@ -1,0 +1,340 @@
+//! Operations through real processes: certificate rotation on disk while a stream is moving
+//! data, broker drain (SIGTERM) moving the agent to a second broker while an open stream
+//! finishes, and the TLS client port (HTTP CONNECT over TLS with a token or a client
+//! certificate).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use tether_e2e::{
+    ClientTls, Hub, OPS_TOKEN, Payload, Setup, Sha256, client_tls_config, connect_ok, connect_tls,
+    echo_server, echo_transfer, metric, wait_agent_ready, wait_tunnel,
+};
+use tether_test_support::wait_until_async;
+use tether_tls::Identity;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// An echo stream that keeps moving data (writer and reader running at once) until stopped,
+/// so a test can change the world underneath it and then verify every byte.
+struct ContinuousEcho {
+    received: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    writer: tokio::task::JoinHandle<anyhow::Result<(u64, String)>>,
+    reader: tokio::task::JoinHandle<anyhow::Result<(u64, String)>>,
+}
+
+impl ContinuousEcho {
+    fn start<S: AsyncRead + AsyncWrite + Send + 'static>(s: S) -> Self {
+        let (mut rd, mut wr) = tokio::io::split(s);
+        let payload = Arc::new(Payload::new());
+        let received = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = {
+            let stop = Arc::clone(&stop);
+            tokio::spawn(async move {
+                let (mut h, mut sent, mut i) = (Sha256::new(), 0u64, 0u64);
+                while !stop.load(Ordering::Relaxed) {
+                    let c = payload.chunk(i, 64 << 10);
+                    h.update(c);
+                    wr.write_all(c).await?;
+                    sent += c.len() as u64;
+                    i += 1;
+                }
+                wr.shutdown().await?;
+                anyhow::Ok((sent, h.hex()))
+            })
+        };
+        let reader = {
+            let received = Arc::clone(&received);
+            tokio::spawn(async move {
+                let (mut h, mut buf) = (Sha256::new(), vec![0u8; 256 << 10]);
+                loop {
+                    let n = rd.read(&mut buf).await?;
+                    if n == 0 {
+                        break;
+                    }
+                    h.update(&buf[..n]);
+                    received.fetch_add(n as u64, Ordering::Relaxed);
+                }
+                anyhow::Ok((received.load(Ordering::Relaxed), h.hex()))
+            })
+        };
+        Self {
+            received,
+            stop,
+            writer,
+            reader,
+        }
+    }
+
+    fn received(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
+    }
+
+    /// Waits until `more` bytes beyond the current count have come back.
+    async fn wait_progress(&self, more: u64, what: &str) -> anyhow::Result<()> {
+        let target = self.received() + more;
+        wait_until_async(Duration::from_secs(30), what, || async {
+            (self.received() >= target || self.reader.is_finished()).then_some(())
+        })
+        .await?;
+        anyhow::ensure!(
+            !self.reader.is_finished(),
+            "the stream ended while it should be moving data ({what})"
+        );
+        Ok(())
+    }
+
+    /// Stops writing, half-closes, reads to EOF; checks every byte came back.
+    async fn finish(self) -> anyhow::Result<u64> {
+        self.stop.store(true, Ordering::Relaxed);
+        let (sent, sent_sha) = self.writer.await??;
+        let (got, got_sha) = tokio::time::timeout(Duration::from_secs(30), self.reader).await???;
+        anyhow::ensure!(got == sent, "{got} of {sent} bytes came back");
+        anyhow::ensure!(got_sha == sent_sha, "the echoed bytes differ (SHA-256)");
+        Ok(sent)
+    }
+}
+
+/// The file stem of a certificate path (the name it was issued under).
+fn stem(p: &std::path::Path) -> String {
+    p.file_stem().unwrap().to_string_lossy().into_owned()
+}
+
+/// The certificate a TLS server presents.
+fn server_cert(tls: &ClientTls) -> Vec<u8> {
+    tls.get_ref().1.peer_certificates().unwrap()[0].to_vec()
+}
+
+/// Overwriting the agent's and the broker's certificate and key while a stream moves data:
+/// both reload (metrics), the stream keeps moving and completes intact, new streams work and
+/// new TLS connections get the new broker certificate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificate_reload_keeps_live_stream() -> anyhow::Result<()> {
+    let setup = Setup::start("c1", "", "").await?;
+    let ca = setup.hub.pki.ca_path();
+    let tls_cfg = || client_tls_config(&ca, &[b"http/1.1"], None);
+    let old_cert =
+        server_cert(&tether_e2e::tls_connect(setup.broker.client_tls_addr, tls_cfg()?).await?);
+
+    let live = ContinuousEcho::start(setup.connect_echo().await?);
+    live.wait_progress(4 << 20, "data flowing before the rotation")
+        .await?;
+
+    setup.hub.pki.issue(
+        &stem(&setup.agent.tls.cert),
+        Identity::tunnel_agent("c1", "agent-0"),
+        &[],
+    )?;
+    setup.hub.pki.issue(
+        "broker-b1",
+        Identity::Broker { id: "b1".into() },
+        &["localhost", "127.0.0.1", "tether-broker"],
+    )?;
+    for (who, admin) in [
+        ("agent", setup.agent.admin_addr),
+        ("broker", setup.broker.admin_addr),
+    ] {
+        wait_until_async(
+            Duration::from_secs(20),
+            &format!("{who} TLS reload"),
+            || async {
+                let n = metric(admin, "tether_tls_reloads_total", &[]).await.ok()?;
+                (n >= 1.0).then_some(())
+            },
+        )
+        .await?;
+    }
+    live.wait_progress(8 << 20, "data flowing after the rotation")
+        .await?;
+    let moved = live.finish().await?;
+    println!(
+        "live stream moved {} MiB each way across the rotation",
+        moved >> 20
+    );
+
+    // The tunnel was not replaced, new streams work, and new TLS handshakes use the new cert.
+    let connects = metric(
+        setup.broker.admin_addr,
+        "tether_broker_tunnel_connects_total",
+        &[("result", "ok")],
+    )
+    .await?;
+    assert_eq!(connects, 1.0, "the rotation must not reconnect the tunnel");
+    let t = echo_transfer(
+        setup.connect_echo().await?,
+        Arc::new(Payload::new()),
+        1 << 20,
+    )
+    .await?;
+    assert!(t.intact());
+    let new_cert =
+        server_cert(&tether_e2e::tls_connect(setup.broker.client_tls_addr, tls_cfg()?).await?);
+    assert_ne!(
+        old_cert, new_cert,
+        "the broker still presents the old certificate"
+    );
+    Ok(())
+}
+
+/// SIGTERM on broker b1: it tells its agent to move; the agent (one endpoint group [b1, b2])
+/// opens a tunnel to b2 where new CONNECTs work, while the stream already open through b1 keeps
+/// moving data and completes intact; b1 exits once that stream is done, within its grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_drain_moves_agent_to_second_broker() -> anyhow::Result<()> {
+    let hub = Hub::new()?;
+    let echo = echo_server().await?;
+    let mut b1 = hub.start_broker("b1", "")?;
+    let b2 = hub.start_broker("b2", "")?;
+    let agent = hub.start_agent("c1", "c1", &[vec![b1.agent_addr, b2.agent_addr]], echo, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&b1, "c1").await?;
+    let (_, on_b2) = tether_e2e::admin_get(b2.admin_addr, "/debug/tunnels").await?;
+    assert_eq!(
+        on_b2.trim(),
+        "[]",
+        "the agent should start on the first address only"
+    );
+    let authority = tether_e2e::qualified("c1", echo);
+
+    let live = ContinuousEcho::start(connect_ok(b1.client_addr, &authority).await?);
+    live.wait_progress(4 << 20, "data flowing through b1")
+        .await?;
+
+    b1.child.terminate();
+    wait_tunnel(&b2, "c1").await?;
+    let t = echo_transfer(
+        connect_ok(b2.client_addr, &authority).await?,
+        Arc::new(Payload::new()),
+        4 << 20,
+    )
+    .await?;
+    assert!(t.intact(), "new stream through b2: {t:?}");
+    // b1 accepts nothing new while draining.
+    let refused = tokio::time::timeout(
+        Duration::from_secs(5),
+        tether_e2e::connect(b1.client_addr, &authority, Some(OPS_TOKEN)),
+    )
+    .await
+    .map(|r| r.map(|r| r.is_err()).unwrap_or(true))
+    .unwrap_or(true);
+    assert!(refused, "a draining broker must not open new streams");
+    assert!(
+        b1.child.try_wait().is_none(),
+        "b1 must wait for its open stream"
+    );
+
+    live.wait_progress(8 << 20, "data still flowing through draining b1")
+        .await?;
+    live.finish().await?;
+    // Stream done: b1 exits well within its 10 s grace.
+    let status = wait_until_async(
+        Duration::from_secs(8),
+        "b1 to exit after its stream",
+        || {
+            let s = b1.child.try_wait();
+            async move { s }
+        },
+    )
+    .await?;
+    assert!(status.success(), "b1 exited with {status}");
+    wait_agent_ready(&agent).await?;
+    let t = echo_transfer(
+        connect_ok(b2.client_addr, &authority).await?,
+        Arc::new(Payload::new()),
+        1 << 20,
+    )
+    .await?;
+    assert!(t.intact());
+    Ok(())
+}
+
+/// HTTP CONNECT over TLS (ALPN http/1.1, server name localhost, test CA): with a token, with a
+/// client certificate (`tether:client:ops`) instead of a token; an unknown certificate client is
+/// refused 403 and no credentials at all 407. A clean end is a TLS close_notify (EOF).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_connect_with_token_or_client_certificate() -> anyhow::Result<()> {
+    let setup = Setup::start("c1", "", "").await?;
+    let ca = setup.hub.pki.ca_path();
+    let addr = setup.broker.client_tls_addr;
+    let authority = setup.echo_authority();
+
+    let cfg = client_tls_config(&ca, &[b"http/1.1"], None)?;
+    let s = match connect_tls(addr, cfg, &authority, Some(OPS_TOKEN)).await? {
+        Ok(s) => s,
+        Err((code, body)) => panic!("TLS CONNECT with token: {code} {body}"),
+    };
+    assert_eq!(s.get_ref().1.alpn_protocol(), Some(&b"http/1.1"[..]));
+    let t = echo_transfer(s, Arc::new(Payload::new()), 16 << 20).await?;
+    assert!(t.intact(), "{t:?}");
+
+    let ops = setup
+        .hub
+        .pki
+        .issue("client-ops", Identity::Client { name: "ops".into() }, &[])?;
+    let cfg = client_tls_config(&ca, &[b"http/1.1"], Some(&ops))?;
+    let mut s = match connect_tls(addr, cfg, &authority, None).await? {
+        Ok(s) => s,
+        Err((code, body)) => panic!("TLS CONNECT with a client certificate: {code} {body}"),
+    };
+    s.write_all(b"certificate client").await?;
+    let mut got = [0u8; 18];
+    s.read_exact(&mut got).await?;
+    assert_eq!(&got, b"certificate client");
+
+    let ghost = setup.hub.pki.issue(
+        "client-ghost",
+        Identity::Client {
+            name: "ghost".into(),
+        },
+        &[],
+    )?;
+    let cfg = client_tls_config(&ca, &[b"http/1.1"], Some(&ghost))?;
+    match connect_tls(addr, cfg, &authority, None).await? {
+        Ok(_) => panic!("an unconfigured certificate client was let through"),
+        Err((code, body)) => {
+            assert_eq!(code, 403, "{body}");
+            assert!(body.contains("not configured"), "{body}");
+        }
+    }
+    let cfg = client_tls_config(&ca, &[b"http/1.1"], None)?;
+    match connect_tls(addr, cfg, &authority, None).await? {
+        Ok(_) => panic!("no credentials let through"),
+        Err((code, body)) => assert_eq!(code, 407, "{body}"),
+    }
+    Ok(())
+}
+
+/// The agent dies under a TLS CONNECT stream: the TLS client's read fails (no close_notify),
+/// it never reads a clean EOF.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_connect_abort_is_an_error() -> anyhow::Result<()> {
+    let mut setup = Setup::start("c1", "", "").await?;
+    let cfg = client_tls_config(&setup.hub.pki.ca_path(), &[b"http/1.1"], None)?;
+    let s = match connect_tls(
+        setup.broker.client_tls_addr,
+        cfg,
+        &setup.echo_authority(),
+        Some(OPS_TOKEN),
+    )
+    .await?
+    {
+        Ok(s) => s,
+        Err((code, body)) => panic!("{code} {body}"),
+    };
+    let (mut rd, mut wr) = tokio::io::split(s);
+    wr.write_all(b"0123456789").await?;
+    let mut got = [0u8; 10];
+    rd.read_exact(&mut got).await?;
+    setup.agent.child.kill();
+    let mut buf = [0u8; 1024];
+    let end = tokio::time::timeout(Duration::from_secs(30), rd.read(&mut buf)).await?;
+    match end {
+        Ok(0) => panic!("clean EOF after the agent died: an abort must be an error"),
+        Ok(n) => panic!("{n} unexpected bytes"),
+        Err(e) => println!("TLS client saw: {e} ({:?})", e.kind()),
+    }
+    drop(wr);
+    Ok(())
+}
