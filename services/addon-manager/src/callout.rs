@@ -13,8 +13,7 @@ use std::time::SystemTime;
 use tether_control::auth::{
     AuthRequestBody, BootstrapToken, CertCredential, Permissions, connection_id_from_name,
 };
-use tether_control::resources::{BootstrapTokenRecord, ManagedCluster, parse_rfc3339};
-use tether_control::store::Bucket;
+use tether_control::resources::parse_rfc3339;
 use tether_pki::subject;
 
 use crate::hub::{HubCtx, REVOKED_BEFORE_ANNOTATION};
@@ -51,11 +50,9 @@ pub async fn authorize(ctx: &HubCtx, req: &AuthRequestBody) -> Result<Grant, Str
     if !opts.auth_token.is_empty() {
         let token = BootstrapToken::parse(&opts.auth_token).map_err(|e| e.to_string())?;
         let rec = ctx
-            .store
-            .get::<BootstrapTokenRecord>(Bucket::Tokens, &token.id)
+            .token(&token.id)
             .await
             .map_err(|e| format!("token lookup failed: {e}"))?
-            .map(|(r, _)| r)
             .ok_or_else(|| format!("unknown bootstrap token {}", token.id))?;
         if rec.secret_sha256 != token.secret_sha256() {
             return Err(format!(
@@ -96,11 +93,9 @@ pub async fn authorize(ctx: &HubCtx, req: &AuthRequestBody) -> Result<Grant, Str
         }
         cred.verify_possession(&opts.user, &info.public_key_raw, now)?;
         let mc = ctx
-            .store
-            .get::<ManagedCluster>(Bucket::Clusters, cluster)
+            .cluster(cluster)
             .await
             .map_err(|e| format!("cluster lookup failed: {e}"))?
-            .map(|(m, _)| m)
             .ok_or_else(|| format!("cluster {cluster} is not registered"))?;
         if !mc.spec.hub_accepts_client {
             return Err(format!("cluster {cluster} is not accepted by the hub"));

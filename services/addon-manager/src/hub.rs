@@ -5,15 +5,15 @@
 //! replicas (or a request racing the lease monitor) never lose each other's updates.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Mutex;
+use std::sync::{Mutex, RwLock};
 use std::time::{Duration, SystemTime};
 
 use tether_control::ControlError;
 use tether_control::hub::RegistrationPolicy;
 use tether_control::resources::{
-    AdminClusterRequest, CertificateSigningRequest, ClusterClaim, Condition, CsrPhase, CsrReply,
-    CsrSpec, CsrStatus, CsrSubmit, Event, Lease, LeaseRenew, LeaseReply, LeaseSpec, ManagedCluster,
-    ObjectMeta, condition, parse_rfc3339, rfc3339, set_condition,
+    AdminClusterRequest, BootstrapTokenRecord, CertificateSigningRequest, ClusterClaim, Condition,
+    CsrPhase, CsrReply, CsrSpec, CsrStatus, CsrSubmit, Event, Lease, LeaseRenew, LeaseReply,
+    LeaseSpec, ManagedCluster, ObjectMeta, condition, parse_rfc3339, rfc3339, set_condition,
 };
 use tether_control::store::{Bucket, HubStore};
 use tether_control::subjects;
@@ -70,6 +70,11 @@ pub struct HubCtx {
     pub pending: Mutex<HashMap<String, HashSet<String>>>,
     /// cluster → when its first CSR arrived (for the registration duration metric).
     pub first_seen: Mutex<HashMap<String, SystemTime>>,
+    /// Read cache of ManagedClusters (own writes + a KV watch), so the auth callout and lease
+    /// renewals need no JetStream round trip in the steady state.
+    pub clusters: RwLock<HashMap<String, ManagedCluster>>,
+    /// Read cache of bootstrap token records (KV watch); misses fall back to KV.
+    pub tokens: RwLock<HashMap<String, BootstrapTokenRecord>>,
 }
 
 impl std::fmt::Debug for HubCtx {
@@ -101,7 +106,80 @@ impl HubCtx {
             leases: Mutex::new(HashMap::new()),
             pending: Mutex::new(HashMap::new()),
             first_seen: Mutex::new(HashMap::new()),
+            clusters: RwLock::new(HashMap::new()),
+            tokens: RwLock::new(HashMap::new()),
         }
+    }
+
+    fn cache_cluster(&self, mc: &ManagedCluster) {
+        if let Ok(mut m) = self.clusters.write() {
+            m.insert(mc.metadata.name.clone(), mc.clone());
+        }
+    }
+
+    /// The cached ManagedCluster, else the stored one.
+    pub async fn cluster(&self, name: &str) -> Result<Option<ManagedCluster>> {
+        if let Some(mc) = self.clusters.read().ok().and_then(|m| m.get(name).cloned()) {
+            return Ok(Some(mc));
+        }
+        let mc = self
+            .store
+            .get::<ManagedCluster>(Bucket::Clusters, name)
+            .await?
+            .map(|(m, _)| m);
+        if let Some(m) = &mc {
+            self.cache_cluster(m);
+        }
+        Ok(mc)
+    }
+
+    /// The cached token record, else the stored one.
+    pub async fn token(&self, id: &str) -> Result<Option<BootstrapTokenRecord>> {
+        if let Some(t) = self.tokens.read().ok().and_then(|m| m.get(id).cloned()) {
+            return Ok(Some(t));
+        }
+        Ok(self
+            .store
+            .get::<BootstrapTokenRecord>(Bucket::Tokens, id)
+            .await?
+            .map(|(t, _)| t))
+    }
+
+    /// Keeps the caches in step with KV (other replicas, `tetherctl token create`).
+    pub async fn start_watches(self: &std::sync::Arc<Self>) -> Result<()> {
+        use futures::StreamExt;
+        let clusters = self.store.watch::<ManagedCluster>(Bucket::Clusters).await?;
+        let tokens = self
+            .store
+            .watch::<BootstrapTokenRecord>(Bucket::Tokens)
+            .await?;
+        let me = std::sync::Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut clusters = std::pin::pin!(clusters);
+            while let Some((k, v)) = clusters.next().await {
+                let Some(ctx) = me.upgrade() else { return };
+                if let Ok(mut m) = ctx.clusters.write() {
+                    match v {
+                        Some(mc) => m.insert(k, mc),
+                        None => m.remove(&k),
+                    };
+                }
+            }
+        });
+        let me = std::sync::Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tokens = std::pin::pin!(tokens);
+            while let Some((k, v)) = tokens.next().await {
+                let Some(ctx) = me.upgrade() else { return };
+                if let Ok(mut m) = ctx.tokens.write() {
+                    match v {
+                        Some(t) => m.insert(k, t),
+                        None => m.remove(&k),
+                    };
+                }
+            }
+        });
+        Ok(())
     }
 
     /// Rebuilds the in-memory lease and pending-CSR tables from KV.
@@ -228,6 +306,7 @@ impl HubCtx {
         }
         match self.store.create(Bucket::Clusters, name, &mc).await? {
             Some(_) => {
+                self.cache_cluster(&mc);
                 self.event(Event::new(
                     ManagedCluster::KIND,
                     name,
@@ -664,11 +743,7 @@ impl HubCtx {
 
     /// A lease renewal from the cluster's own credentials.
     pub async fn renew_lease(&self, cluster: &str, req: LeaseRenew) -> Result<LeaseReply> {
-        let Some((mc, _)) = self
-            .store
-            .get::<ManagedCluster>(Bucket::Clusters, cluster)
-            .await?
-        else {
+        let Some(mc) = self.cluster(cluster).await? else {
             return Ok(LeaseReply {
                 accepted: false,
                 lease_duration_seconds: 0,
@@ -726,49 +801,53 @@ impl HubCtx {
             .unwrap_or_default();
         let was_joined = mc.condition(condition::JOINED) == Some("True");
         let claims = req.cluster_claims.clone();
-        let updated = self
-            .update_cluster(cluster, |mc| {
-                let mut changed = set_condition(
-                    &mut mc.status.conditions,
-                    condition::JOINED,
+        let apply = |mc: &mut ManagedCluster| {
+            let mut changed = set_condition(
+                &mut mc.status.conditions,
+                condition::JOINED,
+                "True",
+                "ManagedClusterJoined",
+                "Managed cluster joined",
+            );
+            changed |= set_condition(
+                &mut mc.status.conditions,
+                condition::AVAILABLE,
+                "True",
+                "ManagedClusterAvailable",
+                "Managed cluster is available",
+            );
+            let (st, reason, msg) = if skew <= MAX_CLOCK_SKEW {
+                (
                     "True",
-                    "ManagedClusterJoined",
-                    "Managed cluster joined",
-                );
-                changed |= set_condition(
-                    &mut mc.status.conditions,
-                    condition::AVAILABLE,
-                    "True",
-                    "ManagedClusterAvailable",
-                    "Managed cluster is available",
-                );
-                let (st, reason, msg) = if skew <= MAX_CLOCK_SKEW {
-                    (
-                        "True",
-                        "ManagedClusterClockSynced",
-                        "The clock of the managed cluster is synced with the hub.".to_string(),
-                    )
-                } else {
-                    (
-                        "False",
-                        "ManagedClusterClockOutOfSync",
-                        format!("The clock of hub and agent differ by {}s", skew.as_secs()),
-                    )
-                };
-                changed |= set_condition(
-                    &mut mc.status.conditions,
-                    condition::CLOCK_SYNCED,
-                    st,
-                    reason,
-                    &msg,
-                );
-                if !claims.is_empty() && mc.status.cluster_claims != claims {
-                    mc.status.cluster_claims = claims.clone();
-                    changed = true;
-                }
-                changed
-            })
-            .await?;
+                    "ManagedClusterClockSynced",
+                    "The clock of the managed cluster is synced with the hub.".to_string(),
+                )
+            } else {
+                (
+                    "False",
+                    "ManagedClusterClockOutOfSync",
+                    format!("The clock of hub and agent differ by {}s", skew.as_secs()),
+                )
+            };
+            changed |= set_condition(
+                &mut mc.status.conditions,
+                condition::CLOCK_SYNCED,
+                st,
+                reason,
+                &msg,
+            );
+            if !claims.is_empty() && mc.status.cluster_claims != claims {
+                mc.status.cluster_claims = claims.clone();
+                changed = true;
+            }
+            changed
+        };
+        // Steady state: nothing to change, no KV round trip for the cluster.
+        let updated = if apply(&mut mc.clone()) {
+            self.update_cluster(cluster, apply).await?
+        } else {
+            Some(mc.clone())
+        };
         let avail_changed = mc.condition(condition::AVAILABLE) != Some("True");
         if !was_joined {
             if let Some(t0) = self

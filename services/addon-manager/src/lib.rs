@@ -104,6 +104,7 @@ pub async fn run(hub: HubDir, opts: RunOptions, shutdown: CancellationToken) -> 
         hub.config.registration.clone(),
         metrics,
     ));
+    ctx.start_watches().await?;
     ctx.load_leases().await?;
 
     let readiness = tether_telemetry::Readiness::new();
@@ -131,6 +132,7 @@ pub async fn run(hub: HubDir, opts: RunOptions, shutdown: CancellationToken) -> 
     for p in pumps {
         p.abort();
     }
-    let _ = conn.client.flush().await;
+    // NATS may already be gone: never wait long for the final flush.
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), conn.client.flush()).await;
     Ok(())
 }

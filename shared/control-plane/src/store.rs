@@ -213,6 +213,36 @@ impl HubStore {
         Ok(out)
     }
 
+    /// Current values of a bucket, then every change (None = deleted), as a stream. Decoding
+    /// errors are logged and skipped.
+    pub async fn watch<T: DeserializeOwned + Send + 'static>(
+        &self,
+        b: Bucket,
+    ) -> Result<impl futures::Stream<Item = (String, Option<T>)> + Send + use<T>, ControlError>
+    {
+        let w = self.kv(b).watch_with_history(">").await.map_err(js_err)?;
+        let name = b.name();
+        Ok(w.filter_map(move |e| async move {
+            let e = match e {
+                Ok(e) => e,
+                Err(err) => {
+                    tracing::warn!(bucket = name, error = %err, "watch error");
+                    return None;
+                }
+            };
+            match e.operation {
+                kv::Operation::Put => match serde_json::from_slice::<T>(&e.value) {
+                    Ok(v) => Some((e.key, Some(v))),
+                    Err(err) => {
+                        tracing::warn!(bucket = name, key = %e.key, error = %err, "undecodable entry");
+                        None
+                    }
+                },
+                _ => Some((e.key, None)),
+            }
+        }))
+    }
+
     /// Publishes an event on `tether.v1.events.<kind>.<name>` and waits for the stream's ack.
     pub async fn publish_event(&self, ev: &Event) -> Result<(), ControlError> {
         let subject = subjects::event(&ev.involved_object.kind, &ev.involved_object.name);
