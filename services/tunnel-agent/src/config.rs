@@ -43,6 +43,10 @@ pub struct AgentConfig {
     pub tunnel: TunnelSettings,
     #[serde(default)]
     pub backoff: BackoffSettings,
+    /// Forward proxy for reaching brokers. Absent: `HTTPS_PROXY` / `HTTP_PROXY` / `NO_PROXY`
+    /// from the environment (upper or lower case).
+    #[serde(default)]
+    pub proxy: Option<ProxyConfig>,
     /// Time open streams get to finish on SIGTERM.
     #[serde(default = "default_grace", with = "humantime_serde")]
     pub shutdown_grace: Duration,
@@ -62,6 +66,54 @@ impl From<&TlsFilesConfig> for TlsFiles {
             cert: t.cert.clone(),
             key: t.key.clone(),
             ca: t.ca.clone(),
+        }
+    }
+}
+
+/// Proxy settings, as OCM's AddOnDeploymentConfig `proxyConfig`.
+#[derive(Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ProxyConfig {
+    #[serde(default)]
+    pub http_proxy: Option<String>,
+    #[serde(default)]
+    pub https_proxy: Option<String>,
+    /// Comma-separated hosts, .domains, IPs, CIDRs that bypass the proxy.
+    #[serde(default)]
+    pub no_proxy: Option<String>,
+    /// CA bundle that signed an https:// proxy's certificate (default: `tls.ca`).
+    #[serde(default)]
+    pub ca_bundle: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for ProxyConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mask = |v: &Option<String>| v.as_deref().map(tether_proxy::mask_url_password);
+        f.debug_struct("ProxyConfig")
+            .field("http_proxy", &mask(&self.http_proxy))
+            .field("https_proxy", &mask(&self.https_proxy))
+            .field("no_proxy", &self.no_proxy)
+            .field("ca_bundle", &self.ca_bundle)
+            .finish()
+    }
+}
+
+impl AgentConfig {
+    /// The effective proxy settings: the config's, or the environment's.
+    pub fn proxy_settings(&self) -> Result<tether_proxy::ProxySettings, ConfigError> {
+        match &self.proxy {
+            Some(p) => tether_proxy::ProxySettings::from_parts(
+                p.http_proxy.as_deref(),
+                p.https_proxy.as_deref(),
+                p.no_proxy.as_deref(),
+            )
+            .map_err(|(f, e)| ConfigError::invalid(format!("proxy.{f}"), e.to_string())),
+            None => tether_proxy::ProxySettings::from_env().map_err(|(f, e)| {
+                ConfigError::invalid(
+                    format!("environment {}", f.to_ascii_uppercase()),
+                    e.to_string(),
+                )
+            }),
         }
     }
 }
@@ -234,6 +286,7 @@ impl Validate for AgentConfig {
         if self.max_dial_timeout.is_zero() {
             return Err(ConfigError::invalid("max_dial_timeout", "must be > 0"));
         }
+        self.proxy_settings()?;
         self.tunnel
             .validate("tunnel.")
             .map_err(|(f, m)| ConfigError::invalid(f, m))?;

@@ -44,6 +44,8 @@ pub enum AgentError {
     WrongCertificate { found: String, configured: String },
     #[error("metrics: {0}")]
     Metrics(#[from] prometheus::Error),
+    #[error("proxy settings: {0}")]
+    Proxy(tether_config::ConfigError),
 }
 
 /// Runs the agent until `shutdown`; must be called inside an actix `System` on a tokio runtime.
@@ -71,6 +73,19 @@ pub async fn run(
         from_tunnel: Some(metrics.counter("to_target")),
     };
     let agent = cfg.agent_name();
+    let proxy = cfg.proxy_settings().map_err(AgentError::Proxy)?;
+    let proxy_ca = cfg
+        .proxy
+        .as_ref()
+        .and_then(|p| p.ca_bundle.clone())
+        .unwrap_or_else(|| cfg.tls.ca.clone());
+    let proxy_roots = Arc::new(tether_tls::reload::load_roots(&proxy_ca)?);
+    if !proxy.is_empty() {
+        tracing::info!(
+            ?proxy,
+            "brokers are reached through a forward proxy unless NO_PROXY exempts them"
+        );
+    }
     let shared = Arc::new(AgentShared {
         cluster: cfg.cluster.clone(),
         agent: agent.clone(),
@@ -80,6 +95,8 @@ pub async fn run(
         settings: cfg.tunnel.clone(),
         metrics,
         counters,
+        proxy,
+        proxy_roots,
     });
     let readiness = Readiness::new();
     let states = EndpointStates::new(cfg.brokers.iter().map(|b| b.label()), readiness.clone());

@@ -32,6 +32,10 @@ pub struct AgentShared {
     pub settings: TunnelSettings,
     pub metrics: AgentMetrics,
     pub counters: ByteCounters,
+    /// Forward proxy settings for reaching brokers.
+    pub proxy: tether_proxy::ProxySettings,
+    /// Trust anchors for an https:// proxy's certificate.
+    pub proxy_roots: Arc<rustls::RootCertStore>,
 }
 
 /// Events a tunnel reports to its connector.
@@ -48,6 +52,12 @@ pub enum TunnelEvent {
 pub enum TunnelError {
     #[error("connect to {addr} failed: {reason}")]
     Connect { addr: String, reason: String },
+    #[error("cannot reach broker {addr} through proxy {proxy}: {reason}")]
+    Proxy {
+        addr: String,
+        proxy: String,
+        reason: String,
+    },
     #[error("TLS handshake with {addr} failed: {reason}")]
     Tls { addr: String, reason: String },
     #[error("HTTP/2 handshake with {addr} failed: {reason}")]
@@ -64,6 +74,7 @@ impl TunnelError {
     pub fn metric_label(&self) -> &'static str {
         match self {
             Self::Connect { .. } => "connect_error",
+            Self::Proxy { .. } => "proxy_error",
             Self::Tls { .. } => "tls_error",
             Self::H2 { .. } => "h2_error",
             Self::IdentityMismatch { .. } => "identity_mismatch",
@@ -85,22 +96,7 @@ pub async fn run_tunnel(
     grace: Duration,
 ) -> Result<(), TunnelError> {
     let hs = shared.settings.handshake_timeout;
-    let tcp = match tokio::time::timeout(hs, TcpStream::connect(&addr)).await {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => {
-            return Err(TunnelError::Connect {
-                addr,
-                reason: e.to_string(),
-            });
-        }
-        Err(_) => {
-            return Err(TunnelError::Connect {
-                addr,
-                reason: format!("timed out after {hs:?}"),
-            });
-        }
-    };
-    let _ = tcp.set_nodelay(true);
+    let tcp = connect_transport(&addr, &shared).await?;
     let tls = match tokio::time::timeout(hs, connector.connect(server_name, tcp)).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
@@ -175,6 +171,52 @@ pub async fn run_tunnel(
     }
 }
 
+/// TCP to the broker, directly or through the forward proxy that applies to it.
+async fn connect_transport(
+    addr: &str,
+    shared: &AgentShared,
+) -> Result<Box<dyn tether_proxy::ProxyStream>, TunnelError> {
+    let hs = shared.settings.handshake_timeout;
+    let (host, port) = addr
+        .rsplit_once(':')
+        .and_then(|(h, p)| {
+            Some((
+                h.trim_start_matches('[').trim_end_matches(']'),
+                p.parse::<u16>().ok()?,
+            ))
+        })
+        .ok_or_else(|| TunnelError::Connect {
+            addr: addr.to_owned(),
+            reason: "not host:port".into(),
+        })?;
+    if let Some(proxy) = shared.proxy.proxy_for(host, port, true) {
+        let dialer = tether_proxy::ProxyDialer::new(proxy.clone(), Arc::clone(&shared.proxy_roots))
+            .with_timeouts(hs, hs);
+        return dialer
+            .dial(host, port)
+            .await
+            .map_err(|e| TunnelError::Proxy {
+                addr: addr.to_owned(),
+                proxy: proxy.to_string(),
+                reason: e.to_string(),
+            });
+    }
+    match tokio::time::timeout(hs, TcpStream::connect(addr)).await {
+        Ok(Ok(s)) => {
+            let _ = s.set_nodelay(true);
+            Ok(Box::new(s))
+        }
+        Ok(Err(e)) => Err(TunnelError::Connect {
+            addr: addr.to_owned(),
+            reason: e.to_string(),
+        }),
+        Err(_) => Err(TunnelError::Connect {
+            addr: addr.to_owned(),
+            reason: format!("timed out after {hs:?}"),
+        }),
+    }
+}
+
 async fn handle_request(
     req: Request<h2::RecvStream>,
     mut respond: SendResponse<Bytes>,
@@ -234,15 +276,6 @@ async fn handle_request(
     }
 }
 
-fn error_response(err: &DialError) -> Response<()> {
-    Response::builder()
-        .status(err.kind.status())
-        .header(wire::HEADER_ERROR, err.kind.metric_label())
-        .header(wire::HEADER_ERROR_MESSAGE, header_safe(&err.message))
-        .body(())
-        .expect("valid response")
-}
-
 async fn handle_dial(
     req: Request<h2::RecvStream>,
     mut respond: SendResponse<Bytes>,
@@ -285,7 +318,7 @@ async fn handle_dial(
                     .with_label_values(&[e.kind.metric_label()])
                     .inc();
                 tracing::info!(reason = %e, "dial failed");
-                let _ = respond.send_response(error_response(&e), true);
+                let _ = respond.send_response(wire::error_response(&e), true);
                 return;
             }
         };
