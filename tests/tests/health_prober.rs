@@ -23,6 +23,13 @@ async fn health_table_reflects_healthy_down_and_gone_clusters() -> anyhow::Resul
         wait_agent_ready(a).await?;
         wait_tunnel(&broker, &a.cluster).await?;
     }
+    // The tunnel's round trip is sampled by the broker's keepalive shortly after connecting.
+    wait_until_async(Duration::from_secs(20), "tunnel RTT measured", || async {
+        let (_, body) = admin_get(broker.admin_addr, "/debug/tunnels").await.ok()?;
+        let rows: Vec<serde_json::Value> = serde_json::from_str(&body).ok()?;
+        (rows.len() == 2 && rows.iter().all(|r| r["rtt_micros"].as_u64().is_some())).then_some(())
+    })
+    .await?;
 
     let token_file = hub.path().join("prober.token");
     std::fs::write(&token_file, OPS_TOKEN)?;

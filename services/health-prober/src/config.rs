@@ -40,6 +40,9 @@ pub struct ProberConfig {
     /// Per-cluster probe target instead of the API server.
     #[serde(default)]
     pub targets: BTreeMap<String, ProbeTarget>,
+    /// Probe connections are replaced after this long (refreshing the tunnel RTT sample).
+    #[serde(default = "default_max_age", with = "humantime_serde")]
+    pub connection_max_age: Duration,
     #[serde(default = "default_admin")]
     pub admin_listen: SocketAddr,
 }
@@ -93,6 +96,9 @@ fn default_apiserver_name() -> String {
 }
 fn default_path() -> String {
     "/healthz".into()
+}
+fn default_max_age() -> Duration {
+    Duration::from_secs(600)
 }
 fn default_admin() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 0))

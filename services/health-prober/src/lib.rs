@@ -107,6 +107,7 @@ pub async fn run(
         tls: Arc::new(tls),
         tls_verified,
         apiserver_name: cfg.apiserver_server_name.clone(),
+        connection_max_age: cfg.connection_max_age,
     });
     let table = HealthTable::default();
     let scheduler = Scheduler::new(

@@ -29,6 +29,9 @@ pub struct ProbeContext {
     pub tls: Arc<ClientConfig>,
     pub tls_verified: bool,
     pub apiserver_name: String,
+    /// A probe connection older than this is replaced, which also refreshes the tunnel's
+    /// round-trip sample (taken when the stream is dialled).
+    pub connection_max_age: Duration,
 }
 
 /// What one probe found.
@@ -48,6 +51,7 @@ pub struct ClusterProber {
     pub cluster: String,
     target: Option<ProbeTarget>,
     conn: Option<SendRequest<Empty<Bytes>>>,
+    conn_since: Option<Instant>,
     tunnel_rtt: Option<Duration>,
     path: String,
 }
@@ -62,6 +66,7 @@ impl ClusterProber {
             cluster,
             target,
             conn: None,
+            conn_since: None,
             tunnel_rtt: None,
             path,
         }
@@ -107,6 +112,7 @@ impl ClusterProber {
             sender
         };
         self.conn = Some(sender);
+        self.conn_since = Some(Instant::now());
         Ok(())
     }
 
@@ -149,7 +155,10 @@ impl ClusterProber {
         };
         let mut result = Err(String::new());
         for attempt in 0..2 {
-            if self.conn.as_ref().is_none_or(|c| c.is_closed()) {
+            let expired = self
+                .conn_since
+                .is_some_and(|t| t.elapsed() >= ctx.connection_max_age);
+            if expired || self.conn.as_ref().is_none_or(|c| c.is_closed()) {
                 new_connection = true;
                 if let Err(e) = self.connect(ctx).await {
                     result = Err(e);

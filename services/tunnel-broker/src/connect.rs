@@ -16,7 +16,7 @@ use bytes::{Bytes, BytesMut};
 use tether_tls::Identity;
 use tether_tunnel::pump::AbortableWrite;
 use tether_tunnel::pump::{AsyncChunkReader, TcpChunkReader, splice};
-use tether_tunnel::wire::{DialErrorKind, header_safe};
+use tether_tunnel::wire::DialErrorKind;
 use tether_tunnel::{DialError, Target};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -125,8 +125,7 @@ fn error_response(e: &DialError) -> Vec<u8> {
     }
     r.push_str("\r\n");
     let mut out = r.into_bytes();
-    out.extend_from_slice(header_safe(&body).as_bytes());
-    out.push(b'\n');
+    out.extend_from_slice(body.as_bytes());
     out
 }
 

@@ -4,6 +4,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+/// Delay before the first measuring PING.
+pub const FIRST_PING_DELAY: Duration = Duration::from_millis(100);
+
 /// Why the keepalive loop ended.
 #[derive(Debug, thiserror::Error)]
 pub enum KeepaliveError {
@@ -20,19 +23,18 @@ pub async fn run(pp: h2::PingPong, interval: Duration, timeout: Duration) -> Kee
 }
 
 /// Like [`run`], storing each measured round trip in microseconds into `rtt_micros`. The first
-/// PING is sent at once so the round trip is known as soon as the tunnel is up.
+/// PING goes out after [`FIRST_PING_DELAY`] (not during the handshake burst, which would skew
+/// it), so the round trip is known right after the tunnel comes up.
 pub async fn run_measured(
     mut pp: h2::PingPong,
     interval: Duration,
     timeout: Duration,
     rtt_micros: &AtomicU64,
 ) -> KeepaliveError {
-    let mut first = true;
+    let mut wait = FIRST_PING_DELAY.min(interval);
     loop {
-        if !first {
-            tokio::time::sleep(interval).await;
-        }
-        first = false;
+        tokio::time::sleep(wait).await;
+        wait = interval;
         let sent = Instant::now();
         match tokio::time::timeout(timeout, pp.ping(h2::Ping::opaque())).await {
             Ok(Ok(_pong)) => {
