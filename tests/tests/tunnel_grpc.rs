@@ -360,3 +360,43 @@ async fn konnectivity_stream_aborted_when_agent_dies() -> anyhow::Result<()> {
     let _ = inbound.next().await;
     Ok(())
 }
+
+/// The agent dies under a native Dial stream: the RPC ends with a non-OK status, never OK.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn native_dial_aborted_when_agent_dies() -> anyhow::Result<()> {
+    let mut setup = Setup::start("c1", "", "").await?;
+    let mut client = pb::dialer_client::DialerClient::new(channel(&setup).await?);
+    let (mut tx, req) = streaming_request::<pb::DialFrame>(Some(OPS_TOKEN));
+    tx.send(pb::DialFrame {
+        kind: Some(pb::dial_frame::Kind::Dial(pb::DialRequest {
+            cluster: "c1".into(),
+            host: setup.echo.ip().to_string(),
+            port: setup.echo.port().into(),
+            timeout_ms: 0,
+        })),
+    })
+    .await?;
+    let mut inbound = client.dial(req).await?.into_inner();
+    let first = next_frame(&mut inbound).await?.expect("a result frame");
+    assert!(
+        matches!(first.kind, Some(pb::dial_frame::Kind::Result(ref r)) if r.ok),
+        "{first:?}"
+    );
+    tx.send(pb::DialFrame {
+        kind: Some(pb::dial_frame::Kind::Data(b"ping".to_vec().into())),
+    })
+    .await?;
+    let echo = next_frame(&mut inbound).await?.expect("an echo");
+    assert!(matches!(echo.kind, Some(pb::dial_frame::Kind::Data(ref d)) if &d[..] == b"ping"));
+    setup.agent.child.kill();
+    let status = loop {
+        match tokio::time::timeout(Duration::from_secs(30), inbound.message()).await? {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the Dial RPC ended with OK after the agent died"),
+            Err(s) => break s,
+        }
+    };
+    assert_ne!(status.code(), tonic::Code::Ok);
+    drop(tx);
+    Ok(())
+}

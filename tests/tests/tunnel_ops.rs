@@ -338,3 +338,41 @@ async fn tls_connect_abort_is_an_error() -> anyhow::Result<()> {
     drop(wr);
     Ok(())
 }
+
+/// A TLS CONNECT stream that sits idle — across several tunnel keepalive PINGs (200 ms here)
+/// and past the agent's idle read-buffer release (250 ms) — still carries data afterwards, on
+/// the same tunnel. The idle period is the input of this test, not a wait for something.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_tls_connect_keeps_working() -> anyhow::Result<()> {
+    let keepalive = "tunnel:\n  keepalive_interval: 200ms\n  keepalive_timeout: 1s";
+    let setup = Setup::start("c1", keepalive, keepalive).await?;
+    let cfg = client_tls_config(&setup.hub.pki.ca_path(), &[b"http/1.1"], None)?;
+    let mut s = match connect_tls(
+        setup.broker.client_tls_addr,
+        cfg,
+        &setup.echo_authority(),
+        Some(OPS_TOKEN),
+    )
+    .await?
+    {
+        Ok(s) => s,
+        Err((code, body)) => panic!("{code} {body}"),
+    };
+    s.write_all(b"before idle").await?;
+    let mut got = [0u8; 11];
+    s.read_exact(&mut got).await?;
+    assert_eq!(&got, b"before idle");
+
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    let t = echo_transfer(s, Arc::new(Payload::new()), 8 << 20).await?;
+    assert!(t.intact(), "after idling: {t:?}");
+    let connects = metric(
+        setup.broker.admin_addr,
+        "tether_broker_tunnel_connects_total",
+        &[("result", "ok")],
+    )
+    .await?;
+    assert_eq!(connects, 1.0, "the tunnel must have stayed up while idle");
+    Ok(())
+}
