@@ -1,1 +1,887 @@
-fn main() {}
+//! `tether-bench`: the tunnel benchmark of issue 2 — a direct TCP baseline and the tunnel,
+//! measured side by side (interleaved) in one run on loopback, reported as ratios.
+//!
+//! ```text
+//! cargo build --release -p tether-e2e -p tunnel-broker -p tunnel-agent --bins
+//! ./target/release/tether-bench            # full run, about 2 minutes
+//! ./target/release/tether-bench --quick    # smoke run, about 20 s
+//! ```
+//!
+//! Paths measured:
+//! - direct: bench client → target (TCP);
+//! - tunnel: bench client → broker (plain CONNECT port, `CONNECT c1:443`) → mTLS HTTP/2 tunnel →
+//!   agent → target.
+//!
+//! Broker and agent are the real release binaries (found next to this executable), started with
+//! [`tether_e2e::Hub`]. The target is this binary re-executed with `--target-server` (a separate
+//! process, so 10,000 idle streams fit in the file-descriptor limit); the first byte a client
+//! sends chooses what it does: `S` sink (counts bytes, answers the count on EOF), `G` endless
+//! source, `E` echo, `P` one byte back then echo; nothing = idle.
+//!
+//! Every measurement alternates direct and tunnel (and swaps their order every round), so load
+//! from other processes hits both; figures are ratios of the same run.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use clap::Parser;
+use futures::StreamExt as _;
+use tether_e2e::{Hub, OPS_TOKEN};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Side-by-side benchmark of direct TCP and the Tether tunnel on loopback.
+#[derive(Parser, Debug, Clone)]
+#[command(about)]
+struct Args {
+    /// Short smoke run (~20 s): shorter measurements, one round, 2,000 idle streams.
+    #[arg(long)]
+    quick: bool,
+    /// Seconds per throughput measurement (default 2, quick 0.5).
+    #[arg(long)]
+    secs: Option<f64>,
+    /// Rounds of each throughput measurement (default 3, quick 1).
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// Tokio worker threads of broker and agent (passed as TETHER_WORKER_THREADS).
+    #[arg(long)]
+    worker_threads: Option<usize>,
+    /// Idle streams held open for the memory measurement (default 10,000, quick 2,000).
+    #[arg(long)]
+    idle_streams: Option<usize>,
+    /// Extra tunnel settings for broker and agent, as YAML mapping entries,
+    /// e.g. "read_chunk_bytes: 65536, max_frame_bytes: 16384".
+    #[arg(long)]
+    tunnel: Option<String>,
+    /// Run only these sections: tput1, tput8, rr, open, stall, idle (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// Internal: run as the target server.
+    #[arg(long, hide = true)]
+    target_server: bool,
+    /// Internal: where the target server writes its address.
+    #[arg(long, hide = true)]
+    ready_file: Option<PathBuf>,
+}
+
+const BUF: usize = 256 << 10;
+const CLUSTER: &str = "c1";
+/// Healthy streams in the stalled-reader measurement.
+const HEALTHY: usize = 4;
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if args.target_server {
+        return target_server(args.ready_file.context("--ready-file")?);
+    }
+    // Broker and agent read their worker count from the environment; set it by re-executing.
+    if let Some(n) = args.worker_threads
+        && std::env::var("TETHER_WORKER_THREADS").ok() != Some(n.to_string())
+    {
+        let status = Command::new(std::env::current_exe()?)
+            .args(std::env::args_os().skip(1))
+            .env("TETHER_WORKER_THREADS", n.to_string())
+            .status()?;
+        std::process::exit(status.code().unwrap_or(1));
+    }
+    let nofile = raise_fd_limit();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run(args, nofile))
+}
+
+/// Raises the soft file-descriptor limit to the hard one (inherited by broker, agent, target).
+fn raise_fd_limit() -> u64 {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) => {
+            if soft < hard && setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok() {
+                hard
+            } else {
+                soft
+            }
+        }
+        Err(_) => 1024,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The target server (a child process).
+
+fn target_server(ready: PathBuf) -> anyhow::Result<()> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(async move {
+            let l = TcpListener::bind("127.0.0.1:0").await?;
+            let info = serde_json::json!({ "addr": l.local_addr()?.to_string() });
+            let tmp = ready.with_extension("tmp");
+            std::fs::write(&tmp, info.to_string())?;
+            std::fs::rename(&tmp, &ready)?;
+            loop {
+                let (s, _) = l.accept().await?;
+                tokio::spawn(async move {
+                    let _ = serve_target(s).await;
+                });
+            }
+        })
+}
+
+async fn serve_target(mut s: TcpStream) -> std::io::Result<()> {
+    s.set_nodelay(true)?;
+    let mut mode = [0u8; 1];
+    if s.read(&mut mode).await? == 0 {
+        return Ok(());
+    }
+    match mode[0] {
+        b'S' => {
+            let mut buf = vec![0u8; BUF];
+            let mut total = 0u64;
+            loop {
+                let n = s.read(&mut buf).await?;
+                if n == 0 {
+                    break;
+                }
+                total += n as u64;
+            }
+            s.write_all(&total.to_le_bytes()).await?;
+            s.shutdown().await?;
+        }
+        b'G' => {
+            let buf = vec![0x5au8; BUF];
+            loop {
+                s.write_all(&buf).await?;
+            }
+        }
+        b'E' | b'P' => {
+            if mode[0] == b'P' {
+                s.write_all(b"p").await?;
+            }
+            let (mut r, mut w) = s.split();
+            tokio::io::copy(&mut r, &mut w).await?;
+            w.shutdown().await?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client side.
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Via {
+    Direct,
+    Tunnel,
+}
+
+impl Via {
+    fn name(self) -> &'static str {
+        match self {
+            Via::Direct => "direct",
+            Via::Tunnel => "tunnel",
+        }
+    }
+}
+
+/// Where the client goes.
+#[derive(Clone)]
+struct Ends {
+    target: SocketAddr,
+    broker: SocketAddr,
+    connect_head: String,
+}
+
+impl Ends {
+    fn new(target: SocketAddr, broker: SocketAddr, cluster: &str) -> Self {
+        let authority = format!("{cluster}:443");
+        Self {
+            target,
+            broker,
+            connect_head: format!(
+                "CONNECT {authority} HTTP/1.1\r\nhost: {authority}\r\nproxy-authorization: Bearer {OPS_TOKEN}\r\n\r\n"
+            ),
+        }
+    }
+
+    /// A connection to the target, directly or through the tunnel (after the CONNECT 200).
+    async fn open(&self, via: Via) -> anyhow::Result<TcpStream> {
+        match via {
+            Via::Direct => {
+                let s = TcpStream::connect(self.target).await?;
+                s.set_nodelay(true)?;
+                Ok(s)
+            }
+            Via::Tunnel => {
+                let mut s = TcpStream::connect(self.broker).await?;
+                s.set_nodelay(true)?;
+                s.write_all(self.connect_head.as_bytes()).await?;
+                // No target mode sends before the client does, so the head is all we can read.
+                let mut buf = [0u8; 512];
+                let mut n = 0;
+                while !buf[..n].ends_with(b"\r\n\r\n") {
+                    if n == buf.len() {
+                        bail!("CONNECT response head too long");
+                    }
+                    let m = s.read(&mut buf[n..]).await?;
+                    if m == 0 {
+                        bail!("broker closed: {:?}", String::from_utf8_lossy(&buf[..n]));
+                    }
+                    n += m;
+                }
+                if !buf.starts_with(b"HTTP/1.1 200") {
+                    let mut rest = Vec::new();
+                    let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut rest))
+                        .await;
+                    bail!(
+                        "CONNECT refused: {}{}",
+                        String::from_utf8_lossy(&buf[..n]),
+                        String::from_utf8_lossy(&rest)
+                    );
+                }
+                Ok(s)
+            }
+        }
+    }
+}
+
+/// Bulk upload to sinks on `streams` connections for `dur`; returns the bytes the sinks counted
+/// and the seconds until the last sink confirmed them.
+async fn upload(
+    ends: &Ends,
+    via: Via,
+    streams: usize,
+    dur: Duration,
+) -> anyhow::Result<(u64, f64)> {
+    let mut socks = Vec::new();
+    for _ in 0..streams {
+        let mut s = ends.open(via).await?;
+        s.write_all(b"S").await?;
+        socks.push(s);
+    }
+    let start = Instant::now();
+    let deadline = start + dur;
+    let tasks: Vec<_> = socks
+        .into_iter()
+        .map(|mut s| {
+            tokio::spawn(async move {
+                let buf = vec![0u8; BUF];
+                while Instant::now() < deadline {
+                    s.write_all(&buf).await?;
+                }
+                s.shutdown().await?;
+                let mut count = [0u8; 8];
+                s.read_exact(&mut count).await?;
+                anyhow::Ok((u64::from_le_bytes(count), Instant::now()))
+            })
+        })
+        .collect();
+    let mut total = 0u64;
+    let mut end = start;
+    for t in tasks {
+        let (n, at) = t.await??;
+        total += n;
+        end = end.max(at);
+    }
+    Ok((total, (end - start).as_secs_f64()))
+}
+
+/// Bulk download from sources on `healthy` connections for `dur`, optionally while one more
+/// stream's reader is stalled (it never reads). Returns the healthy streams' bytes/s.
+async fn download(
+    ends: &Ends,
+    via: Via,
+    healthy: usize,
+    stalled: bool,
+    dur: Duration,
+) -> anyhow::Result<f64> {
+    let stall = if stalled {
+        let mut s = ends.open(via).await?;
+        s.write_all(b"G").await?;
+        // Let the stalled stream fill every buffer and window on its way.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        Some(s)
+    } else {
+        None
+    };
+    let mut socks = Vec::new();
+    for _ in 0..healthy {
+        let mut s = ends.open(via).await?;
+        s.write_all(b"G").await?;
+        socks.push(s);
+    }
+    let start = Instant::now();
+    let deadline = start + dur;
+    let tasks: Vec<_> = socks
+        .into_iter()
+        .map(|mut s| {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; BUF];
+                let mut n = 0u64;
+                loop {
+                    match tokio::time::timeout_at(deadline.into(), s.read(&mut buf)).await {
+                        Ok(Ok(0)) => bail!("source closed"),
+                        Ok(Ok(m)) => n += m as u64,
+                        Ok(Err(e)) => return Err(e.into()),
+                        Err(_) => break,
+                    }
+                }
+                anyhow::Ok(n)
+            })
+        })
+        .collect();
+    let mut total = 0u64;
+    for t in tasks {
+        total += t.await??;
+    }
+    let rate = total as f64 / start.elapsed().as_secs_f64();
+    drop(stall);
+    Ok(rate)
+}
+
+/// 64-byte request/response round trips on an open echo stream.
+async fn request_response(
+    s: &mut TcpStream,
+    n: usize,
+    out: &mut Vec<Duration>,
+) -> anyhow::Result<()> {
+    let msg = [7u8; 64];
+    let mut back = [0u8; 64];
+    for _ in 0..n {
+        let t = Instant::now();
+        s.write_all(&msg).await?;
+        s.read_exact(&mut back).await?;
+        out.push(t.elapsed());
+    }
+    Ok(())
+}
+
+/// Connect (+ CONNECT through the tunnel) and get the first byte back from the target.
+async fn open_first_byte(ends: &Ends, via: Via) -> anyhow::Result<Duration> {
+    let t = Instant::now();
+    let mut s = ends.open(via).await?;
+    s.write_all(b"P").await?;
+    let mut b = [0u8; 1];
+    s.read_exact(&mut b).await?;
+    Ok(t.elapsed())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Process statistics.
+
+/// Resident set size of a process in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
+/// CPU seconds a process has run (all its live threads; from schedstat, in ns).
+fn cpu_secs(pid: u32) -> f64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0.0;
+    };
+    let ns: u64 = tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    ns as f64 / 1e9
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_owned))
+        .unwrap_or_else(|| "?".into())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Statistics and the table.
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i]
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let m = v.len() / 2;
+    if !v.len().is_multiple_of(2) {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+fn gbit(bytes_per_sec: f64) -> String {
+    format!("{:.2} Gbit/s", bytes_per_sec * 8.0 / 1e9)
+}
+
+fn us(d: Duration) -> String {
+    format!("{:.0} µs", d.as_secs_f64() * 1e6)
+}
+
+struct Row {
+    what: String,
+    direct: String,
+    tunnel: String,
+    result: String,
+    target: String,
+    ok: Option<bool>,
+}
+
+#[derive(Default)]
+struct Table {
+    rows: Vec<Row>,
+}
+
+impl Table {
+    fn add(
+        &mut self,
+        what: impl Into<String>,
+        direct: impl Into<String>,
+        tunnel: impl Into<String>,
+        result: impl Into<String>,
+        target: impl Into<String>,
+        ok: Option<bool>,
+    ) {
+        self.rows.push(Row {
+            what: what.into(),
+            direct: direct.into(),
+            tunnel: tunnel.into(),
+            result: result.into(),
+            target: target.into(),
+            ok,
+        });
+    }
+
+    fn print(&self) {
+        let head = Row {
+            what: "measurement".into(),
+            direct: "direct".into(),
+            tunnel: "tunnel".into(),
+            result: "tunnel vs direct".into(),
+            target: "target".into(),
+            ok: None,
+        };
+        let all: Vec<&Row> = std::iter::once(&head).chain(&self.rows).collect();
+        let w = |f: fn(&Row) -> &str| all.iter().map(|r| f(r).chars().count()).max().unwrap_or(0);
+        let (w0, w1, w2, w3, w4) = (
+            w(|r| &r.what),
+            w(|r| &r.direct),
+            w(|r| &r.tunnel),
+            w(|r| &r.result),
+            w(|r| &r.target),
+        );
+        let line = |r: &Row, verdict: &str| {
+            format!(
+                "| {:<w0$} | {:>w1$} | {:>w2$} | {:<w3$} | {:<w4$} | {verdict:<4} |",
+                r.what, r.direct, r.tunnel, r.result, r.target
+            )
+        };
+        println!("{}", line(&head, "met"));
+        println!(
+            "|{}|{}:|{}:|{}|{}|------|",
+            "-".repeat(w0 + 2),
+            "-".repeat(w1 + 1),
+            "-".repeat(w2 + 1),
+            "-".repeat(w3 + 2),
+            "-".repeat(w4 + 2)
+        );
+        for r in &self.rows {
+            let v = match r.ok {
+                Some(true) => "yes",
+                Some(false) => "NO",
+                None => "",
+            };
+            println!("{}", line(r, v));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The run.
+
+struct Setup {
+    quick: bool,
+    secs: Duration,
+    rounds: usize,
+    idle: usize,
+    only: Vec<String>,
+}
+
+impl Setup {
+    fn wants(&self, section: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|s| s == section)
+    }
+
+    /// Order of the two paths in round `i` (swapped every round).
+    fn order(i: usize) -> [Via; 2] {
+        if i.is_multiple_of(2) {
+            [Via::Direct, Via::Tunnel]
+        } else {
+            [Via::Tunnel, Via::Direct]
+        }
+    }
+}
+
+async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
+    let setup = Setup {
+        quick: args.quick,
+        secs: Duration::from_secs_f64(args.secs.unwrap_or(if args.quick { 0.5 } else { 2.0 })),
+        rounds: args.rounds.unwrap_or(if args.quick { 1 } else { 3 }).max(1),
+        idle: args
+            .idle_streams
+            .unwrap_or(if args.quick { 2_000 } else { 10_000 }),
+        only: args.only.clone(),
+    };
+    let tunnel_yaml = match &args.tunnel {
+        Some(t) => format!("tunnel: {{{t}}}\n"),
+        None => String::new(),
+    };
+    let started = Instant::now();
+    println!(
+        "tether-bench{}: loopback, {} CPUs, load average {} at start, fd limit {nofile}, broker/agent worker threads: {}, tunnel settings: {}",
+        if setup.quick { " --quick" } else { "" },
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        load_average(),
+        std::env::var("TETHER_WORKER_THREADS").unwrap_or_else(|_| "default (CPUs)".into()),
+        args.tunnel.as_deref().unwrap_or("defaults"),
+    );
+
+    let hub = Hub::new()?;
+    let ready = hub.path().join("target.ready");
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.arg("--target-server").arg("--ready-file").arg(&ready);
+    let target_proc = tether_test_support::Child::spawn("bench-target", cmd, hub.path())?;
+    let target: SocketAddr = tether_test_support::read_ready_file(&ready, Duration::from_secs(10))?
+        ["addr"]
+        .as_str()
+        .context("target address")?
+        .parse()?;
+
+    let broker = hub.start_broker("b1", &tunnel_yaml)?;
+    let agent = hub.start_agent(
+        CLUSTER,
+        CLUSTER,
+        &[vec![broker.agent_addr]],
+        target,
+        &tunnel_yaml,
+    )?;
+    tether_e2e::wait_agent_ready(&agent).await?;
+    tether_e2e::wait_tunnel(&broker, CLUSTER).await?;
+    let ends = Ends::new(target, broker.client_addr, CLUSTER);
+    let pids = [broker.child.pid(), agent.child.pid()];
+    // CPU of every process on the path: bench client, target, broker, agent.
+    let all_pids = [std::process::id(), target_proc.pid(), pids[0], pids[1]];
+    let path_cpu = || all_pids.map(cpu_secs);
+
+    // Warm up both paths (connections, allocator, page cache of the binaries).
+    for via in [Via::Direct, Via::Tunnel] {
+        for _ in 0..20 {
+            open_first_byte(&ends, via).await?;
+        }
+        upload(&ends, via, 1, Duration::from_millis(200)).await?;
+    }
+
+    let mut table = Table::default();
+
+    // Throughput, 1 and 8 streams.
+    for (section, streams, goal) in [("tput1", 1usize, 0.35), ("tput8", 8, 0.4)] {
+        if !setup.wants(section) {
+            continue;
+        }
+        let mut rates = [Vec::new(), Vec::new()];
+        let mut ratios = Vec::new();
+        // CPU seconds per GB: [client+target, broker+agent] for each path.
+        let mut cpu_gb = [[0.0f64; 2]; 2];
+        let mut gbytes = [0.0f64; 2];
+        for round in 0..setup.rounds {
+            let mut r = [0.0f64; 2];
+            for via in Setup::order(round) {
+                let cpu0 = path_cpu();
+                let (bytes, secs) = upload(&ends, via, streams, setup.secs).await?;
+                let cpu1 = path_cpu();
+                let d: Vec<f64> = cpu1.iter().zip(cpu0).map(|(a, b)| a - b).collect();
+                let v = via as usize;
+                cpu_gb[v][0] += d[0] + d[1];
+                cpu_gb[v][1] += d[2] + d[3];
+                gbytes[v] += bytes as f64 / 1e9;
+                r[v] = bytes as f64 / secs;
+                rates[v].push(r[v]);
+            }
+            ratios.push(r[1] / r[0]);
+            println!(
+                "  throughput {streams} stream(s), round {}: direct {}, tunnel {} ({:.2}×)",
+                round + 1,
+                gbit(r[0]),
+                gbit(r[1]),
+                r[1] / r[0]
+            );
+        }
+        let per_gb = |v: usize, i: usize| cpu_gb[v][i] / gbytes[v];
+        let cpu_note = format!(
+            "CPU-s/GB: direct {:.2}, tunnel {:.2} (client+target {:.2}, broker+agent {:.2})",
+            per_gb(0, 0) + per_gb(0, 1),
+            per_gb(1, 0) + per_gb(1, 1),
+            per_gb(1, 0),
+            per_gb(1, 1)
+        );
+        println!("  {cpu_note}");
+        let ratio = median(&ratios);
+        let range = range_note(&ratios);
+        table.add(
+            format!(
+                "throughput, {streams} stream{}",
+                if streams > 1 { "s" } else { "" }
+            ),
+            gbit(mean(&rates[0])),
+            gbit(mean(&rates[1])),
+            format!("{ratio:.2}×{range}; {cpu_note}"),
+            format!("≥ {goal}×"),
+            Some(ratio >= goal),
+        );
+    }
+
+    // 64-byte request/response on an open stream.
+    if setup.wants("rr") {
+        let per_block = if setup.quick { 500 } else { 1000 };
+        let blocks = if setup.quick { 2 } else { 10 };
+        let mut socks = Vec::new();
+        for via in [Via::Direct, Via::Tunnel] {
+            let mut s = ends.open(via).await?;
+            s.write_all(b"E").await?;
+            request_response(&mut s, 200, &mut Vec::new()).await?;
+            socks.push(s);
+        }
+        let mut samples = [Vec::new(), Vec::new()];
+        for block in 0..blocks {
+            for via in Setup::order(block) {
+                request_response(
+                    &mut socks[via as usize],
+                    per_block,
+                    &mut samples[via as usize],
+                )
+                .await?;
+            }
+        }
+        for s in &mut samples {
+            s.sort();
+        }
+        let [d, t] = &samples;
+        let added = percentile(t, 0.5).as_secs_f64() - percentile(d, 0.5).as_secs_f64();
+        table.add(
+            "64 B request/response p50",
+            us(percentile(d, 0.5)),
+            us(percentile(t, 0.5)),
+            format!("+{:.0} µs", added * 1e6),
+            "≤ +100 µs",
+            Some(added <= 100e-6),
+        );
+        let added99 = percentile(t, 0.99).as_secs_f64() - percentile(d, 0.99).as_secs_f64();
+        table.add(
+            "64 B request/response p99",
+            us(percentile(d, 0.99)),
+            us(percentile(t, 0.99)),
+            format!("+{:.0} µs", added99 * 1e6),
+            "",
+            None,
+        );
+    }
+
+    // New stream: open to first byte.
+    if setup.wants("open") {
+        let n = if setup.quick { 300 } else { 2000 };
+        let mut samples = [Vec::new(), Vec::new()];
+        for i in 0..n {
+            for via in Setup::order(i) {
+                samples[via as usize].push(open_first_byte(&ends, via).await?);
+            }
+        }
+        for s in &mut samples {
+            s.sort();
+        }
+        let [d, t] = &samples;
+        let p50 = percentile(t, 0.5);
+        table.add(
+            "new stream, open → first byte p50",
+            us(percentile(d, 0.5)),
+            us(p50),
+            format!(
+                "+{:.0} µs",
+                (p50.as_secs_f64() - percentile(d, 0.5).as_secs_f64()) * 1e6
+            ),
+            "tunnel ≤ 500 µs",
+            Some(p50 <= Duration::from_micros(500)),
+        );
+        let p99 = percentile(t, 0.99);
+        table.add(
+            "new stream, open → first byte p99",
+            us(percentile(d, 0.99)),
+            us(p99),
+            format!(
+                "+{:.0} µs",
+                (p99.as_secs_f64() - percentile(d, 0.99).as_secs_f64()) * 1e6
+            ),
+            "",
+            None,
+        );
+    }
+
+    // Isolation: healthy streams while one reader is stalled.
+    if setup.wants("stall") {
+        let mut kept = [Vec::new(), Vec::new()];
+        let mut healthy_rate = [Vec::new(), Vec::new()];
+        let mut rss_growth = 0u64;
+        for round in 0..setup.rounds {
+            for via in Setup::order(round) {
+                let order = if round.is_multiple_of(2) {
+                    [false, true]
+                } else {
+                    [true, false]
+                };
+                let mut r = [0.0f64; 2];
+                for stalled in order {
+                    let before: u64 = pids.iter().map(|p| rss(*p)).sum();
+                    r[stalled as usize] =
+                        download(&ends, via, HEALTHY, stalled, setup.secs).await?;
+                    if stalled && via == Via::Tunnel {
+                        let after: u64 = pids.iter().map(|p| rss(*p)).sum();
+                        rss_growth = rss_growth.max(after.saturating_sub(before));
+                    }
+                }
+                kept[via as usize].push(r[1] / r[0]);
+                healthy_rate[via as usize].push(r[0]);
+                println!(
+                    "  {HEALTHY} healthy streams, {} round {}: {} alone, {} with 1 stalled ({:.0} %)",
+                    via.name(),
+                    round + 1,
+                    gbit(r[0]),
+                    gbit(r[1]),
+                    r[1] / r[0] * 100.0
+                );
+            }
+        }
+        let k = median(&kept[1]);
+        table.add(
+            format!("{HEALTHY} healthy streams, 1 reader stalled: kept"),
+            format!("{:.0} %", median(&kept[0]) * 100.0),
+            format!("{:.0} %", k * 100.0),
+            format!(
+                "{} healthy without stall; broker+agent RSS +{:.1} MiB while stalled",
+                gbit(mean(&healthy_rate[1])),
+                rss_growth as f64 / (1 << 20) as f64
+            ),
+            "tunnel ≥ 90 %",
+            Some(k >= 0.9),
+        );
+    }
+
+    // Memory per idle stream, on a fresh broker and agent.
+    if setup.wants("idle") {
+        let needed = setup.idle as u64 + 200;
+        if nofile < needed {
+            println!(
+                "  skipping idle streams: the fd limit {nofile} is below {needed}; run `ulimit -n 65536` first"
+            );
+        } else {
+            let broker2 = hub.start_broker("b2", &tunnel_yaml)?;
+            let agent2 = hub.start_agent(
+                "c2",
+                "c2",
+                &[vec![broker2.agent_addr]],
+                target,
+                &tunnel_yaml,
+            )?;
+            tether_e2e::wait_agent_ready(&agent2).await?;
+            tether_e2e::wait_tunnel(&broker2, "c2").await?;
+            let ends2 = Ends::new(target, broker2.client_addr, "c2");
+            for _ in 0..200 {
+                open_first_byte(&ends2, Via::Tunnel).await?;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let (bp, ap) = (broker2.child.pid(), agent2.child.pid());
+            let before = (rss(bp), rss(ap));
+            let t = Instant::now();
+            let results: Vec<anyhow::Result<TcpStream>> = futures::stream::iter(0..setup.idle)
+                .map(|_| {
+                    let e = ends2.clone();
+                    async move { e.open(Via::Tunnel).await }
+                })
+                .buffer_unordered(200)
+                .collect()
+                .await;
+            let opened = results.iter().filter(|r| r.is_ok()).count();
+            if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
+                println!(
+                    "  {} idle streams failed to open: {e:#}",
+                    setup.idle - opened
+                );
+            }
+            let open_secs = t.elapsed().as_secs_f64();
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let after = (rss(bp), rss(ap));
+            drop(results);
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let closed = (rss(bp), rss(ap));
+            let per = |a: u64, b: u64| a.saturating_sub(b) as f64 / opened.max(1) as f64 / 1024.0;
+            let (pb, pa) = (per(after.0, before.0), per(after.1, before.1));
+            table.add(
+                format!("memory per idle stream ({opened} open)"),
+                "",
+                format!("broker {pb:.1} KiB, agent {pa:.1} KiB"),
+                format!(
+                    "RSS before/open/closed: broker {}/{}/{} MiB, agent {}/{}/{} MiB; opened in {open_secs:.1} s",
+                    before.0 >> 20,
+                    after.0 >> 20,
+                    closed.0 >> 20,
+                    before.1 >> 20,
+                    after.1 >> 20,
+                    closed.1 >> 20
+                ),
+                "reported, bounded",
+                Some(opened == setup.idle),
+            );
+        }
+    }
+
+    println!();
+    table.print();
+    println!(
+        "\n(median of per-round ratios, range in brackets; {} round(s) of {:.1} s; load average {} at end; {:.0} s in all)",
+        setup.rounds,
+        setup.secs.as_secs_f64(),
+        load_average(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn range_note(ratios: &[f64]) -> String {
+    if ratios.len() < 2 {
+        return String::new();
+    }
+    let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    format!(" [{lo:.2}–{hi:.2}]")
+}
