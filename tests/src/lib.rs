@@ -167,6 +167,63 @@ fn rand_suffix() -> String {
     format!("{:08x}", rand::random::<u32>())
 }
 
+/// YAML for a broker's `peers` list naming `peer` (append to `start_broker`'s `extra`).
+pub fn peers_yaml(peer: &Broker) -> String {
+    format!(
+        "peers:\n  - id: {}\n    address: '{}'\n    server_name: tether-broker\n",
+        peer.id, peer.agent_addr
+    )
+}
+
+/// A health-prober process and its admin address.
+pub struct Prober {
+    pub child: Child,
+    pub admin_addr: SocketAddr,
+}
+
+impl Hub {
+    /// Starts a health-prober probing `clusters` through `broker`'s native Dial API (token of
+    /// the `ops` client, API servers verified with the hub CA). `extra` is appended YAML.
+    pub fn start_prober(
+        &self,
+        broker: &Broker,
+        clusters: &[&str],
+        extra: &str,
+    ) -> anyhow::Result<Prober> {
+        let token_file = self.path().join("prober.token");
+        std::fs::write(&token_file, OPS_TOKEN)?;
+        let cfg = format!(
+            "broker:\n  endpoint: https://{}\n  server_name: localhost\n  ca: {ca}\n  token_file: {}\nclusters: [{}]\napiserver_ca: {ca}\nadmin_listen: 127.0.0.1:0\n{extra}\n",
+            broker.client_tls_addr,
+            token_file.display(),
+            clusters.join(", "),
+            ca = self.pki.ca_path().display(),
+        );
+        let cfg_path = self.path().join("prober.yaml");
+        std::fs::write(&cfg_path, cfg)?;
+        let ready = self.path().join("prober.ready");
+        let _ = std::fs::remove_file(&ready);
+        let mut cmd = Command::new(bin("health-prober")?);
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
+        cmd.arg("--config")
+            .arg(&cfg_path)
+            .arg("--ready-file")
+            .arg(&ready);
+        let child = Child::spawn("health-prober", cmd, self.path())?;
+        let r = read_ready_file(&ready, START_TIMEOUT)?;
+        Ok(Prober {
+            child,
+            admin_addr: addr(&r, "admin")?,
+        })
+    }
+}
+
+/// The prober's health table rows (JSON objects), if it answers.
+pub async fn health_rows(prober: SocketAddr) -> Option<Vec<serde_json::Value>> {
+    let (_, body) = admin_get(prober, "/debug/health").await.ok()?;
+    serde_json::from_str(&body).ok()
+}
+
 /// GETs `path` from an admin server; returns (status, body).
 pub async fn admin_get(admin: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

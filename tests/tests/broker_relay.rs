@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use tether_e2e::{Hub, OPS_TOKEN, admin_get, connect, echo_server, wait_agent_ready, wait_tunnel};
+use tether_e2e::{
+    Hub, OPS_TOKEN, admin_get, connect, echo_server, peers_yaml, wait_agent_ready, wait_tunnel,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -11,26 +13,32 @@ async fn stream_is_relayed_to_the_broker_holding_the_tunnel() -> anyhow::Result<
     let hub = Hub::new()?;
     let echo = echo_server().await?;
     let b1 = hub.start_broker("b1", "")?;
-    let b2 = hub.start_broker(
-        "b2",
-        &format!("peers:\n  - id: b1\n    address: '{}'\n    server_name: tether-broker\n", b1.agent_addr),
-    )?;
+    let b2 = hub.start_broker("b2", &peers_yaml(&b1))?;
     let agent = hub.start_agent("c1", "c1", &[vec![b1.agent_addr]], echo, "")?;
     wait_agent_ready(&agent).await?;
     wait_tunnel(&b1, "c1").await?;
 
     // b2 has no tunnel for c1: the stream goes b2 → b1 → agent. Wait for the relay link.
     let target = format!("127.0.0.1.c1.tether:{}", echo.port());
-    let mut s = tether_test_support::wait_until_async(Duration::from_secs(20), "relay via b2", || async {
-        connect(b2.client_addr, &target, Some(OPS_TOKEN)).await.ok()?.ok()
-    })
-    .await
-    .inspect_err(|_| {
-        for f in ["broker-b1.log", "broker-b2.log"] {
-            eprintln!("== {f}\n{}", std::fs::read_to_string(hub.path().join(f)).unwrap_or_default());
-        }
-    })?;
-    let payload: Vec<u8> = (0..2_000_000u32).map(|i| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
+    let mut s =
+        tether_test_support::wait_until_async(Duration::from_secs(20), "relay via b2", || async {
+            connect(b2.client_addr, &target, Some(OPS_TOKEN))
+                .await
+                .ok()?
+                .ok()
+        })
+        .await
+        .inspect_err(|_| {
+            for f in ["broker-b1.log", "broker-b2.log"] {
+                eprintln!(
+                    "== {f}\n{}",
+                    std::fs::read_to_string(hub.path().join(f)).unwrap_or_default()
+                );
+            }
+        })?;
+    let payload: Vec<u8> = (0..2_000_000u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 24) as u8)
+        .collect();
     let (mut r, mut w) = s.split();
     let send = async {
         w.write_all(&payload).await?;
@@ -48,13 +56,18 @@ async fn stream_is_relayed_to_the_broker_holding_the_tunnel() -> anyhow::Result<
 
     let (_, metrics) = admin_get(b1.admin_addr, "/metrics").await?;
     assert!(
-        metrics.lines().any(|l| l.starts_with("tether_broker_stream_duration_seconds_count{frontend=\"relay\",result=\"ok\"}")),
+        metrics.lines().any(|l| l.starts_with(
+            "tether_broker_stream_duration_seconds_count{frontend=\"relay\",result=\"ok\"}"
+        )),
         "b1 did not account a relayed stream:\n{metrics}"
     );
 
     // An unknown cluster is still a clear 502 after asking the peer.
     match connect(b2.client_addr, "nowhere:443", Some(OPS_TOKEN)).await? {
-        Err((502, body)) => assert!(body.contains("no tunnel") && body.contains("peer"), "{body}"),
+        Err((502, body)) => assert!(
+            body.contains("no tunnel") && body.contains("peer"),
+            "{body}"
+        ),
         other => panic!("expected 502, got {:?}", other.map(|_| ())),
     }
     Ok(())
@@ -75,17 +88,18 @@ async fn relayed_stream_aborts_as_error_when_agent_dies() -> anyhow::Result<()> 
         }
     });
     let b1 = hub.start_broker("b1", "")?;
-    let b2 = hub.start_broker(
-        "b2",
-        &format!("peers:\n  - id: b1\n    address: '{}'\n    server_name: tether-broker\n", b1.agent_addr),
-    )?;
+    let b2 = hub.start_broker("b2", &peers_yaml(&b1))?;
     let mut agent = hub.start_agent("c1", "c1", &[vec![b1.agent_addr]], source, "")?;
     wait_agent_ready(&agent).await?;
     wait_tunnel(&b1, "c1").await?;
-    let mut s = tether_test_support::wait_until_async(Duration::from_secs(20), "relay via b2", || async {
-        connect(b2.client_addr, "c1:443", Some(OPS_TOKEN)).await.ok()?.ok()
-    })
-    .await?;
+    let mut s =
+        tether_test_support::wait_until_async(Duration::from_secs(20), "relay via b2", || async {
+            connect(b2.client_addr, "c1:443", Some(OPS_TOKEN))
+                .await
+                .ok()?
+                .ok()
+        })
+        .await?;
     let mut buf = vec![0u8; 64 * 1024];
     let mut got = 0usize;
     while got < 1_000_000 {

@@ -1,12 +1,11 @@
 //! The health-prober against real brokers and agents: a healthy cluster, one whose API server
 //! is down, one whose agent is gone — reported within a few intervals, with connections reused.
 
-use std::process::Command;
 use std::time::Duration;
 
 use tether_e2e::apiserver::FakeApiServer;
-use tether_e2e::{Hub, OPS_TOKEN, admin_get, wait_agent_ready, wait_tunnel};
-use tether_test_support::{Child, bin, read_ready_file, wait_until_async};
+use tether_e2e::{Hub, admin_get, health_rows, wait_agent_ready, wait_tunnel};
+use tether_test_support::wait_until_async;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_table_reflects_healthy_down_and_gone_clusters() -> anyhow::Result<()> {
@@ -31,34 +30,18 @@ async fn health_table_reflects_healthy_down_and_gone_clusters() -> anyhow::Resul
     })
     .await?;
 
-    let token_file = hub.path().join("prober.token");
-    std::fs::write(&token_file, OPS_TOKEN)?;
-    let cfg = format!(
-        "broker:\n  endpoint: https://{}\n  server_name: localhost\n  ca: {ca}\n  token_file: {}\ninterval: 300ms\ntimeout: 250ms\nfailure_threshold: 2\nclusters: [ok, down, gone]\napiserver_ca: {ca}\nadmin_listen: 127.0.0.1:0\n",
-        broker.client_tls_addr,
-        token_file.display(),
-        ca = hub.pki.ca_path().display(),
-    );
-    let cfg_path = hub.path().join("prober.yaml");
-    std::fs::write(&cfg_path, cfg)?;
-    let ready = hub.path().join("prober.ready");
-    let mut cmd = Command::new(bin("health-prober")?);
-    cmd.arg("--config")
-        .arg(&cfg_path)
-        .arg("--ready-file")
-        .arg(&ready);
-    let _prober = Child::spawn("health-prober", cmd, hub.path())?;
-    let admin: std::net::SocketAddr = read_ready_file(&ready, Duration::from_secs(20))?["admin"]
-        .as_str()
-        .unwrap_or_default()
-        .parse()?;
+    let prober = hub.start_prober(
+        &broker,
+        &["ok", "down", "gone"],
+        "interval: 300ms\ntimeout: 250ms\nfailure_threshold: 2",
+    )?;
+    let admin = prober.admin_addr;
 
     let table = wait_until_async(
         Duration::from_secs(20),
         "five probes of every cluster",
         || async {
-            let (_, body) = admin_get(admin, "/debug/health").await.ok()?;
-            let rows: Vec<serde_json::Value> = serde_json::from_str(&body).ok()?;
+            let rows = health_rows(admin).await?;
             (rows.len() == 3 && rows.iter().all(|r| r["probes"].as_u64() >= Some(5)))
                 .then_some(rows)
         },

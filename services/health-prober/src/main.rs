@@ -24,13 +24,7 @@ fn main() -> anyhow::Result<()> {
     tether_tls::install_default_crypto();
     let cfg: health_prober::config::ProberConfig =
         tether_config::load(&args.config).context("invalid health-prober configuration")?;
-    let sys = actix::System::with_tokio_rt(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()
-            .expect("tokio runtime")
-    });
-    sys.block_on(async move {
+    tether_runtime::actix_system(None).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("health-prober");
         let shutdown = tether_runtime::shutdown_token();
         let admin = tokio::net::TcpListener::bind(cfg.admin_listen)
@@ -38,9 +32,8 @@ fn main() -> anyhow::Result<()> {
             .with_context(|| format!("cannot bind admin_listen {}", cfg.admin_listen))?;
         if let Some(path) = &args.ready_file {
             let info = serde_json::json!({ "admin": admin.local_addr()?.to_string() });
-            let tmp = path.with_extension("tmp");
-            std::fs::write(&tmp, info.to_string())?;
-            std::fs::rename(&tmp, path)?;
+            tether_runtime::write_ready_file(path, &info)
+                .with_context(|| format!("write ready file {}", path.display()))?;
         }
         health_prober::run(cfg, admin, shutdown).await?;
         anyhow::Ok(())

@@ -23,7 +23,7 @@ pub struct AgentConfig {
     /// Agent replica name (defaults to the host name).
     #[serde(default)]
     pub agent: Option<String>,
-    pub tls: TlsFilesConfig,
+    pub tls: TlsFiles,
     /// How often certificate files are checked for changes.
     #[serde(default = "default_reload", with = "humantime_serde")]
     pub tls_reload_interval: Duration,
@@ -50,24 +50,6 @@ pub struct AgentConfig {
     /// Time open streams get to finish on SIGTERM.
     #[serde(default = "default_grace", with = "humantime_serde")]
     pub shutdown_grace: Duration,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TlsFilesConfig {
-    pub cert: PathBuf,
-    pub key: PathBuf,
-    pub ca: PathBuf,
-}
-
-impl From<&TlsFilesConfig> for TlsFiles {
-    fn from(t: &TlsFilesConfig) -> Self {
-        TlsFiles {
-            cert: t.cert.clone(),
-            key: t.key.clone(),
-            ca: t.ca.clone(),
-        }
-    }
 }
 
 /// Proxy settings, as OCM's AddOnDeploymentConfig `proxyConfig`.

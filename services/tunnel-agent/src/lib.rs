@@ -24,7 +24,7 @@ use actix::prelude::*;
 use prometheus::Registry;
 use tether_runtime::Backoff;
 use tether_telemetry::{AdminServer, Readiness};
-use tether_tls::{TlsFiles, TlsMaterial};
+use tether_tls::TlsMaterial;
 use tether_tunnel::pump::ByteCounters;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -55,7 +55,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), AgentError> {
     let registry = Registry::new();
-    let tls = TlsMaterial::load(TlsFiles::from(&cfg.tls))?;
+    let tls = TlsMaterial::load(cfg.tls.clone())?;
     tls.register(&registry)?;
     let identity = tether_tls::Identity::from_certificate(&tls.certificate())?;
     if identity.cluster() != Some(cfg.cluster.as_str()) {

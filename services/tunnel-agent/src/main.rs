@@ -27,15 +27,7 @@ fn main() -> anyhow::Result<()> {
     tether_tls::install_default_crypto();
     let cfg: tunnel_agent::config::AgentConfig =
         tether_config::load(&args.config).context("invalid tunnel-agent configuration")?;
-    let workers = args.worker_threads;
-    let sys = actix::System::with_tokio_rt(move || {
-        let mut b = tokio::runtime::Builder::new_multi_thread();
-        if let Some(n) = workers {
-            b.worker_threads(n);
-        }
-        b.enable_all().build().expect("tokio runtime")
-    });
-    sys.block_on(async move {
+    tether_runtime::actix_system(args.worker_threads).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("tunnel-agent");
         let shutdown = tether_runtime::shutdown_token();
         let admin = tokio::net::TcpListener::bind(cfg.admin_listen)
@@ -43,16 +35,10 @@ fn main() -> anyhow::Result<()> {
             .with_context(|| format!("cannot bind admin_listen {}", cfg.admin_listen))?;
         if let Some(path) = &args.ready_file {
             let info = serde_json::json!({ "admin": admin.local_addr()?.to_string() });
-            write_atomically(path, &info.to_string())?;
+            tether_runtime::write_ready_file(path, &info)
+                .with_context(|| format!("write ready file {}", path.display()))?;
         }
         tunnel_agent::run(cfg, admin, shutdown).await?;
         anyhow::Ok(())
     })
-}
-
-fn write_atomically(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, text).with_context(|| format!("write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("rename to {}", path.display()))?;
-    Ok(())
 }

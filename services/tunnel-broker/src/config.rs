@@ -1,7 +1,6 @@
 //! tunnel-broker configuration (YAML). Every field is documented in docs/configuration.md.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -19,7 +18,7 @@ pub const DEFAULT_MAX_PENDING_DIALS: usize = 1024;
 pub struct BrokerConfig {
     /// Broker replica id (appears in logs, metrics and the hello sent to agents).
     pub id: String,
-    pub tls: TlsFilesConfig,
+    pub tls: TlsFiles,
     #[serde(default = "default_reload", with = "humantime_serde")]
     pub tls_reload_interval: Duration,
     /// Where agents connect (mTLS).
@@ -59,24 +58,6 @@ pub struct PeerConfig {
     pub address: String,
     /// Name expected in the peer's certificate.
     pub server_name: String,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TlsFilesConfig {
-    pub cert: PathBuf,
-    pub key: PathBuf,
-    pub ca: PathBuf,
-}
-
-impl From<&TlsFilesConfig> for TlsFiles {
-    fn from(t: &TlsFilesConfig) -> Self {
-        TlsFiles {
-            cert: t.cert.clone(),
-            key: t.key.clone(),
-            ca: t.ca.clone(),
-        }
-    }
 }
 
 /// A hub client identity: authenticated by a certificate with CN `tether:client:<name>`, or by

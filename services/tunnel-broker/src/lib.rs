@@ -32,7 +32,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use prometheus::Registry as PromRegistry;
 use tether_telemetry::{AdminServer, Readiness};
-use tether_tls::{Identity, TlsFiles, TlsMaterial};
+use tether_tls::{Identity, TlsMaterial};
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
@@ -72,7 +72,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), BrokerError> {
     let registry = PromRegistry::new();
-    let tls = TlsMaterial::load(TlsFiles::from(&cfg.tls))?;
+    let tls = TlsMaterial::load(cfg.tls.clone())?;
     tls.register(&registry)?;
     tls.spawn_watcher(cfg.tls_reload_interval, shutdown.child_token());
     let metrics = BrokerMetrics::new(&registry)?;

@@ -34,15 +34,7 @@ fn main() -> anyhow::Result<()> {
     tether_tls::install_default_crypto();
     let cfg: tunnel_broker::config::BrokerConfig =
         tether_config::load(&args.config).context("invalid tunnel-broker configuration")?;
-    let workers = args.worker_threads;
-    let sys = actix::System::with_tokio_rt(move || {
-        let mut b = tokio::runtime::Builder::new_multi_thread();
-        if let Some(n) = workers {
-            b.worker_threads(n);
-        }
-        b.enable_all().build().expect("tokio runtime")
-    });
-    sys.block_on(async move {
+    tether_runtime::actix_system(args.worker_threads).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("tunnel-broker");
         let shutdown = tether_runtime::shutdown_token();
         let listeners = tunnel_broker::Listeners {
@@ -69,10 +61,8 @@ fn main() -> anyhow::Result<()> {
                 "client_tls": addr(&listeners.client_tls),
                 "admin": listeners.admin.local_addr()?.to_string(),
             });
-            let tmp = path.with_extension("tmp");
-            std::fs::write(&tmp, info.to_string())
-                .with_context(|| format!("write {}", tmp.display()))?;
-            std::fs::rename(&tmp, path).with_context(|| format!("rename to {}", path.display()))?;
+            tether_runtime::write_ready_file(path, &info)
+                .with_context(|| format!("write ready file {}", path.display()))?;
         }
         tunnel_broker::run(cfg, listeners, shutdown).await?;
         anyhow::Ok(())

@@ -2,11 +2,14 @@
 //!
 //! - [`backoff`]: jittered exponential backoff with a reset after a healthy period, used by every
 //!   retry loop (agent connectors, NATS reconnects, registration).
+//! - [`process`]: the actix system on a multi-thread tokio runtime, and ready files.
 //! - [`shutdown`]: a root [`CancellationToken`](tokio_util::sync::CancellationToken) cancelled on
 //!   SIGTERM or SIGINT, from which every component derives its own child token.
 
 pub mod backoff;
+pub mod process;
 pub mod shutdown;
 
 pub use backoff::{Backoff, BackoffConfig};
+pub use process::{actix_system, write_ready_file};
 pub use shutdown::shutdown_token;

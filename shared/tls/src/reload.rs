@@ -52,8 +52,10 @@ pub enum TlsError {
     Config(String),
 }
 
-/// Where a component's certificate, key and trusted CA bundle live.
-#[derive(Clone, PartialEq, Eq, Debug)]
+/// Where a component's certificate, key and trusted CA bundle live (the `tls:` section of
+/// every service's config).
+#[derive(Clone, PartialEq, Eq, Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct TlsFiles {
     pub cert: PathBuf,
     pub key: PathBuf,

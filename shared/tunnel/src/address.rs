@@ -127,7 +127,9 @@ impl Target {
         let (host, port) = dest
             .rsplit_once(':')
             .ok_or_else(|| AddressError::MissingPort(dest.to_owned()))?;
-        let port: u32 = port.parse().map_err(|_| AddressError::BadPort(dest.to_owned()))?;
+        let port: u32 = port
+            .parse()
+            .map_err(|_| AddressError::BadPort(dest.to_owned()))?;
         Self::from_parts(cluster, host, port)
     }
 

@@ -11,7 +11,11 @@ use h2::{Reason, RecvStream, SendStream};
 
 use crate::pump::{AbortReason, SpliceError, SpliceStats, h2_abort_reason, send_chunk};
 
-async fn forward(rx: &mut RecvStream, tx: &mut SendStream<Bytes>, total: &mut u64) -> Result<(), AbortReason> {
+async fn forward(
+    rx: &mut RecvStream,
+    tx: &mut SendStream<Bytes>,
+    total: &mut u64,
+) -> Result<(), AbortReason> {
     while let Some(next) = rx.data().await {
         let data = next.map_err(|e| h2_abort_reason(&e))?;
         let n = data.len();
@@ -19,7 +23,8 @@ async fn forward(rx: &mut RecvStream, tx: &mut SendStream<Bytes>, total: &mut u6
         let _ = rx.flow_control().release_capacity(n);
         *total += n as u64;
     }
-    tx.send_data(Bytes::new(), true).map_err(|e| h2_abort_reason(&e))
+    tx.send_data(Bytes::new(), true)
+        .map_err(|e| h2_abort_reason(&e))
 }
 
 /// Relays between stream `a` (e.g. from a peer broker) and stream `b` (e.g. to an agent) until

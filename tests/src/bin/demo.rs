@@ -8,15 +8,16 @@
 //! (`tether_e2e::apiserver`), its "service" a small HTTP server.
 
 use std::net::SocketAddr;
-use std::process::Command;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use tether_client::{Dialer, DialerConfig, Token};
 use tether_e2e::apiserver::{FakeApiServer, KUBE_TOKEN};
 use tether_e2e::forward_proxy::Tinyproxy;
-use tether_e2e::{Hub, OPS_TOKEN, admin_get, connect, wait_agent_ready, wait_tunnel};
-use tether_test_support::{Child, bin, read_ready_file, wait_until_async};
+use tether_e2e::{
+    Hub, OPS_TOKEN, admin_get, connect, health_rows, peers_yaml, wait_agent_ready, wait_tunnel,
+};
+use tether_test_support::wait_until_async;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn web_service(cluster: &'static str) -> anyhow::Result<SocketAddr> {
@@ -70,11 +71,6 @@ fn print_table(rows: &[serde_json::Value], tunnels: &str) {
     println!();
 }
 
-async fn health_rows(admin: SocketAddr) -> Option<Vec<serde_json::Value>> {
-    let (_, body) = admin_get(admin, "/debug/health").await.ok()?;
-    serde_json::from_str(&body).ok()
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let hub = Hub::new()?;
@@ -83,13 +79,7 @@ async fn main() -> anyhow::Result<()> {
         hub.pki.dir.display()
     );
     let b1 = hub.start_broker("b1", "")?;
-    let b2 = hub.start_broker(
-        "b2",
-        &format!(
-            "peers:\n  - id: b1\n    address: '{}'\n    server_name: tether-broker\n",
-            b1.agent_addr
-        ),
-    )?;
+    let b2 = hub.start_broker("b2", &peers_yaml(&b1))?;
     let proxy = Tinyproxy::start(hub.path(), "corporate-proxy").context("tinyproxy")?;
     println!(
         "== forward proxy (tinyproxy) at {} — the clusters' only way out",
@@ -120,27 +110,8 @@ async fn main() -> anyhow::Result<()> {
     }
 
     // The health-prober probes every cluster through the tunnels.
-    let token_file = hub.path().join("prober.token");
-    std::fs::write(&token_file, OPS_TOKEN)?;
-    let cfg = format!(
-        "broker:\n  endpoint: https://{}\n  server_name: localhost\n  ca: {ca}\n  token_file: {}\ninterval: 1s\ntimeout: 900ms\nclusters: [edge-a, edge-b]\napiserver_ca: {ca}\n",
-        b2.client_tls_addr,
-        token_file.display(),
-        ca = hub.pki.ca_path().display(),
-    );
-    let cfg_path = hub.path().join("prober.yaml");
-    std::fs::write(&cfg_path, cfg)?;
-    let ready = hub.path().join("prober.ready");
-    let mut cmd = Command::new(bin("health-prober")?);
-    cmd.arg("--config")
-        .arg(&cfg_path)
-        .arg("--ready-file")
-        .arg(&ready);
-    let _prober = Child::spawn("health-prober", cmd, hub.path())?;
-    let admin: SocketAddr = read_ready_file(&ready, Duration::from_secs(20))?["admin"]
-        .as_str()
-        .unwrap_or_default()
-        .parse()?;
+    let prober = hub.start_prober(&b2, &["edge-a", "edge-b"], "interval: 1s\ntimeout: 900ms")?;
+    let admin = prober.admin_addr;
     let rows = wait_until_async(
         Duration::from_secs(20),
         "both clusters probed healthy",
