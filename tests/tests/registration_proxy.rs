@@ -16,6 +16,15 @@ fn read(p: &Path) -> String {
     std::fs::read_to_string(p).unwrap_or_default()
 }
 
+/// The hub kubeconfig's proxy-url, if the kubeconfig exists and parses (it is rewritten during
+/// a re-bootstrap).
+fn hub_proxy_url(creds: &Path) -> Option<String> {
+    tether_control::kubeconfig::parse_hub_endpoint(&read(&creds.join("kubeconfig")), "kubeconfig")
+        .ok()?
+        .proxy
+        .map(|p| p.to_url_with_secret())
+}
+
 /// Reads the hub kubeconfig the agent wrote and returns (server, proxy-url, CA PEM).
 fn hub_kubeconfig(creds: &Path) -> (String, Option<String>, String) {
     let ep = tether_control::kubeconfig::parse_hub_endpoint(

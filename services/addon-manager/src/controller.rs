@@ -58,9 +58,10 @@ pub enum Reply {
     Raw(Option<String>),
 }
 
+/// A request plus the span it runs in (child of the sender's trace context).
 #[derive(Message)]
 #[rtype(result = "Reply")]
-pub struct Handle(pub Request);
+pub struct Handle(pub Request, pub tracing::Span);
 
 /// The hub's registration controller.
 pub struct RegistrationController {
@@ -116,25 +117,29 @@ impl Handler<Handle> for RegistrationController {
 
     fn handle(&mut self, msg: Handle, _ctx: &mut Self::Context) -> Self::Result {
         let hub = self.ctx.clone();
-        Box::pin(async move {
-            match msg.0 {
-                Request::SubmitCsr {
-                    cluster,
-                    body,
-                    renewal,
-                    trace_id,
-                } => json(hub.submit_csr(&cluster, body, renewal, trace_id).await),
-                Request::GetCsr {
-                    cluster,
-                    body,
-                    renewal,
-                } => json(hub.get_csr(&cluster, &body.csr_name, renewal).await),
-                Request::Lease { cluster, body } => json(hub.renew_lease(&cluster, body).await),
-                Request::Accept(r) => json(hub.accept(r).await),
-                Request::Deny(r) => json(hub.deny(r).await),
-                Request::Callout(raw) => Reply::Raw(crate::callout::respond(&hub, &raw).await),
-            }
-        })
+        let span = msg.1;
+        Box::pin(tracing::Instrument::instrument(
+            async move {
+                match msg.0 {
+                    Request::SubmitCsr {
+                        cluster,
+                        body,
+                        renewal,
+                        trace_id,
+                    } => json(hub.submit_csr(&cluster, body, renewal, trace_id).await),
+                    Request::GetCsr {
+                        cluster,
+                        body,
+                        renewal,
+                    } => json(hub.get_csr(&cluster, &body.csr_name, renewal).await),
+                    Request::Lease { cluster, body } => json(hub.renew_lease(&cluster, body).await),
+                    Request::Accept(r) => json(hub.accept(r).await),
+                    Request::Deny(r) => json(hub.deny(r).await),
+                    Request::Callout(raw) => Reply::Raw(crate::callout::respond(&hub, &raw).await),
+                }
+            },
+            span,
+        ))
     }
 }
 
@@ -253,8 +258,14 @@ pub async fn start_pumps(
                     let Some(reply_to) = msg.reply.clone() else {
                         return;
                     };
+                    let span = tracing::info_span!(
+                        "registration.request",
+                        subject = %msg.subject,
+                        kind = metrics_label,
+                    );
+                    tether_control::trace::set_parent(&span, msg.headers.as_ref());
                     let reply = match parse(kind, &msg) {
-                        Ok(req) => match addr.send(Handle(req)).await {
+                        Ok(req) => match addr.send(Handle(req, span)).await {
                             Ok(r) => r,
                             Err(e) => Reply::Error(format!("controller unavailable: {e}")),
                         },

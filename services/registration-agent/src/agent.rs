@@ -325,6 +325,7 @@ impl<S: HubSecretStore> Agent<S> {
     }
 
     /// Bootstrap: CSR with the bootstrap token until issued; writes the hub credentials.
+    #[tracing::instrument(name = "registration.bootstrap", skip_all, fields(cluster = %self.cfg.cluster_name, agent = %agent))]
     async fn bootstrap(
         &mut self,
         bootstrap: &BootstrapConfig,
@@ -678,6 +679,7 @@ impl<S: HubSecretStore> Agent<S> {
     }
 
     /// Renewal: new key, CSR on the cluster's own subject (auto-approved for accepted clusters).
+    #[tracing::instrument(name = "registration.rotate", skip_all, fields(cluster = %self.cfg.cluster_name))]
     async fn rotate(
         &self,
         client: &async_nats::Client,

@@ -444,7 +444,7 @@ pub async fn request_json<Req: serde::Serialize, Resp: serde::de::DeserializeOwn
 ) -> Result<Resp, ControlError> {
     let payload = serde_json::to_vec(body).map_err(|e| ControlError::Codec(e.to_string()))?;
     let mut headers = async_nats::HeaderMap::new();
-    crate::trace::inject(&mut headers);
+    crate::trace::inject_current(&mut headers);
     let msg = client
         .request_with_headers(subject.clone(), headers, payload.into())
         .await

@@ -73,6 +73,29 @@ pub fn inject(headers: &mut HeaderMap) {
     headers.insert(TRACEPARENT, tp.header_value().as_str());
 }
 
+/// Adds the W3C context of the current `tracing` span (OpenTelemetry, when export is on);
+/// falls back to [`inject`] so every request carries a `traceparent`.
+pub fn inject_current(headers: &mut HeaderMap) {
+    let map = tether_telemetry::propagation::inject(&tracing::Span::current());
+    if map.contains_key(TRACEPARENT) {
+        for (k, v) in map {
+            headers.insert(k.as_str(), v.as_str());
+        }
+    } else {
+        inject(headers);
+    }
+}
+
+/// Makes `span` a child of the trace context carried in `headers` (when export is on).
+pub fn set_parent(span: &tracing::Span, headers: Option<&HeaderMap>) {
+    let Some(h) = headers else { return };
+    let pairs: Vec<(String, String)> = [TRACEPARENT, "tracestate"]
+        .iter()
+        .filter_map(|k| h.get(*k).map(|v| (k.to_string(), v.as_str().to_string())))
+        .collect();
+    tether_telemetry::propagation::set_parent(span, pairs);
+}
+
 /// Reads the `traceparent` header, if present and well formed.
 pub fn extract(headers: Option<&HeaderMap>) -> Option<TraceParent> {
     headers?
