@@ -79,13 +79,25 @@ impl Hub {
 
     /// Starts broker `id`. `extra` is appended to its YAML config (top-level keys).
     pub fn start_broker(&self, id: &str, extra: &str) -> anyhow::Result<Broker> {
+        self.start_broker_at(id, extra, None, "127.0.0.1")
+    }
+
+    /// Starts broker `id` inside network namespace `netns` (when given), listening on
+    /// `listen_ip` (its admin listener stays on the namespace's 127.0.0.1).
+    pub fn start_broker_at(
+        &self,
+        id: &str,
+        extra: &str,
+        netns: Option<&str>,
+        listen_ip: &str,
+    ) -> anyhow::Result<Broker> {
         let tls = self.pki.issue(
             &format!("broker-{id}"),
             Identity::Broker { id: id.into() },
             &["localhost", "127.0.0.1", "tether-broker"],
         )?;
         let cfg = format!(
-            "id: {id}\ntls:\n  cert: {}\n  key: {}\n  ca: {}\ntls_reload_interval: 200ms\nagent_listen: 127.0.0.1:0\nclient_listen: 127.0.0.1:0\nclient_tls_listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\ndrain_grace: 10s\nclients:\n  - name: ops\n    token_sha256: {}\n    allow:\n      - clusters: ['*']\n        targets: ['apiserver', '*:*']\n  - name: apionly\n    token_sha256: {}\n{extra}\n",
+            "id: {id}\ntls:\n  cert: {}\n  key: {}\n  ca: {}\ntls_reload_interval: 200ms\nagent_listen: {listen_ip}:0\nclient_listen: {listen_ip}:0\nclient_tls_listen: {listen_ip}:0\nadmin_listen: 127.0.0.1:0\ndrain_grace: 10s\nclients:\n  - name: ops\n    token_sha256: {}\n    allow:\n      - clusters: ['*']\n        targets: ['apiserver', '*:*']\n  - name: apionly\n    token_sha256: {}\n{extra}\n",
             tls.cert.display(),
             tls.key.display(),
             tls.ca.display(),
@@ -96,7 +108,7 @@ impl Hub {
         std::fs::write(&config_path, cfg)?;
         let ready = self.path().join(format!("broker-{id}.ready"));
         let _ = std::fs::remove_file(&ready);
-        let mut cmd = Command::new(bin("tunnel-broker")?);
+        let mut cmd = command_in(netns, bin("tunnel-broker")?);
         cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         cmd.arg("--config")
             .arg(&config_path)
@@ -125,6 +137,19 @@ impl Hub {
         apiserver: SocketAddr,
         extra: &str,
     ) -> anyhow::Result<Agent> {
+        self.start_agent_at(cluster, cert_cluster, brokers, apiserver, extra, None)
+    }
+
+    /// [`Hub::start_agent`] inside network namespace `netns` (when given).
+    pub fn start_agent_at(
+        &self,
+        cluster: &str,
+        cert_cluster: &str,
+        brokers: &[Vec<SocketAddr>],
+        apiserver: SocketAddr,
+        extra: &str,
+        netns: Option<&str>,
+    ) -> anyhow::Result<Agent> {
         let name = format!("agent-{cluster}-{}", rand_suffix());
         let tls = self
             .pki
@@ -146,7 +171,7 @@ impl Hub {
         let config_path = self.path().join(format!("{name}.yaml"));
         std::fs::write(&config_path, cfg)?;
         let ready = self.path().join(format!("{name}.ready"));
-        let mut cmd = Command::new(bin("tunnel-agent")?);
+        let mut cmd = command_in(netns, bin("tunnel-agent")?);
         cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         cmd.arg("--config")
             .arg(&config_path)
@@ -160,6 +185,19 @@ impl Hub {
             child,
             tls,
         })
+    }
+}
+
+/// `program`, run inside network namespace `netns` when given (`ip netns exec`; the child's
+/// PID is the program's own, so it is stopped by PID like any other).
+pub fn command_in(netns: Option<&str>, program: impl AsRef<std::ffi::OsStr>) -> Command {
+    match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(program);
+            c
+        }
+        None => Command::new(program),
     }
 }
 
