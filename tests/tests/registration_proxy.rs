@@ -538,11 +538,7 @@ fn rebootstrap_when_proxy_url_changes() {
     wait_until(
         START_TIMEOUT,
         "hub kubeconfig with the new proxy-url",
-        || {
-            (creds.join("tls.crt").exists()
-                && hub_kubeconfig(&creds).1.as_deref() == Some(b.url().as_str()))
-            .then_some(())
-        },
+        || (hub_proxy_url(&creds).as_deref() == Some(b.url().as_str())).then_some(()),
     )
     .unwrap();
     assert_ne!(
