@@ -7,7 +7,7 @@
 #   - iperf3, socat: data-plane benchmarks and ad-hoc relays
 set -euo pipefail
 
-APT_PKGS=(nats-server squid tinyproxy stunnel4 iperf3 socat iproute2)
+APT_PKGS=(nats-server squid tinyproxy stunnel4 iperf3 socat iproute2 procps openssl)
 NATS_PIP_VERSION="2.15.1"
 
 missing=()
