@@ -386,11 +386,8 @@ async fn malformed_connect_is_400_with_reason() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dial_timeout_is_504() -> anyhow::Result<()> {
     let setup = Setup::start("c1", "", "max_dial_timeout: 300ms").await?;
-    let sock = tokio::net::TcpSocket::new_v4()?;
-    sock.bind("127.0.0.1:0".parse()?)?;
-    let l = sock.listen(0)?;
+    let (l, _filler) = hanging_target().await?;
     let target = l.local_addr()?;
-    let _filler = tokio::net::TcpStream::connect(target).await?;
     let probe = tokio::time::timeout(
         Duration::from_millis(200),
         tokio::net::TcpStream::connect(target),
@@ -474,6 +471,134 @@ async fn dial_refused_and_unknown_host_are_502() -> anyhow::Result<()> {
         )
         .await?;
         assert_eq!(v, n, "broker dial failures with reason {reason}");
+    }
+    Ok(())
+}
+
+/// A local target address whose connects hang: a listener with backlog 0 whose one
+/// accept-queue slot is taken (see [`dial_timeout_is_504`]). Keep both values alive.
+async fn hanging_target() -> anyhow::Result<(tokio::net::TcpListener, tokio::net::TcpStream)> {
+    let sock = tokio::net::TcpSocket::new_v4()?;
+    sock.bind("127.0.0.1:0".parse()?)?;
+    let l = sock.listen(0)?;
+    let filler = tokio::net::TcpStream::connect(l.local_addr()?).await?;
+    Ok((l, filler))
+}
+
+/// With `max_pending_dials_per_tunnel: 1`, a second dial while one is pending is refused at
+/// once with 503 and the reason; once the pending one ends (504), dials work again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_dials_are_bounded_503() -> anyhow::Result<()> {
+    let setup = Setup::start(
+        "c1",
+        "max_pending_dials_per_tunnel: 1",
+        "max_dial_timeout: 8s",
+    )
+    .await?;
+    let (hang, _filler) = hanging_target().await?;
+    let b = setup.broker.client_addr;
+    let hang_authority = qualified("c1", hang.local_addr()?);
+    let start_hanging = || {
+        let authority = hang_authority.clone();
+        tokio::spawn(async move { connect(b, &authority, Some(OPS_TOKEN)).await })
+    };
+    let mut pending = start_hanging();
+    // Probe until the hanging dial is pending (it stays so for 8 s): then the next dial must
+    // be refused at once, not queued. If a probe took the only slot first, the hanging dial
+    // itself got the 503: start it again.
+    let echo = setup.echo_authority();
+    let deadline = std::time::Instant::now() + Duration::from_secs(6);
+    let mut seen = Vec::new();
+    let body = loop {
+        if pending.is_finished() {
+            let lost = pending.await??;
+            seen.push(format!("hanging dial: {:?}", lost.err()));
+            pending = start_hanging();
+        }
+        let probe =
+            tokio::time::timeout(Duration::from_secs(2), connect(b, &echo, Some(OPS_TOKEN))).await;
+        match probe {
+            Ok(Ok(Err((503, body)))) if !pending.is_finished() => break body,
+            other => seen.push(format!("{:?}", other.map(|r| r.map(|r| r.err())))),
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "no 503 while a dial was pending; probes answered {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(body.contains("too many pending dials"), "{body}");
+    assert!(body.contains("tether-error: overloaded"), "{body}");
+    let first = tokio::time::timeout(Duration::from_secs(10), pending).await???;
+    assert_eq!(first.err().map(|e| e.0), Some(504));
+    let mut s = setup.connect_echo().await?;
+    s.write_all(b"again").await?;
+    let mut got = [0u8; 5];
+    s.read_exact(&mut got).await?;
+    assert_eq!(&got, b"again");
+    Ok(())
+}
+
+/// A target that never reads pins nothing: once the agent's write to it makes no progress for
+/// `write_stall_timeout`, the stream is aborted in both directions — the client's write fails
+/// with a reset, both processes count the stream closed (`write_stalled`) and hold no streams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn target_that_never_reads_is_aborted_after_write_stall() -> anyhow::Result<()> {
+    let setup = Setup::start("c1", "", "tunnel:\n  write_stall_timeout: 500ms").await?;
+    let l = TcpListener::bind("127.0.0.1:0").await?;
+    let target = l.local_addr()?;
+    let (held_tx, held_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        // Accept and hold the connection without ever reading.
+        if let Ok((s, _)) = l.accept().await {
+            let _ = held_tx.send(s);
+        }
+    });
+    let mut s = tether_e2e::connect_ok(setup.broker.client_addr, &qualified("c1", target)).await?;
+    let _held = held_rx.await?;
+    let payload = Payload::new();
+    let mut written = 0u64;
+    let err = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut i = 0;
+        loop {
+            match s.write_all(payload.chunk(i, 256 << 10)).await {
+                Ok(()) => written += 256 << 10,
+                Err(e) => return e,
+            }
+            i += 1;
+        }
+    })
+    .await
+    .context("the client's writes never failed: a non-reading target pins the stream")?;
+    assert!(
+        matches!(
+            err.kind(),
+            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+        ),
+        "{err}"
+    );
+    println!(
+        "client wrote {} MiB before the stream was aborted",
+        written >> 20
+    );
+    let stalled = metric(
+        setup.agent.admin_addr,
+        "tether_agent_stream_duration_seconds_count",
+        &[("result", "write_stalled")],
+    )
+    .await?;
+    assert_eq!(
+        stalled, 1.0,
+        "the agent should close the stream as write_stalled"
+    );
+    for (admin, name) in [
+        (setup.agent.admin_addr, "tether_agent_open_streams"),
+        (setup.broker.admin_addr, "tether_broker_open_streams"),
+    ] {
+        tether_test_support::wait_until_async(Duration::from_secs(10), name, || async {
+            (metric(admin, name, &[]).await.ok()? == 0.0).then_some(())
+        })
+        .await?;
     }
     Ok(())
 }
