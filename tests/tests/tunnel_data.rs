@@ -340,9 +340,13 @@ impl StalledStream {
         })
         .await?;
         let stalled_at = written.load(Ordering::Relaxed);
+        println!(
+            "stalled stream: writes stopped after {} MiB",
+            stalled_at >> 20
+        );
         anyhow::ensure!(
-            stalled_at > 4 << 20,
-            "a stalled stream fills at least its 4 MiB stream window; it stalled at {stalled_at} bytes"
+            stalled_at > 8 << 20,
+            "a stalled stream fills at least its two 4 MiB stream windows; it stalled at {stalled_at} bytes"
         );
         Ok(Self {
             rd,
