@@ -294,7 +294,10 @@ impl pb::dialer_server::Dialer for DialerSvc {
         }
         .instrument(span.clone())
         .await;
-        let result_frame = |ok: bool, code: pb::DialErrorCode, message: String, rtt: Option<Duration>| pb::DialFrame {
+        let result_frame = |ok: bool,
+                            code: pb::DialErrorCode,
+                            message: String,
+                            rtt: Option<Duration>| pb::DialFrame {
             kind: Some(pb::dial_frame::Kind::Result(pb::DialResult {
                 ok,
                 code: code as i32,
@@ -309,8 +312,12 @@ impl pb::dialer_server::Dialer for DialerSvc {
                 if e.kind == DialErrorKind::BadRequest {
                     broker.record_failure("grpc", &e);
                 }
-                let _ =
-                    out_tx.try_send(Ok(result_frame(false, code_of(e.kind), e.message.clone(), None)));
+                let _ = out_tx.try_send(Ok(result_frame(
+                    false,
+                    code_of(e.kind),
+                    e.message.clone(),
+                    None,
+                )));
                 return Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))));
             }
         };
