@@ -376,3 +376,78 @@ async fn idle_tls_connect_keeps_working() -> anyhow::Result<()> {
     assert_eq!(connects, 1.0, "the tunnel must have stayed up while idle");
     Ok(())
 }
+
+/// Sends `signal` (e.g. `STOP`, `CONT`) to a process we started, by PID.
+fn signal(pid: u32, signal: &str) -> anyhow::Result<()> {
+    let ok = std::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()?
+        .success();
+    anyhow::ensure!(ok, "kill -{signal} {pid} failed");
+    Ok(())
+}
+
+/// Resumes a stopped process when dropped, so a failing test never leaves it frozen.
+struct Resume(u32);
+
+impl Drop for Resume {
+    fn drop(&mut self) {
+        let _ = signal(self.0, "CONT");
+    }
+}
+
+/// A frozen agent (SIGSTOP: its TCP connection stays open, nothing answers) is detected by the
+/// broker's HTTP/2 PING keepalive within about interval + timeout, not hours; CONNECTs then get
+/// 502 at once. Resumed, the agent finds its tunnel gone and reconnects; traffic flows again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keepalive_detects_frozen_agent_which_then_reconnects() -> anyhow::Result<()> {
+    let keepalive = "tunnel:\n  keepalive_interval: 300ms\n  keepalive_timeout: 700ms";
+    let setup = Setup::start("c1", keepalive, keepalive).await?;
+    let pid = setup.agent.child.pid();
+    signal(pid, "STOP")?;
+    let resume = Resume(pid);
+    let frozen_at = std::time::Instant::now();
+    wait_until_async(
+        Duration::from_secs(10),
+        "the broker to drop the tunnel",
+        || async {
+            let (_, body) = tether_e2e::admin_get(setup.broker.admin_addr, "/debug/tunnels")
+                .await
+                .ok()?;
+            (!body.contains("\"cluster\":\"c1\"")).then_some(())
+        },
+    )
+    .await?;
+    let detected = frozen_at.elapsed();
+    println!("frozen agent detected after {detected:.2?}");
+    assert!(
+        detected < Duration::from_secs(5),
+        "keepalive took {detected:?} to notice a dead agent"
+    );
+    match tether_e2e::connect(setup.broker.client_addr, "c1:443", Some(OPS_TOKEN)).await? {
+        Ok(_) => panic!("a CONNECT succeeded with the only agent frozen"),
+        Err((code, body)) => {
+            assert_eq!(code, 502, "{body}");
+            assert!(body.contains("no tunnel"), "{body}");
+        }
+    }
+    drop(resume);
+    wait_tunnel(&setup.broker, "c1").await?;
+    wait_agent_ready(&setup.agent).await?;
+    let t = echo_transfer(
+        setup.connect_echo().await?,
+        Arc::new(Payload::new()),
+        1 << 20,
+    )
+    .await?;
+    assert!(t.intact());
+    let connects = metric(
+        setup.broker.admin_addr,
+        "tether_broker_tunnel_connects_total",
+        &[("result", "ok")],
+    )
+    .await?;
+    assert_eq!(connects, 2.0, "the agent should have reconnected once");
+    Ok(())
+}
