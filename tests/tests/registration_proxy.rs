@@ -587,6 +587,10 @@ fn rotates_before_expiry_and_goes_unknown_after_grace() {
     .unwrap();
     let at = std::time::SystemTime::now();
     assert!(at < first.not_after, "rotated before expiry");
+    assert!(
+        at.duration_since(first.issued_at()).unwrap() > life / 2,
+        "rotated too soon after issuance"
+    );
     let left = first.not_after.duration_since(at).unwrap().as_secs_f64() / life.as_secs_f64();
     println!(
         "rotated with {:.0}% of the certificate's life left",
@@ -705,4 +709,34 @@ fn state_survives_nats_restart() {
     .unwrap();
     assert_eq!(renewals_before, 1);
     assert!(!read_log(&hub.logs, "agent").contains("bootstrapping again"));
+}
+
+#[test]
+fn expired_credentials_trigger_rebootstrap() {
+    let hub = Hub::start(HubOpts {
+        auto_accept: vec!["*".into()],
+        cert_lifetime: "10s".into(),
+        ..Default::default()
+    })
+    .unwrap();
+    let boot = hub.dir.join("boot");
+    hub.join(&boot, &hub.server_url(), &hub.token, None, None)
+        .unwrap();
+    let creds = hub.dir.join("creds");
+    let mut agent = start_agent(&hub.logs, "agent", "expiring", &boot, &creds, None).unwrap();
+    wait_joined(&hub, &agent, "expiring");
+    agent.child.kill();
+    let cert = tether_pki::CertInfo::from_pem(&read(&creds.join("tls.crt"))).unwrap();
+    wait_until(
+        Duration::from_secs(20),
+        "stored certificate to expire",
+        || cert.is_expired(std::time::SystemTime::now()).then_some(()),
+    )
+    .unwrap();
+    let _agent2 = start_agent(&hub.logs, "agent2", "expiring", &boot, &creds, None).unwrap();
+    wait_log(&hub.logs, "agent2", "bootstrapping again", START_TIMEOUT).unwrap();
+    wait_log(&hub.logs, "agent2", "joined the hub", START_TIMEOUT).unwrap();
+    let fresh = tether_pki::CertInfo::from_pem(&read(&creds.join("tls.crt"))).unwrap();
+    assert_ne!(fresh.serial_hex, cert.serial_hex);
+    assert!(!fresh.is_expired(std::time::SystemTime::now()));
 }

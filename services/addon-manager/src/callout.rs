@@ -105,14 +105,11 @@ pub async fn authorize(ctx: &HubCtx, req: &AuthRequestBody) -> Result<Grant, Str
             .annotations
             .get(REVOKED_BEFORE_ANNOTATION)
             .and_then(|s| parse_rfc3339(s))
+            && info.issued_at() < rb
         {
-            // Issued certificates are back-dated by one minute.
-            let issued = info.not_before + std::time::Duration::from_secs(60);
-            if issued < rb {
-                return Err(format!(
-                    "certificate of cluster {cluster} was revoked (issued before the cluster was denied)"
-                ));
-            }
+            return Err(format!(
+                "certificate of cluster {cluster} was revoked (issued before the cluster was denied)"
+            ));
         }
         return Ok(Grant {
             display_name: info.common_name.clone(),

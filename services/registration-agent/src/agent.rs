@@ -239,7 +239,7 @@ impl<S: HubSecretStore> Agent<S> {
                 }
                 Err(reason) => {
                     if secret.get(KEY_TLS_CRT).is_some() {
-                        tracing::info!(%reason, "stored hub credentials are not valid for this bootstrap kubeconfig");
+                        tracing::info!(%reason, "stored hub credentials are not valid; bootstrapping again");
                         self.drop_credentials(&agent_name).await;
                     }
                     match self

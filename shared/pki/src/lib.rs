@@ -389,6 +389,16 @@ impl CertInfo {
         }
     }
 
+    /// When the certificate was actually issued (`notBefore` minus the back-dating of
+    /// [`backdate_for`]: total = L + min(60 s, L/20), so the back-dating is min(60 s, total/21)).
+    pub fn issued_at(&self) -> SystemTime {
+        let total = self
+            .not_after
+            .duration_since(self.not_before)
+            .unwrap_or_default();
+        self.not_before + (total / 21).min(Duration::from_secs(60))
+    }
+
     pub fn is_expired(&self, now: SystemTime) -> bool {
         now >= self.not_after || now < self.not_before
     }
@@ -404,7 +414,7 @@ pub fn verify_issued_by(cert_der: &[u8], ca_pem: &str, now: SystemTime) -> Resul
         .unwrap_or_default()
         .as_secs() as i64;
     if now_secs < cert.validity().not_before.timestamp()
-        || now_secs > cert.validity().not_after.timestamp()
+        || now_secs >= cert.validity().not_after.timestamp()
     {
         return Err(PkiError::InvalidCertificate(format!(
             "outside its validity period (not after {})",
@@ -464,10 +474,15 @@ impl fmt::Debug for HubCa {
     }
 }
 
+/// How far `notBefore` is back-dated for clock skew: a minute, or 1/20 of a short lifetime.
+pub fn backdate_for(lifetime: Duration) -> Duration {
+    (lifetime / 20).min(Duration::from_secs(60))
+}
+
 fn validity(params: &mut CertificateParams, lifetime: Duration) {
     let now = OffsetDateTime::now_utc();
-    // Back-date a minute for clock skew between hub and agents.
-    params.not_before = now - time::Duration::minutes(1);
+    let back = backdate_for(lifetime);
+    params.not_before = now - time::Duration::milliseconds(back.as_millis() as i64);
     params.not_after = now + time::Duration::seconds(lifetime.as_secs() as i64);
 }
 
