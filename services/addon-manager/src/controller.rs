@@ -22,6 +22,9 @@ use crate::hub::HubCtx;
 pub const MAX_INFLIGHT_PER_SUBJECT: usize = 64;
 /// Actor mailbox capacity (messages waiting beyond the in-flight ones).
 pub const CONTROLLER_MAILBOX_CAPACITY: usize = 256;
+/// How often finished CSRs are garbage-collected, and how long they are kept.
+pub const CSR_GC_INTERVAL: std::time::Duration = std::time::Duration::from_secs(300);
+pub const CSR_RETENTION: std::time::Duration = std::time::Duration::from_secs(3600);
 /// Queue group so several hub replicas share the work.
 pub const QUEUE_GROUP: &str = "tether-registration";
 
@@ -85,6 +88,16 @@ impl Actor for RegistrationController {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.run_interval(CSR_GC_INTERVAL, |act, _ctx| {
+            let hub = act.ctx.clone();
+            actix::spawn(async move {
+                match hub.gc_csrs(CSR_RETENTION).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(deleted = n, "garbage-collected old CSRs"),
+                    Err(e) => tracing::warn!(error = %e, "CSR garbage collection failed"),
+                }
+            });
+        });
         let interval = self.ctx.policy.lease_check_interval;
         ctx.run_interval(interval, |act, _ctx| {
             if act.checking.swap(true, Ordering::AcqRel) {

@@ -888,6 +888,30 @@ impl HubCtx {
         })
     }
 
+    /// Deletes issued and denied CSRs older than `keep` (OCM garbage-collects CSRs too), so the
+    /// bucket stays bounded across rotations. Returns how many were deleted.
+    pub async fn gc_csrs(&self, keep: Duration) -> Result<usize> {
+        let now = SystemTime::now();
+        let mut deleted = 0;
+        for (key, csr, _) in self
+            .store
+            .list::<CertificateSigningRequest>(Bucket::Csrs)
+            .await?
+        {
+            if csr.phase() == CsrPhase::Pending {
+                continue;
+            }
+            let old = parse_rfc3339(&csr.metadata.creation_timestamp)
+                .and_then(|t| now.duration_since(t).ok())
+                .is_some_and(|age| age > keep);
+            if old {
+                self.store.delete(Bucket::Csrs, &key).await?;
+                deleted += 1;
+            }
+        }
+        Ok(deleted)
+    }
+
     /// Marks clusters whose lease is older than the grace Available=Unknown; updates the lease
     /// age gauge. Called periodically by the controller.
     pub async fn check_leases(&self) -> Result<()> {
