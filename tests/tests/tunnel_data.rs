@@ -149,6 +149,18 @@ async fn thousand_concurrent_streams() -> anyhow::Result<()> {
         verified += 1;
     }
     assert_eq!(verified, CONCURRENT_STREAMS);
+    // Every stream is released on both sides (no leak).
+    for (admin, name) in [
+        (setup.broker.admin_addr, "tether_broker_open_streams"),
+        (setup.agent.admin_addr, "tether_agent_open_streams"),
+    ] {
+        tether_test_support::wait_until_async(
+            Duration::from_secs(20),
+            &format!("{name} back to 0"),
+            || async { (metric(admin, name, &[]).await.ok()? == 0.0).then_some(()) },
+        )
+        .await?;
+    }
     println!(
         "{CONCURRENT_STREAMS} concurrent streams: opened in {opened:.2?}, all verified after {:.2?}",
         started.elapsed()

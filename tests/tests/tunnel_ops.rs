@@ -451,3 +451,47 @@ async fn keepalive_detects_frozen_agent_which_then_reconnects() -> anyhow::Resul
     assert_eq!(connects, 2.0, "the agent should have reconnected once");
     Ok(())
 }
+
+/// SIGKILL of broker b1 (no drain): the stream through it breaks with an error, the agent
+/// (one endpoint group [b1, b2]) fails over to b2, and new streams work there.
+///
+/// The live stream uses CONNECT over TLS: when a process dies the kernel closes its plain TCP
+/// sockets with a FIN, so over plain TCP nothing can tell a crashed proxy from an EOF; over TLS
+/// the missing close_notify makes it an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_crash_fails_agent_over_to_second_broker() -> anyhow::Result<()> {
+    let hub = Hub::new()?;
+    let echo = echo_server().await?;
+    let mut b1 = hub.start_broker("b1", "")?;
+    let b2 = hub.start_broker("b2", "")?;
+    let agent = hub.start_agent("c1", "c1", &[vec![b1.agent_addr, b2.agent_addr]], echo, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&b1, "c1").await?;
+    let authority = tether_e2e::qualified("c1", echo);
+    let cfg = client_tls_config(&hub.pki.ca_path(), &[b"http/1.1"], None)?;
+    let mut s = match connect_tls(b1.client_tls_addr, cfg, &authority, Some(OPS_TOKEN)).await? {
+        Ok(s) => s,
+        Err((code, body)) => panic!("{code} {body}"),
+    };
+    s.write_all(b"before").await?;
+    let mut got = [0u8; 6];
+    s.read_exact(&mut got).await?;
+
+    b1.child.kill();
+    let mut buf = [0u8; 64];
+    let end = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf)).await?;
+    assert!(
+        end.is_err(),
+        "a crashed broker must not look like a clean EOF over TLS: {end:?}"
+    );
+    wait_tunnel(&b2, "c1").await?;
+    wait_agent_ready(&agent).await?;
+    let t = echo_transfer(
+        connect_ok(b2.client_addr, &authority).await?,
+        Arc::new(Payload::new()),
+        4 << 20,
+    )
+    .await?;
+    assert!(t.intact(), "{t:?}");
+    Ok(())
+}
