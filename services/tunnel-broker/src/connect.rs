@@ -9,6 +9,7 @@
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -216,7 +217,7 @@ pub async fn serve_plain(broker: Arc<Broker>, mut tcp: TcpStream) {
 }
 
 /// Serves one client connection that arrived over TLS (ALPN http/1.1).
-pub async fn serve_tls<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+pub async fn serve_tls<S: TcpBacked + AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     broker: Arc<Broker>,
     mut io: S,
     peer: Option<Identity>,
@@ -244,14 +245,18 @@ pub async fn serve_tls<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
             broker.finish(&stream.ticket, &Ok(Default::default()));
             return;
         }
-        let (rd, wr) = tokio::io::split(io);
+        let aborted = Arc::new(AtomicBool::new(false));
+        let (rd, wr) = tokio::io::split(ResetOnDrop {
+            io,
+            aborted: Arc::clone(&aborted),
+        });
         let crate::dial::OpenStream { send, recv, ticket } = stream;
         let r = splice(
             tether_tunnel::pump::PrefixedReader::new(
                 rest,
                 AsyncChunkReader::new(rd, broker.settings.read_chunk_bytes),
             ),
-            wr,
+            AbortFlagWriteHalf { wr, aborted },
             send,
             recv,
             broker.settings.write_stall_timeout,
@@ -316,5 +321,96 @@ impl AbortableWrite for ResettableWriteHalf {
             let _ = w.as_ref().set_zero_linger();
             w.forget();
         }
+    }
+}
+
+/// A stream carried by a TCP socket (a TLS stream over TCP), so an abort can reset it.
+pub trait TcpBacked {
+    fn tcp(&self) -> &TcpStream;
+}
+
+impl TcpBacked for TcpStream {
+    fn tcp(&self) -> &TcpStream {
+        self
+    }
+}
+
+impl TcpBacked for tokio_rustls::server::TlsStream<TcpStream> {
+    fn tcp(&self) -> &TcpStream {
+        self.get_ref().0
+    }
+}
+
+/// Owns a client stream split for [`splice`]; when the stream was aborted, its TCP socket is
+/// closed with RST (zero linger) instead of a FIN, so a TLS client sees a reset rather than a
+/// truncation (and a plain one never an EOF). Dropping a TLS stream sends no close_notify.
+struct ResetOnDrop<S: TcpBacked> {
+    io: S,
+    aborted: Arc<AtomicBool>,
+}
+
+impl<S: TcpBacked> Drop for ResetOnDrop<S> {
+    fn drop(&mut self) {
+        if self.aborted.load(Ordering::Relaxed) {
+            let _ = self.io.tcp().set_zero_linger();
+        }
+    }
+}
+
+impl<S: TcpBacked + AsyncRead + Unpin> AsyncRead for ResetOnDrop<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl<S: TcpBacked + AsyncWrite + Unpin> AsyncWrite for ResetOnDrop<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+/// The write half of a [`ResetOnDrop`] stream: an abort marks it for reset.
+struct AbortFlagWriteHalf<W> {
+    wr: W,
+    aborted: Arc<AtomicBool>,
+}
+
+impl<W: AsyncWrite + Unpin> AsyncWrite for AbortFlagWriteHalf<W> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().wr).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().wr).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().wr).poll_shutdown(cx)
+    }
+}
+
+impl<W: AsyncWrite + Unpin + Send> AbortableWrite for AbortFlagWriteHalf<W> {
+    fn abort(&mut self) {
+        self.aborted.store(true, Ordering::Relaxed);
     }
 }
