@@ -12,11 +12,13 @@
 //!   TCP socket is closed with RST (zero linger), so no side ever sees a clean EOF for a broken
 //!   connection, and a target that stops reading can never pin a stream forever.
 //!
-//! Memory: a [`TcpChunkReader`] allocates its read buffer only while data flows and releases it
-//! after `IDLE_BUFFER_RELEASE` without data, so 10,000 idle streams hold no read buffers.
+//! Memory: a [`TcpChunkReader`] allocates read buffers only once its socket is readable, recycles
+//! them while data flows and frees them after `IDLE_BUFFER_RELEASE` without data, so 10,000
+//! idle streams hold no read buffers.
 
 use std::future::poll_fn;
 use std::io;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -42,19 +44,64 @@ pub trait AbortableWrite: AsyncWrite + Unpin + Send {
     fn abort(&mut self) {}
 }
 
-/// Reads from the read half of a TCP socket with a buffer that exists only while data flows.
+/// Reads from the read half of a TCP socket with buffers that exist only while data flows.
+///
+/// Each read goes into a `chunk`-sized buffer. A large read is handed to HTTP/2 as it is (no
+/// copy); the buffer comes back to this reader's small pool once h2 has written and dropped it,
+/// so a busy stream recycles a few buffers instead of allocating (and page-faulting) a fresh
+/// one per chunk. A small read is copied out and the buffer kept for the next read. Nothing is
+/// allocated before the socket is readable, and everything is freed after
+/// [`IDLE_BUFFER_RELEASE`] without data.
 pub struct TcpChunkReader {
     rd: OwnedReadHalf,
-    buf: BytesMut,
     chunk: usize,
+    current: Option<Vec<u8>>,
+    pool: Arc<Mutex<Pool>>,
+}
+
+/// Reads up to this size are copied out of the read buffer rather than handed over.
+const COPY_BELOW: usize = 16 << 10;
+/// Buffers a reader keeps for reuse (the send buffer holds at most a few chunks).
+const POOLED_BUFFERS: usize = 4;
+
+#[derive(Default)]
+struct Pool {
+    free: Vec<Vec<u8>>,
+    /// False while the reader is idle: returning buffers are freed, not kept.
+    active: bool,
+}
+
+/// A read buffer lent to h2; returns to its reader's pool when the last chunk cut from it drops.
+struct Lent {
+    buf: Vec<u8>,
+    pool: Weak<Mutex<Pool>>,
+}
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.upgrade()
+            && let Ok(mut p) = pool.lock()
+            && p.active
+            && p.free.len() < POOLED_BUFFERS
+        {
+            p.free.push(std::mem::take(&mut self.buf));
+        }
+    }
 }
 
 impl TcpChunkReader {
     pub fn new(rd: OwnedReadHalf, chunk: usize) -> Self {
         Self {
             rd,
-            buf: BytesMut::new(),
             chunk,
+            current: None,
+            pool: Arc::default(),
         }
     }
 
@@ -65,27 +112,71 @@ impl TcpChunkReader {
             inner: Self::new(rd, chunk),
         }
     }
+
+    /// Whether this reader holds no buffer (none allocated yet, or released when idle).
+    pub fn is_unbuffered(&self) -> bool {
+        self.current.is_none()
+            && self
+                .pool
+                .lock()
+                .is_ok_and(|p| p.free.is_empty() && !p.active)
+    }
+
+    fn take_buffer(&mut self) -> Vec<u8> {
+        if let Some(b) = self.current.take() {
+            return b;
+        }
+        let pooled = self.pool.lock().ok().and_then(|mut p| {
+            p.active = true;
+            p.free.pop()
+        });
+        pooled.unwrap_or_else(|| vec![0; self.chunk])
+    }
+
+    fn release_buffers(&mut self) {
+        self.current = None;
+        if let Ok(mut p) = self.pool.lock() {
+            p.active = false;
+            p.free = Vec::new();
+        }
+    }
 }
 
 impl ChunkReader for TcpChunkReader {
     async fn next_chunk(&mut self) -> io::Result<Option<Bytes>> {
         loop {
-            if self.buf.capacity() - self.buf.len() < MIN_READ_SPACE {
-                // Reclaims the old allocation when every chunk sent from it was dropped.
-                self.buf.reserve(self.chunk);
-            }
-            match self.rd.try_read_buf(&mut self.buf) {
-                Ok(0) => return Ok(None),
-                Ok(_) => return Ok(Some(self.buf.split().freeze())),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    match tokio::time::timeout(IDLE_BUFFER_RELEASE, self.rd.readable()).await {
-                        Ok(r) => r?,
-                        Err(_) => {
-                            self.buf = BytesMut::new();
-                            self.rd.readable().await?;
-                        }
+            // Wait for data before holding a buffer; free buffers when none comes for a while.
+            let holding = self.current.is_some() || self.pool.lock().is_ok_and(|p| p.active);
+            if holding {
+                match tokio::time::timeout(IDLE_BUFFER_RELEASE, self.rd.readable()).await {
+                    Ok(r) => r?,
+                    Err(_) => {
+                        self.release_buffers();
+                        self.rd.readable().await?;
                     }
                 }
+            } else {
+                self.rd.readable().await?;
+            }
+            let mut buf = self.take_buffer();
+            match self.rd.try_read(&mut buf) {
+                Ok(0) => {
+                    self.release_buffers();
+                    return Ok(None);
+                }
+                Ok(n) if n < COPY_BELOW => {
+                    let out = Bytes::copy_from_slice(&buf[..n]);
+                    self.current = Some(buf);
+                    return Ok(Some(out));
+                }
+                Ok(n) => {
+                    let lent = Lent {
+                        buf,
+                        pool: Arc::downgrade(&self.pool),
+                    };
+                    return Ok(Some(Bytes::from_owner(lent).slice(..n)));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.current = Some(buf),
                 Err(e) => return Err(e),
             }
         }
@@ -354,5 +445,53 @@ pub async fn splice<R: ChunkReader, W: AbortableWrite>(
             wr.abort();
             Err(SpliceError { reason, stats })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::{TcpListener, TcpStream};
+
+    async fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (b, _) = l.accept().await.unwrap();
+        (a, b)
+    }
+
+    #[tokio::test]
+    async fn tcp_reader_recycles_and_releases_buffers() {
+        let (mut a, b) = pair().await;
+        let (rd, _wr) = b.into_split();
+        let mut r = TcpChunkReader::new(rd, 64 << 10);
+        assert!(r.is_unbuffered(), "nothing allocated before data");
+        let big: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+        let writer = {
+            let big = big.clone();
+            tokio::spawn(async move {
+                a.write_all(&big).await.unwrap();
+                a.write_all(b"tail").await.unwrap();
+                a
+            })
+        };
+        let mut got = Vec::new();
+        while got.len() < big.len() + 4 {
+            let c = r.next_chunk().await.unwrap().unwrap();
+            assert!(c.len() <= 64 << 10);
+            got.extend_from_slice(&c);
+        }
+        assert_eq!(&got[..big.len()], &big[..]);
+        assert_eq!(&got[big.len()..], b"tail");
+        let mut a = writer.await.unwrap();
+        // Idle: the next read waits past the release delay, then sees EOF without a buffer.
+        let eof = tokio::spawn(async move {
+            tokio::time::sleep(IDLE_BUFFER_RELEASE * 2).await;
+            a.shutdown().await.unwrap();
+            a
+        });
+        assert!(r.next_chunk().await.unwrap().is_none());
+        assert!(r.is_unbuffered(), "buffers released while idle");
+        drop(eof.await.unwrap());
     }
 }
