@@ -400,3 +400,86 @@ async fn native_dial_aborted_when_agent_dies() -> anyhow::Result<()> {
     drop(tx);
     Ok(())
 }
+
+/// A target that sends [`Payload`] chunks to every connection, endlessly.
+async fn source_server() -> anyhow::Result<std::net::SocketAddr> {
+    use tokio::io::AsyncWriteExt;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = l.local_addr()?;
+    let payload = Arc::new(Payload::new());
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let payload = Arc::clone(&payload);
+            tokio::spawn(async move {
+                let mut i = 0;
+                while s.write_all(payload.chunk(i, 256 << 10)).await.is_ok() {
+                    i += 1;
+                }
+            });
+        }
+    });
+    Ok(addr)
+}
+
+/// Many connections share one gRPC channel (one HTTP/2 connection to the broker), unlike
+/// konnectivity's single multiplexed stream: a Dial stream whose reader stalls must not hold
+/// up another Dial stream on the same channel and tunnel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_dial_stream_does_not_block_its_channel() -> anyhow::Result<()> {
+    use tokio::io::AsyncReadExt;
+    let setup = Setup::start("c1", "", "").await?;
+    let source = source_server().await?;
+    let dialer = tether_client::Dialer::connect(tether_client::DialerConfig {
+        endpoint: format!("https://{}", setup.broker.client_tls_addr),
+        server_name: "localhost".into(),
+        ca_pem: std::fs::read_to_string(setup.hub.pki.ca_path())?,
+        client_cert: None,
+        token: Some(tether_client::Token(OPS_TOKEN.into())),
+        connect_timeout: Duration::from_secs(10),
+    })
+    .await?;
+    // Stream A: an endless source nobody reads. Wait until the broker stops moving its bytes
+    // (all windows and queues on its path are full).
+    let mut stalled = dialer
+        .dial("c1", &source.ip().to_string(), source.port())
+        .await?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut last = (-1.0, std::time::Instant::now());
+    loop {
+        let now = metric(
+            setup.broker.admin_addr,
+            "tether_broker_bytes_total",
+            &[("direction", "from_cluster")],
+        )
+        .await?;
+        if now != last.0 {
+            last = (now, std::time::Instant::now());
+        } else if now > 0.0 && last.1.elapsed() > Duration::from_millis(500) {
+            break;
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "stream A never stalled"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!("stream A stalled after {} MiB", last.0 as u64 >> 20);
+    // Stream B on the same channel moves 32 MiB each way, intact.
+    let s = dialer
+        .dial("c1", &setup.echo.ip().to_string(), setup.echo.port())
+        .await?;
+    let t = tokio::time::timeout(
+        Duration::from_secs(60),
+        echo_transfer(s, Arc::new(Payload::new()), 32 << 20),
+    )
+    .await??;
+    println!(
+        "Dial stream next to a stalled one: {}",
+        rate(t.throughput())
+    );
+    assert!(t.intact(), "{t:?}");
+    // A is still alive: reading resumes it.
+    let mut buf = vec![0u8; 1 << 20];
+    stalled.read_exact(&mut buf).await?;
+    Ok(())
+}
