@@ -499,3 +499,42 @@ async fn broker_crash_fails_agent_over_to_second_broker() -> anyhow::Result<()> 
     assert!(t.intact(), "{t:?}");
     Ok(())
 }
+
+/// SIGTERM on the agent: it stops taking new streams (HTTP/2 GOAWAY; new CONNECTs get 502)
+/// while the stream already open keeps moving data and completes intact; the agent then exits
+/// cleanly, well within its shutdown grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_sigterm_lets_open_stream_finish() -> anyhow::Result<()> {
+    let mut setup = Setup::start("c1", "", "shutdown_grace: 20s").await?;
+    let live = ContinuousEcho::start(setup.connect_echo().await?);
+    live.wait_progress(4 << 20, "data flowing before SIGTERM")
+        .await?;
+    setup.agent.child.terminate();
+    let b = setup.broker.client_addr;
+    let authority = setup.echo_authority();
+    let refused = wait_until_async(Duration::from_secs(10), "new CONNECTs refused", || async {
+        match tether_e2e::connect(b, &authority, Some(OPS_TOKEN))
+            .await
+            .ok()?
+        {
+            Err((code, body)) => Some((code, body)),
+            Ok(_) => None,
+        }
+    })
+    .await?;
+    assert_eq!(refused.0, 502, "{}", refused.1);
+    live.wait_progress(8 << 20, "data still flowing after SIGTERM")
+        .await?;
+    assert!(
+        setup.agent.child.try_wait().is_none(),
+        "the agent must wait for its open stream"
+    );
+    live.finish().await?;
+    let status = wait_until_async(Duration::from_secs(10), "the agent to exit", || {
+        let s = setup.agent.child.try_wait();
+        async move { s }
+    })
+    .await?;
+    assert!(status.success(), "agent exited with {status}");
+    Ok(())
+}
