@@ -399,3 +399,40 @@ impl StalledStream {
         Ok(())
     }
 }
+
+/// Bytes a client sends right behind its CONNECT head, in the same write (before the 200), are
+/// delivered first and in order — on the plain and on the TLS client port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_pipelined_after_connect_head_arrive() -> anyhow::Result<()> {
+    let setup = Setup::start("c1", "", "").await?;
+    let authority = setup.echo_authority();
+    let head = format!(
+        "CONNECT {authority} HTTP/1.1\r\nproxy-authorization: Bearer {}\r\n\r\npipelined-1|",
+        tether_e2e::OPS_TOKEN
+    );
+    let plain = tokio::net::TcpStream::connect(setup.broker.client_addr).await?;
+    let cfg = tether_e2e::client_tls_config(&setup.hub.pki.ca_path(), &[b"http/1.1"], None)?;
+    let tls = tether_e2e::tls_connect(setup.broker.client_tls_addr, cfg).await?;
+    async fn check<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+        s: S,
+        head: &str,
+    ) -> anyhow::Result<()> {
+        let mut s = match tether_e2e::send_head(s, head.as_bytes()).await? {
+            Ok(s) => s,
+            Err((code, body)) => anyhow::bail!("{code} {body}"),
+        };
+        s.write_all(b"then-2").await?;
+        s.shutdown().await?;
+        let mut back = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut back)).await??;
+        anyhow::ensure!(
+            back == b"pipelined-1|then-2",
+            "got {:?}",
+            String::from_utf8_lossy(&back)
+        );
+        Ok(())
+    }
+    check(plain, &head).await.context("plain CONNECT")?;
+    check(tls, &head).await.context("TLS CONNECT")?;
+    Ok(())
+}
