@@ -448,9 +448,18 @@ pub async fn connect_ok(
     }
 }
 
+/// Set to keep every test's directory (configs, certificates, process logs) after the test.
+pub const KEEP_ENV: &str = "TETHER_E2E_KEEP";
+
 impl Drop for Hub {
-    /// When a test fails, prints the end of every process log so the failure can be read.
+    /// When a test panics, prints the end of every process log so the failure can be read.
+    /// With [`KEEP_ENV`] set, keeps the directory and says where it is (for tests that fail by
+    /// returning an error, which this cannot detect).
     fn drop(&mut self) {
+        if std::env::var_os(KEEP_ENV).is_some() {
+            self.dir.disable_cleanup(true);
+            eprintln!("test directory kept: {}", self.dir.path().display());
+        }
         if !std::thread::panicking() {
             return;
         }
