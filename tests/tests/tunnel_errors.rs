@@ -602,3 +602,40 @@ async fn target_that_never_reads_is_aborted_after_write_stall() -> anyhow::Resul
     }
     Ok(())
 }
+
+/// The agent accepts at most `tunnel.max_concurrent_streams` streams on a tunnel; a CONNECT
+/// beyond that is refused at once with 503 and the reason (not queued until the dial budget
+/// runs out), and once a stream closes, new ones work again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_per_tunnel_are_bounded_503() -> anyhow::Result<()> {
+    let setup = Setup::start("c1", "", "tunnel:\n  max_concurrent_streams: 2").await?;
+    let b = setup.broker.client_addr;
+    let echo = setup.echo_authority();
+    let mut first = setup.connect_echo().await?;
+    let _second = setup.connect_echo().await?;
+    let started = std::time::Instant::now();
+    let third = connect(b, &echo, Some(OPS_TOKEN)).await?;
+    let took = started.elapsed();
+    let (code, body) = third.expect_err("a third stream must be refused");
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("limit of 2 concurrent streams"), "{body}");
+    assert!(
+        took < Duration::from_secs(2),
+        "refused after {took:?}: should be at once"
+    );
+    // Close one stream cleanly; then a new one gets through.
+    first.shutdown().await?;
+    let mut rest = Vec::new();
+    first.read_to_end(&mut rest).await?;
+    let mut s = tether_test_support::wait_until_async(
+        Duration::from_secs(10),
+        "a stream slot to free up",
+        || async { connect(b, &echo, Some(OPS_TOKEN)).await.ok()?.ok() },
+    )
+    .await?;
+    s.write_all(b"third").await?;
+    let mut got = [0u8; 5];
+    s.read_exact(&mut got).await?;
+    assert_eq!(&got, b"third");
+    Ok(())
+}

@@ -36,6 +36,7 @@ pub struct TunnelHandle {
     send: SendRequest<Bytes>,
     open: AtomicUsize,
     pending: Semaphore,
+    max_pending: usize,
     draining: AtomicBool,
     /// Last HTTP/2 PING round trip on this connection, µs (0 = not measured yet).
     rtt_micros: std::sync::atomic::AtomicU64,
@@ -84,6 +85,7 @@ impl TunnelHandle {
             send,
             open: AtomicUsize::new(0),
             pending: Semaphore::new(max_pending_dials),
+            max_pending: max_pending_dials,
             draining: AtomicBool::new(false),
             rtt_micros: Default::default(),
         }
@@ -127,6 +129,20 @@ impl TunnelHandle {
                 ),
             )
         })?;
+        // The peer's SETTINGS_MAX_CONCURRENT_STREAMS bounds the streams of this connection. h2
+        // would queue a request beyond it until some stream closes, so the client would wait out
+        // the whole dial budget and get a misleading 504: refuse at once instead.
+        let limit = self.send.current_max_send_streams();
+        let dialling = self.max_pending - self.pending.available_permits();
+        if self.open_streams() + dialling > limit {
+            return Err(DialError::new(
+                DialErrorKind::Overloaded,
+                format!(
+                    "the tunnel of cluster {} carries its limit of {limit} concurrent streams",
+                    self.cluster
+                ),
+            ));
+        }
         let mut req = Request::builder()
             .method(Method::POST)
             .uri(format!("https://tunnel{}", wire::PATH_DIAL))
