@@ -41,10 +41,7 @@ async fn web_service(cluster: &'static str) -> anyhow::Result<SocketAddr> {
 }
 
 fn print_table(rows: &[serde_json::Value], tunnels: &str) {
-    println!(
-        "\n{:<14}{:<11}{:<11}{:<15}{}",
-        "CLUSTER NAME", "INSTALLED", "AVAILABLE", "PROBED HEALTH", "LATENCY"
-    );
+    println!("\nCLUSTER NAME  INSTALLED  AVAILABLE  PROBED HEALTH  LATENCY");
     for r in rows {
         let cluster = r["cluster"].as_str().unwrap_or("?");
         let connected = tunnels.contains(&format!("\"cluster\":\"{cluster}\""));
