@@ -212,7 +212,12 @@ pub fn init(a: InitArgs) -> anyhow::Result<()> {
     let yaml = serde_saphyr::to_string(&cfg)?;
     write_file(&dir.join(HUB_CONFIG_FILE), &yaml, false)?;
 
-    let server = format!("tls://{}:{listen_port}", a.hub_hosts[0]);
+    let shown_port = if listen_port == "-1" || listen_port == "0" {
+        "<port from nats-server's ports file>".to_string()
+    } else {
+        listen_port.clone()
+    };
+    let server = format!("tls://{}:{shown_port}", a.hub_hosts[0]);
     println!("Hub initialised in {}", dir.display());
     println!();
     println!(
