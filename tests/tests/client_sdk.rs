@@ -88,3 +88,56 @@ async fn kube_client_reaches_api_server_through_tunnel() -> anyhow::Result<()> {
     assert_eq!(v.git_version, "v1.32.0-tether-test");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_dial_stream_resets_the_target_and_shutdown_half_closes() -> anyhow::Result<()> {
+    let hub = Hub::new()?;
+    // A target that reports how each connection ended: clean EOF or an error.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let target = l.local_addr()?;
+    let (ended_tx, mut ended) = tokio::sync::mpsc::channel::<Result<usize, std::io::ErrorKind>>(4);
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let ended_tx = ended_tx.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let mut total = 0;
+                let r = loop {
+                    match s.read(&mut buf).await {
+                        Ok(0) => break Ok(total),
+                        Ok(n) => total += n,
+                        Err(e) => break Err(e.kind()),
+                    }
+                };
+                let _ = ended_tx.send(r).await;
+            });
+        }
+    });
+    let broker = hub.start_broker("b1", "")?;
+    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], target, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&broker, "c1").await?;
+    let d = dialer(&hub, &broker).await?;
+
+    let mut s = d.dial_api_server("c1").await?;
+    s.write_all(b"partial request").await?;
+    s.shutdown().await?;
+    let r = tokio::time::timeout(Duration::from_secs(10), ended.recv()).await?;
+    assert_eq!(
+        r,
+        Some(Ok(15)),
+        "shutdown must reach the target as a clean EOF"
+    );
+
+    let mut s = d.dial_api_server("c1").await?;
+    s.write_all(b"partial request").await?;
+    tokio::time::sleep(Duration::ZERO).await;
+    drop(s);
+    let r = tokio::time::timeout(Duration::from_secs(10), ended.recv()).await?;
+    assert_eq!(
+        r,
+        Some(Err(std::io::ErrorKind::ConnectionReset)),
+        "dropping a stream must reset the target's connection, not close it cleanly"
+    );
+    Ok(())
+}

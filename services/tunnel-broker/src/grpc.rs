@@ -148,6 +148,8 @@ enum Inbound {
     Data(Bytes),
     /// Close the connection (konnectivity CLOSE_REQ).
     Close,
+    /// Reset the connection (native API `abort`).
+    Abort(String),
     Ignore,
 }
 
@@ -181,6 +183,11 @@ async fn pump<In, Out>(
                         Inbound::Close => {
                             closed_by_client = true;
                             return Err(AbortReason::Cancelled("client sent CLOSE_REQ".into()));
+                        }
+                        Inbound::Abort(reason) => {
+                            return Err(AbortReason::Cancelled(format!(
+                                "client aborted: {reason}"
+                            )));
                         }
                         Inbound::Ignore => {}
                     },
@@ -337,6 +344,7 @@ impl pb::dialer_server::Dialer for DialerSvc {
                     &out_tx,
                     |m: pb::DialFrame| match m.kind {
                         Some(pb::dial_frame::Kind::Data(b)) => Inbound::Data(b),
+                        Some(pb::dial_frame::Kind::Abort(a)) => Inbound::Abort(a.reason),
                         _ => Inbound::Ignore,
                     },
                     |b| pb::DialFrame {

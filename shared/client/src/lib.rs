@@ -9,7 +9,8 @@
 //!
 //! Semantics: `shutdown()` on a [`DialStream`] half-closes (the target sees EOF, its reply still
 //! arrives); a stream that breaks yields an `io::Error` (`ConnectionReset`), never a clean EOF;
-//! dropping a stream without shutdown aborts it.
+//! dropping a stream without shutdown aborts it: an `abort` frame goes to the broker, which
+//! resets the target's connection (ending the request stream would read as EOF there).
 
 #![forbid(unsafe_code)]
 
@@ -158,7 +159,12 @@ impl Dialer {
             })),
         })
         .expect("fresh channel has room");
-        let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let (abort_tx, abort_rx) = tokio::sync::oneshot::channel();
+        let mut req = tonic::Request::new(RequestFrames {
+            frames: tokio_stream::wrappers::ReceiverStream::new(rx),
+            abort: Some(abort_rx),
+            aborted: false,
+        });
         if let Some(t) = &self.token {
             req.metadata_mut().insert("authorization", t.clone());
         }
@@ -174,6 +180,7 @@ impl Dialer {
             });
         }
         Ok(DialStream {
+            abort: Some(abort_tx),
             tx: PollSender::new(tx),
             rx: inbound,
             pending: Bytes::new(),
@@ -248,8 +255,45 @@ impl tower::Service<http::Uri> for TunnelConnector {
     }
 }
 
+/// The request side of a dial: queued frames, unless the stream is dropped without shutdown —
+/// then one `abort` frame, and the request stays open so that nothing reads as a half-close.
+struct RequestFrames {
+    frames: tokio_stream::wrappers::ReceiverStream<pb::DialFrame>,
+    /// Fires on drop without shutdown; dropped unfired by `shutdown()`.
+    abort: Option<tokio::sync::oneshot::Receiver<()>>,
+    aborted: bool,
+}
+
+impl Stream for RequestFrames {
+    type Item = pb::DialFrame;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<pb::DialFrame>> {
+        if self.aborted {
+            return Poll::Pending; // the broker resets the call
+        }
+        if let Some(rx) = self.abort.as_mut() {
+            match Pin::new(rx).poll(cx) {
+                Poll::Ready(Ok(())) => {
+                    self.aborted = true;
+                    self.abort = None;
+                    return Poll::Ready(Some(pb::DialFrame {
+                        kind: Some(pb::dial_frame::Kind::Abort(pb::Abort {
+                            reason: "client dropped the stream".into(),
+                        })),
+                    }));
+                }
+                Poll::Ready(Err(_)) => self.abort = None, // shut down gracefully
+                Poll::Pending => {}
+            }
+        }
+        Pin::new(&mut self.frames).poll_next(cx)
+    }
+}
+
 /// One tunnelled TCP connection.
 pub struct DialStream {
+    /// Fired on drop without shutdown (see [`RequestFrames`]).
+    abort: Option<tokio::sync::oneshot::Sender<()>>,
     tx: PollSender<pb::DialFrame>,
     rx: tonic::Streaming<pb::DialFrame>,
     pending: Bytes,
@@ -334,7 +378,18 @@ impl AsyncWrite for DialStream {
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.abort = None; // a graceful end, not an abort
         self.tx.close();
         Poll::Ready(Ok(()))
+    }
+}
+
+impl Drop for DialStream {
+    fn drop(&mut self) {
+        if let Some(abort) = self.abort.take()
+            && !self.eof
+        {
+            let _ = abort.send(());
+        }
     }
 }
