@@ -125,7 +125,8 @@ pub async fn run(hub: HubDir, opts: RunOptions, shutdown: CancellationToken) -> 
     tracing::info!(admin = ?admin_addr, "addon-manager ready");
     if let Some(p) = &opts.ready_file {
         let body = serde_json::json!({ "admin": admin_addr.map(|a| a.to_string()) });
-        std::fs::write(p, body.to_string()).with_context(|| format!("writing {}", p.display()))?;
+        tether_runtime::write_ready_file(p, &body)
+            .with_context(|| format!("writing {}", p.display()))?;
     }
     shutdown.cancelled().await;
     tracing::info!("shutting down");

@@ -33,15 +33,7 @@ fn main() -> anyhow::Result<()> {
     tether_tls::install_default_crypto();
     let hub = tether_control::hub::HubDir::load(&args.hub_dir)
         .with_context(|| format!("invalid hub directory {}", args.hub_dir.display()))?;
-    let workers = args.worker_threads;
-    let sys = actix::System::with_tokio_rt(move || {
-        let mut b = tokio::runtime::Builder::new_multi_thread();
-        if let Some(n) = workers {
-            b.worker_threads(n);
-        }
-        b.enable_all().build().expect("tokio runtime")
-    });
-    sys.block_on(async move {
+    tether_runtime::actix_system(args.worker_threads).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("addon-manager");
         let shutdown = tether_runtime::shutdown_token();
         let opts = addon_manager::RunOptions {

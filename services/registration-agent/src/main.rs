@@ -111,15 +111,7 @@ fn main() -> anyhow::Result<()> {
         .map(|(name, value)| ClusterClaim { name, value })
         .collect();
     cfg.check_interval = args.check_interval;
-    let workers = args.worker_threads;
-    let sys = actix::System::with_tokio_rt(move || {
-        let mut b = tokio::runtime::Builder::new_multi_thread();
-        if let Some(n) = workers {
-            b.worker_threads(n);
-        }
-        b.enable_all().build().expect("tokio runtime")
-    });
-    sys.block_on(async move {
+    tether_runtime::actix_system(args.worker_threads).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("registration-agent");
         let shutdown = tether_runtime::shutdown_token();
         let registry = prometheus::Registry::new();
