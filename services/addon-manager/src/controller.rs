@@ -242,7 +242,7 @@ pub async fn start_pumps(
     client: async_nats::Client,
     addr: Addr<RegistrationController>,
     shutdown: CancellationToken,
-) -> anyhow::Result<Vec<tokio::task::JoinHandle<()>>> {
+) -> Result<Vec<tokio::task::JoinHandle<()>>, crate::ManagerError> {
     let table = [
         (subjects::BOOTSTRAP_CSR_ALL, Kind::BootstrapCsr),
         (subjects::BOOTSTRAP_CSR_GET_ALL, Kind::BootstrapCsrGet),
@@ -258,7 +258,10 @@ pub async fn start_pumps(
         let sub = client
             .queue_subscribe(subject, QUEUE_GROUP.to_string())
             .await
-            .map_err(|e| anyhow::anyhow!("subscribing {subject}: {e}"))?;
+            .map_err(|e| crate::ManagerError::Subscribe {
+                subject: subject.to_string(),
+                reason: e.to_string(),
+            })?;
         let client = client.clone();
         let addr = addr.clone();
         let stop = shutdown.clone();

@@ -22,12 +22,42 @@ pub mod metrics;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::Context as _;
 use tether_control::connect::{self, ConnectConfig, Credentials};
 use tether_control::hub::{HUB_USER, HubDir};
 use tether_control::resources::BootstrapTokenRecord;
 use tether_control::store::{Bucket, HubStore};
 use tokio_util::sync::CancellationToken;
+
+/// Why the hub controller could not start or stopped; each names what failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ManagerError {
+    #[error("hub directory: {0}")]
+    HubDir(#[from] tether_control::hub::HubDirError),
+    #[error("hub NATS: {0}")]
+    Control(#[from] tether_control::ControlError),
+    #[error("hub state: {0}")]
+    Hub(#[from] hub::HubError),
+    #[error("hub CA: {0}")]
+    Ca(#[from] tether_pki::PkiError),
+    #[error("auth callout issuer: {0}")]
+    Callout(#[from] tether_control::auth::AuthError),
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+    #[error("cannot parse {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("cannot subscribe to {subject}: {reason}")]
+    Subscribe { subject: String, reason: String },
+    #[error("shut down while connecting to NATS")]
+    ShutDown,
+}
 
 /// Process options that are not in hub.yaml.
 #[derive(Debug, Clone, Default)]
@@ -41,7 +71,7 @@ pub struct RunOptions {
 async fn connect_with_retry(
     cfg: &ConnectConfig,
     shutdown: &CancellationToken,
-) -> anyhow::Result<tether_control::NatsConnection> {
+) -> Result<tether_control::NatsConnection, ManagerError> {
     let mut backoff = tether_runtime::Backoff::new(tether_runtime::BackoffConfig {
         max: std::time::Duration::from_secs(5),
         ..Default::default()
@@ -53,7 +83,7 @@ async fn connect_with_retry(
                 let d = backoff.failed();
                 tracing::warn!(error = %e, retry_in = ?d, "cannot connect to hub NATS");
                 tokio::select! {
-                    _ = shutdown.cancelled() => anyhow::bail!("shut down while connecting to NATS"),
+                    _ = shutdown.cancelled() => return Err(ManagerError::ShutDown),
                     _ = tokio::time::sleep(d) => {}
                 }
             }
@@ -62,7 +92,11 @@ async fn connect_with_retry(
 }
 
 /// Runs the hub controller until `shutdown` is cancelled. Must run inside an actix System.
-pub async fn run(hub: HubDir, opts: RunOptions, shutdown: CancellationToken) -> anyhow::Result<()> {
+pub async fn run(
+    hub: HubDir,
+    opts: RunOptions,
+    shutdown: CancellationToken,
+) -> Result<(), ManagerError> {
     let endpoint = hub.endpoint(opts.nats_url.as_deref())?;
     let password = hub.read(&hub.config.nats.hub_password_file)?;
     let cfg = ConnectConfig::new(
@@ -75,14 +109,15 @@ pub async fn run(hub: HubDir, opts: RunOptions, shutdown: CancellationToken) -> 
     );
     let conn = connect_with_retry(&cfg, &shutdown).await?;
     tracing::info!("connected to hub NATS");
-    let store = HubStore::open(conn.client.clone())
-        .await
-        .context("opening JetStream buckets")?;
+    let store = HubStore::open(conn.client.clone()).await?;
 
     // Import bootstrap tokens written by `tetherctl init` (existing records win).
     let tokens_text = hub.read(&hub.config.bootstrap_tokens_file)?;
-    let tokens: Vec<BootstrapTokenRecord> = serde_json::from_str(&tokens_text)
-        .with_context(|| format!("parsing {}", hub.config.bootstrap_tokens_file.display()))?;
+    let tokens: Vec<BootstrapTokenRecord> =
+        serde_json::from_str(&tokens_text).map_err(|source| ManagerError::Parse {
+            path: hub.config.bootstrap_tokens_file.clone(),
+            source,
+        })?;
     for t in &tokens {
         store.create(Bucket::Tokens, &t.id, t).await?;
     }
@@ -112,8 +147,11 @@ pub async fn run(hub: HubDir, opts: RunOptions, shutdown: CancellationToken) -> 
     if let Some(listen) = &opts.admin_listen {
         let listener = tokio::net::TcpListener::bind(listen)
             .await
-            .with_context(|| format!("cannot bind admin listen {listen}"))?;
-        admin_addr = Some(listener.local_addr()?);
+            .map_err(|source| ManagerError::Io {
+                what: format!("cannot bind admin listen {listen}"),
+                source,
+            })?;
+        admin_addr = listener.local_addr().ok();
         let server = tether_telemetry::AdminServer::new(registry.clone(), readiness.clone());
         tokio::spawn(server.serve(listener, shutdown.child_token()));
     }
@@ -125,8 +163,10 @@ pub async fn run(hub: HubDir, opts: RunOptions, shutdown: CancellationToken) -> 
     tracing::info!(admin = ?admin_addr, "addon-manager ready");
     if let Some(p) = &opts.ready_file {
         let body = serde_json::json!({ "admin": admin_addr.map(|a| a.to_string()) });
-        tether_runtime::write_ready_file(p, &body)
-            .with_context(|| format!("writing {}", p.display()))?;
+        tether_runtime::write_ready_file(p, &body).map_err(|source| ManagerError::Io {
+            what: format!("writing {}", p.display()),
+            source,
+        })?;
     }
     shutdown.cancelled().await;
     tracing::info!("shutting down");

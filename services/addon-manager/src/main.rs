@@ -41,6 +41,7 @@ fn main() -> anyhow::Result<()> {
             admin_listen: args.admin_listen.or(hub.config.admin.listen.clone()),
             ready_file: args.ready_file,
         };
-        addon_manager::run(hub, opts, shutdown).await
+        addon_manager::run(hub, opts, shutdown).await?;
+        anyhow::Ok(())
     })
 }
