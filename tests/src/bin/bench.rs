@@ -3,8 +3,8 @@
 //!
 //! ```text
 //! cargo build --release -p tether-e2e -p tunnel-broker -p tunnel-agent --bins
-//! ./target/release/tether-bench            # full run, about 2 minutes
-//! ./target/release/tether-bench --quick    # smoke run, about 20 s
+//! ./target/release/tether-bench            # full run, about 70 s
+//! ./target/release/tether-bench --quick    # smoke run, about 15 s
 //! ```
 //!
 //! Paths measured:
