@@ -158,6 +158,12 @@ impl HubCtx {
             let mut clusters = std::pin::pin!(clusters);
             while let Some((k, v)) = clusters.next().await {
                 let Some(ctx) = me.upgrade() else { return };
+                if v.is_none()
+                    && let Ok(mut l) = ctx.leases.lock()
+                {
+                    // A deleted cluster is no longer watched for lease expiry.
+                    l.remove(&k);
+                }
                 if let Ok(mut m) = ctx.clusters.write() {
                     match v {
                         Some(mc) => m.insert(k, mc),

@@ -7,6 +7,8 @@
 //! - [`controller`]: the [`controller::RegistrationController`] actor that owns the lease monitor
 //!   and serves the request subjects; NATS subscriptions are pumped into it with `send().await`
 //!   so a full mailbox slows the pumps down instead of dropping work.
+//! - [`addons`]: the [`addons::AddOnController`] actor: ManagedClusterAddOns from
+//!   ClusterManagementAddOn install strategies, config spec hashes, Progressing/Available/Degraded.
 //! - [`callout`]: who may connect to NATS with what permissions.
 //! - [`metrics`]: Prometheus metrics.
 //!
@@ -14,6 +16,7 @@
 //! bootstrap tokens, start the actor and the admin server, and wait for shutdown.
 #![forbid(unsafe_code)]
 
+pub mod addons;
 pub mod callout;
 pub mod controller;
 pub mod hub;
@@ -159,6 +162,14 @@ pub async fn run(
     let addr = controller::RegistrationController::start_with(ctx.clone());
     let pumps =
         controller::start_pumps(conn.client.clone(), addr.clone(), shutdown.child_token()).await?;
+    let addon_ctl = addons::AddOnController::start_with(ctx.store.clone());
+    let addon_tasks = addons::start(
+        conn.client.clone(),
+        ctx.store.clone(),
+        addon_ctl,
+        shutdown.child_token(),
+    )
+    .await?;
     readiness.set_ready();
     tracing::info!(admin = ?admin_addr, "addon-manager ready");
     if let Some(p) = &opts.ready_file {
@@ -170,7 +181,7 @@ pub async fn run(
     }
     shutdown.cancelled().await;
     tracing::info!("shutting down");
-    for p in pumps {
+    for p in pumps.into_iter().chain(addon_tasks) {
         p.abort();
     }
     // NATS may already be gone: never wait long for the final flush.

@@ -5,10 +5,14 @@
 //! - `join`: write a bootstrap kubeconfig like `clusteradm join --proxy-url --proxy-ca-file`.
 //! - `accept` / `deny`: let a cluster in, or shrink its rights again.
 //! - `get clusters` (`-o json|yaml|wide`), `get events`, `token create`.
+//! - `apply -f FILE` (YAML or JSON, one or several documents: ClusterManagementAddOn,
+//!   ManagedClusterAddOn, AddOnDeploymentConfig, ManagedProxyConfiguration; all validated before
+//!   any is stored), `get addons|configs|clustermanagementaddons`, `delete <kind> <name>`.
 //!
 //! Hub commands read `<hub dir>/hub.yaml` (`--hub-dir`, env `TETHER_HUB_DIR`) and connect as the
 //! `tether-admin` NATS user.
 
+mod addons;
 mod init;
 mod ops;
 
@@ -64,6 +68,21 @@ enum Cmd {
         #[command(subcommand)]
         what: GetWhat,
     },
+    /// Create or update add-on resources from a YAML or JSON file (`-` = stdin).
+    Apply {
+        #[arg(short = 'f', long = "filename")]
+        file: String,
+        #[command(flatten)]
+        hub: HubArgs,
+    },
+    /// Delete a resource: clustermanagementaddon NAME, managedclusteraddon CLUSTER/ADDON,
+    /// addondeploymentconfig [NAMESPACE/]NAME, managedproxyconfiguration NAME, managedcluster NAME.
+    Delete {
+        kind: String,
+        name: String,
+        #[command(flatten)]
+        hub: HubArgs,
+    },
     /// Bootstrap tokens.
     Token {
         #[command(subcommand)]
@@ -78,6 +97,34 @@ enum GetWhat {
     Clusters {
         /// Only this cluster.
         name: Option<String>,
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: Output,
+        #[command(flatten)]
+        hub: HubArgs,
+    },
+    /// ManagedClusterAddOns: CLUSTER NAME AVAILABLE DEGRADED PROGRESSING AGE.
+    #[command(alias = "addon", alias = "managedclusteraddons")]
+    Addons {
+        /// Only this cluster's add-ons.
+        cluster: Option<String>,
+        /// Only this add-on (with a cluster: `-o json|yaml` prints the object itself).
+        addon: Option<String>,
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: Output,
+        #[command(flatten)]
+        hub: HubArgs,
+    },
+    /// AddOnDeploymentConfigs and ManagedProxyConfigurations.
+    #[command(alias = "config")]
+    Configs {
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: Output,
+        #[command(flatten)]
+        hub: HubArgs,
+    },
+    /// ClusterManagementAddOns.
+    #[command(alias = "cma")]
+    Clustermanagementaddons {
         #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
         output: Output,
         #[command(flatten)]
@@ -135,7 +182,19 @@ async fn main() {
                 output,
                 hub,
             } => ops::get_events(&hub, name.as_deref(), limit, output).await,
+            GetWhat::Addons {
+                cluster,
+                addon,
+                output,
+                hub,
+            } => addons::get_addons(&hub, cluster.as_deref(), addon.as_deref(), output).await,
+            GetWhat::Configs { output, hub } => addons::get_configs(&hub, output).await,
+            GetWhat::Clustermanagementaddons { output, hub } => {
+                addons::get_cmas(&hub, output).await
+            }
         },
+        Cmd::Apply { file, hub } => addons::apply(&hub, &file).await,
+        Cmd::Delete { kind, name, hub } => addons::delete(&hub, &kind, &name).await,
         Cmd::Token { what } => match what {
             TokenCmd::Create {
                 ttl,

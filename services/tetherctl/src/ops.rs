@@ -14,7 +14,9 @@ use tether_control::subjects;
 
 use crate::{HubArgs, Output};
 
-async fn connect_admin(hub: &HubArgs) -> anyhow::Result<(HubDir, tether_control::NatsConnection)> {
+pub(crate) async fn connect_admin(
+    hub: &HubArgs,
+) -> anyhow::Result<(HubDir, tether_control::NatsConnection)> {
     let dir = HubDir::load(&hub.hub_dir)
         .with_context(|| format!("loading hub directory {}", hub.hub_dir.display()))?;
     let endpoint = dir.endpoint(hub.nats_url.as_deref())?;
@@ -54,7 +56,7 @@ pub async fn admin(hub: &HubArgs, cluster: &str, accept: bool) -> anyhow::Result
     Ok(())
 }
 
-fn age(created: &str, now: SystemTime) -> String {
+pub(crate) fn age(created: &str, now: SystemTime) -> String {
     let Some(t) = parse_rfc3339(created) else {
         return "<unknown>".into();
     };
@@ -158,7 +160,7 @@ pub async fn get_clusters(hub: &HubArgs, name: Option<&str>, output: Output) -> 
     Ok(())
 }
 
-fn print_table(rows: &[Vec<String>]) {
+pub(crate) fn print_table(rows: &[Vec<String>]) {
     let cols = rows.first().map(Vec::len).unwrap_or(0);
     let widths: Vec<usize> = (0..cols)
         .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))

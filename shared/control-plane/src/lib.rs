@@ -17,6 +17,7 @@
 //! Subjects and message schemas are documented in `docs/control-plane.md`.
 #![forbid(unsafe_code)]
 
+pub mod addons;
 pub mod auth;
 pub mod connect;
 pub mod hub;

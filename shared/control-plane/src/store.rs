@@ -5,6 +5,11 @@
 //! - `tether-leases` — key `<cluster>` → [`Lease`]
 //! - `tether-csrs` — key `<cluster>.<csr name>` → [`CertificateSigningRequest`]
 //! - `tether-bootstrap-tokens` — key `<token id>` → [`BootstrapTokenRecord`]
+//! - `tether-clustermanagementaddons` — key `<addon>` → ClusterManagementAddOn
+//! - `tether-managedclusteraddons` — key `<cluster>.<addon>` → ManagedClusterAddOn
+//! - `tether-addondeploymentconfigs` — key `<namespace>.<name>` → AddOnDeploymentConfig
+//! - `tether-managedproxyconfigurations` — key `<name>` → ManagedProxyConfiguration
+//! - `tether-addon-leases` — key `<cluster>.<addon>` → Lease (add-on health, Lease mode)
 //!
 //! Stream `TETHER_EVENTS` on `tether.v1.events.>` receives an [`Event`] for every change.
 //! Updates are compare-and-swap on the KV revision ([`HubStore::update`]).
@@ -30,7 +35,24 @@ pub enum Bucket {
     Leases,
     Csrs,
     Tokens,
+    ClusterManagementAddOns,
+    ManagedClusterAddOns,
+    AddOnDeploymentConfigs,
+    ProxyConfigurations,
+    AddOnLeases,
 }
+
+const ALL_BUCKETS: [Bucket; 9] = [
+    Bucket::Clusters,
+    Bucket::Leases,
+    Bucket::Csrs,
+    Bucket::Tokens,
+    Bucket::ClusterManagementAddOns,
+    Bucket::ManagedClusterAddOns,
+    Bucket::AddOnDeploymentConfigs,
+    Bucket::ProxyConfigurations,
+    Bucket::AddOnLeases,
+];
 
 impl Bucket {
     pub fn name(self) -> &'static str {
@@ -39,6 +61,22 @@ impl Bucket {
             Bucket::Leases => subjects::BUCKET_LEASES,
             Bucket::Csrs => subjects::BUCKET_CSRS,
             Bucket::Tokens => subjects::BUCKET_TOKENS,
+            Bucket::ClusterManagementAddOns => subjects::BUCKET_CLUSTER_MANAGEMENT_ADDONS,
+            Bucket::ManagedClusterAddOns => subjects::BUCKET_MANAGED_CLUSTER_ADDONS,
+            Bucket::AddOnDeploymentConfigs => subjects::BUCKET_ADDON_DEPLOYMENT_CONFIGS,
+            Bucket::ProxyConfigurations => subjects::BUCKET_PROXY_CONFIGURATIONS,
+            Bucket::AddOnLeases => subjects::BUCKET_ADDON_LEASES,
+        }
+    }
+
+    /// History kept per key.
+    fn history(self) -> i64 {
+        match self {
+            Bucket::Clusters
+            | Bucket::ClusterManagementAddOns
+            | Bucket::AddOnDeploymentConfigs
+            | Bucket::ProxyConfigurations => 5,
+            _ => 1,
         }
     }
 }
@@ -47,10 +85,8 @@ impl Bucket {
 #[derive(Clone)]
 pub struct HubStore {
     js: jetstream::Context,
-    clusters: kv::Store,
-    leases: kv::Store,
-    csrs: kv::Store,
-    tokens: kv::Store,
+    /// One store per [`Bucket`], in [`ALL_BUCKETS`] order.
+    stores: Vec<kv::Store>,
 }
 
 impl std::fmt::Debug for HubStore {
@@ -73,22 +109,14 @@ impl HubStore {
             storage: jetstream::stream::StorageType::File,
             ..Default::default()
         };
-        let clusters = js
-            .create_or_update_key_value(bucket(subjects::BUCKET_CLUSTERS, 5))
-            .await
-            .map_err(js_err)?;
-        let leases = js
-            .create_or_update_key_value(bucket(subjects::BUCKET_LEASES, 1))
-            .await
-            .map_err(js_err)?;
-        let csrs = js
-            .create_or_update_key_value(bucket(subjects::BUCKET_CSRS, 1))
-            .await
-            .map_err(js_err)?;
-        let tokens = js
-            .create_or_update_key_value(bucket(subjects::BUCKET_TOKENS, 1))
-            .await
-            .map_err(js_err)?;
+        let mut stores = Vec::with_capacity(ALL_BUCKETS.len());
+        for b in ALL_BUCKETS {
+            stores.push(
+                js.create_or_update_key_value(bucket(b.name(), b.history()))
+                    .await
+                    .map_err(js_err)?,
+            );
+        }
         js.get_or_create_stream(stream::Config {
             name: subjects::STREAM_EVENTS.to_string(),
             subjects: vec![subjects::EVENTS_ALL.to_string()],
@@ -99,22 +127,12 @@ impl HubStore {
         })
         .await
         .map_err(js_err)?;
-        Ok(Self {
-            js,
-            clusters,
-            leases,
-            csrs,
-            tokens,
-        })
+        Ok(Self { js, stores })
     }
 
     fn kv(&self, b: Bucket) -> &kv::Store {
-        match b {
-            Bucket::Clusters => &self.clusters,
-            Bucket::Leases => &self.leases,
-            Bucket::Csrs => &self.csrs,
-            Bucket::Tokens => &self.tokens,
-        }
+        let i = ALL_BUCKETS.iter().position(|x| *x == b).unwrap_or(0);
+        &self.stores[i]
     }
 
     pub fn jetstream(&self) -> &jetstream::Context {

@@ -7,6 +7,7 @@
 //! - `tether.v1.cluster.<cluster>.csr` — request: certificate renewal with cluster credentials.
 //! - `tether.v1.cluster.<cluster>.csr.get` — request: poll a renewal CSR.
 //! - `tether.v1.cluster.<cluster>.notify` — hub → agent notifications.
+//! - `tether.v1.cluster.<cluster>.addon.<addon>.status` — agent → hub: applied config hashes.
 //! - `tether.v1.events.<kind>.<name>` — the JetStream events stream (every state change).
 //! - `tether.v1.admin.<verb>` — requests from `tetherctl` (hub credentials only).
 //!
@@ -42,6 +43,19 @@ pub fn cluster_csr_get(cluster: &str) -> String {
 pub fn cluster_notify(cluster: &str) -> String {
     format!("{ROOT}.cluster.{cluster}.notify")
 }
+/// Agent → hub: what the add-on agent has applied ([`crate::addons::AddOnStatusReport`]).
+pub fn cluster_addon_status(cluster: &str, addon: &str) -> String {
+    format!("{ROOT}.cluster.{cluster}.addon.{addon}.status")
+}
+pub const CLUSTER_ADDON_STATUS_ALL: &str = "tether.v1.cluster.*.addon.*.status";
+/// The add-on name in `tether.v1.cluster.<c>.addon.<a>.status`.
+pub fn addon_of(subject: &str) -> Option<&str> {
+    let parts: Vec<&str> = subject.split('.').collect();
+    match parts.as_slice() {
+        ["tether", "v1", "cluster", _, "addon", a, "status"] => Some(a),
+        _ => None,
+    }
+}
 pub const CLUSTER_LEASE_ALL: &str = "tether.v1.cluster.*.lease";
 pub const CLUSTER_CSR_ALL: &str = "tether.v1.cluster.*.csr";
 pub const CLUSTER_CSR_GET_ALL: &str = "tether.v1.cluster.*.csr.get";
@@ -76,6 +90,11 @@ pub const BUCKET_CLUSTERS: &str = "tether-managedclusters";
 pub const BUCKET_LEASES: &str = "tether-leases";
 pub const BUCKET_CSRS: &str = "tether-csrs";
 pub const BUCKET_TOKENS: &str = "tether-bootstrap-tokens";
+pub const BUCKET_CLUSTER_MANAGEMENT_ADDONS: &str = "tether-clustermanagementaddons";
+pub const BUCKET_MANAGED_CLUSTER_ADDONS: &str = "tether-managedclusteraddons";
+pub const BUCKET_ADDON_DEPLOYMENT_CONFIGS: &str = "tether-addondeploymentconfigs";
+pub const BUCKET_PROXY_CONFIGURATIONS: &str = "tether-managedproxyconfigurations";
+pub const BUCKET_ADDON_LEASES: &str = "tether-addon-leases";
 pub const STREAM_EVENTS: &str = "TETHER_EVENTS";
 
 #[cfg(test)]

@@ -1,0 +1,608 @@
+//! The add-on controller (OCM's addon-manager hub controllers, for `cluster-proxy` and any other
+//! ClusterManagementAddOn).
+//!
+//! For every ClusterManagementAddOn and every accepted ManagedCluster its install strategy
+//! selects, it keeps a ManagedClusterAddOn `<cluster>/<addon>`; it deletes those whose cluster
+//! is gone or no longer accepted, whose ClusterManagementAddOn is gone, or (when it installed
+//! them) whose cluster no longer matches. For each it resolves the configs (the add-on's own
+//! `spec.configs`, else the ClusterManagementAddOn's `defaultConfigs`), writes
+//! `status.configReferences` with the desired spec hashes, and sets the conditions:
+//! - Progressing=True until the agent reports the desired hashes as applied on
+//!   `tether.v1.cluster.<c>.addon.<a>.status`, then False;
+//! - Available from the add-on lease (`tether-addon-leases`, key `<cluster>.<addon>`), and
+//!   Unknown whenever the cluster itself is Unknown;
+//! - Degraded=True when a referenced config does not exist.
+//!
+//! The actor coalesces changes: KV watches on every input bucket send [`Changed`], and one full
+//! reconcile runs at a time (another follows if something changed meanwhile). A periodic tick
+//! re-evaluates the time-based lease conditions.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, SystemTime};
+
+use actix::prelude::*;
+use futures::StreamExt;
+use tether_control::ControlError;
+use tether_control::addons::{
+    self, AddOnDeploymentConfig, AddOnStatusReport, ClusterManagementAddOn, ConfigKind,
+    ConfigReference, ConfigSpecHash, ManagedClusterAddOn, ManagedProxyConfiguration, addon_key,
+    spec_hash,
+};
+use tether_control::connect::ERROR_HEADER;
+use tether_control::resources::{
+    Event, Lease, ManagedCluster, condition as mc_condition, parse_rfc3339, set_condition,
+};
+use tether_control::store::{Bucket, HubStore};
+use tether_control::subjects;
+use tokio_util::sync::CancellationToken;
+
+/// Annotation on ManagedClusterAddOns the controller created from an install strategy (those
+/// it deletes again when the cluster stops matching).
+pub const INSTALLED_BY_ANNOTATION: &str = "tether.io/installed-by";
+/// Add-on lease grace: Available=False after this many lease durations without renewal
+/// (OCM: 60 s lease, 300 s).
+pub const ADDON_LEASE_GRACE_MULTIPLIER: u32 = 5;
+/// How often time-based conditions (lease expiry) are re-evaluated.
+pub const RESYNC_INTERVAL: Duration = Duration::from_secs(2);
+pub const MAILBOX_CAPACITY: usize = 64;
+pub const QUEUE_GROUP: &str = "tether-addons";
+
+/// Something an input bucket changed: reconcile.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Changed;
+
+/// An agent's report of what it applied.
+#[derive(Message)]
+#[rtype(result = "Result<(), String>")]
+pub struct StatusReport {
+    pub cluster: String,
+    pub addon: String,
+    pub report: AddOnStatusReport,
+}
+
+pub struct AddOnController {
+    store: HubStore,
+    running: bool,
+    dirty: bool,
+}
+
+impl AddOnController {
+    pub fn start_with(store: HubStore) -> Addr<Self> {
+        Self::create(|c| {
+            c.set_mailbox_capacity(MAILBOX_CAPACITY);
+            Self {
+                store,
+                running: false,
+                dirty: false,
+            }
+        })
+    }
+
+    fn kick(&mut self, ctx: &mut Context<Self>) {
+        self.dirty = true;
+        if self.running {
+            return;
+        }
+        self.running = true;
+        self.dirty = false;
+        let store = self.store.clone();
+        ctx.spawn(
+            async move { reconcile_all(&store).await }
+                .into_actor(self)
+                .map(|r, act, ctx| {
+                    if let Err(e) = r {
+                        tracing::warn!(error = %e, "add-on reconcile failed");
+                    }
+                    act.running = false;
+                    if act.dirty {
+                        act.kick(ctx);
+                    }
+                }),
+        );
+    }
+}
+
+impl Actor for AddOnController {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.run_interval(RESYNC_INTERVAL, |act, ctx| act.kick(ctx));
+        self.kick(ctx);
+    }
+}
+
+impl Handler<Changed> for AddOnController {
+    type Result = ();
+    fn handle(&mut self, _: Changed, ctx: &mut Self::Context) {
+        self.kick(ctx);
+    }
+}
+
+impl Handler<StatusReport> for AddOnController {
+    type Result = ResponseFuture<Result<(), String>>;
+    fn handle(&mut self, msg: StatusReport, _ctx: &mut Self::Context) -> Self::Result {
+        let store = self.store.clone();
+        Box::pin(async move { record_report(&store, msg).await.map_err(|e| e.to_string()) })
+    }
+}
+
+/// Stores the applied hashes in `status.configReferences[].lastAppliedConfig` (CAS, retried).
+async fn record_report(store: &HubStore, msg: StatusReport) -> Result<(), ControlError> {
+    let key = addon_key(&msg.cluster, &msg.addon);
+    for _ in 0..16 {
+        let Some((mut mca, rev)) = store
+            .get::<ManagedClusterAddOn>(Bucket::ManagedClusterAddOns, &key)
+            .await?
+        else {
+            return Err(ControlError::Codec(format!(
+                "managedclusteraddon {}/{} not found",
+                msg.cluster, msg.addon
+            )));
+        };
+        let mut changed = false;
+        for r in &mut mca.status.config_references {
+            if let Some(a) = msg.report.applied_configs.iter().find(|a| {
+                a.group == r.group
+                    && a.resource == r.resource
+                    && a.name == r.name
+                    && a.namespace == r.namespace
+            }) {
+                let applied = ConfigSpecHash {
+                    namespace: a.namespace.clone(),
+                    name: a.name.clone(),
+                    spec_hash: a.spec_hash.clone(),
+                };
+                if r.last_applied_config.as_ref() != Some(&applied) {
+                    r.last_applied_config = Some(applied);
+                    changed = true;
+                }
+            }
+        }
+        if !changed {
+            return Ok(());
+        }
+        update_progressing(&mut mca);
+        if store
+            .update(Bucket::ManagedClusterAddOns, &key, &mca, rev)
+            .await?
+            .is_some()
+        {
+            return Ok(());
+        }
+    }
+    Err(ControlError::Codec(format!(
+        "managedclusteraddon {key}: too many concurrent updates"
+    )))
+}
+
+fn accepted(mc: &ManagedCluster) -> bool {
+    mc.spec.hub_accepts_client
+}
+
+/// Sets Progressing from configReferences; true when it changed.
+fn update_progressing(mca: &mut ManagedClusterAddOn) -> bool {
+    let pending: Vec<String> = mca
+        .status
+        .config_references
+        .iter()
+        .filter(|r| {
+            !r.desired_config.spec_hash.is_empty()
+                && r.last_applied_config.as_ref().map(|a| &a.spec_hash)
+                    != Some(&r.desired_config.spec_hash)
+        })
+        .map(|r| format!("{}/{}", r.resource, r.name))
+        .collect();
+    if pending.is_empty() {
+        set_condition(
+            &mut mca.status.conditions,
+            addons::condition::PROGRESSING,
+            "False",
+            "Completed",
+            "the agent has applied every desired config",
+        )
+    } else {
+        set_condition(
+            &mut mca.status.conditions,
+            addons::condition::PROGRESSING,
+            "True",
+            "Configuring",
+            &format!("waiting for the agent to apply {}", pending.join(", ")),
+        )
+    }
+}
+
+async fn list_map<T: serde::de::DeserializeOwned>(
+    store: &HubStore,
+    b: Bucket,
+) -> Result<HashMap<String, (T, u64)>, ControlError> {
+    Ok(store
+        .list::<T>(b)
+        .await?
+        .into_iter()
+        .map(|(k, v, rev)| (k, (v, rev)))
+        .collect())
+}
+
+async fn event(store: &HubStore, ev: Event) {
+    if let Err(e) = store.publish_event(&ev).await {
+        tracing::warn!(error = %e, reason = %ev.reason, "cannot publish event");
+    }
+}
+
+/// One pass over every add-on; returns how many objects it wrote.
+pub async fn reconcile_all(store: &HubStore) -> Result<usize, ControlError> {
+    let clusters: HashMap<String, (ManagedCluster, u64)> =
+        list_map(store, Bucket::Clusters).await?;
+    let cmas: HashMap<String, (ClusterManagementAddOn, u64)> =
+        list_map(store, Bucket::ClusterManagementAddOns).await?;
+    let adcs: HashMap<String, (AddOnDeploymentConfig, u64)> =
+        list_map(store, Bucket::AddOnDeploymentConfigs).await?;
+    let mpcs: HashMap<String, (ManagedProxyConfiguration, u64)> =
+        list_map(store, Bucket::ProxyConfigurations).await?;
+    let leases: HashMap<String, (Lease, u64)> = list_map(store, Bucket::AddOnLeases).await?;
+    let mut mcas: HashMap<String, (ManagedClusterAddOn, u64)> =
+        list_map(store, Bucket::ManagedClusterAddOns).await?;
+    let now = SystemTime::now();
+    let mut writes = 0;
+
+    // Which add-ons should exist.
+    let mut want: BTreeMap<String, (String, String, bool)> = BTreeMap::new();
+    for (cma, _) in cmas.values() {
+        for (mc, _) in clusters.values() {
+            if accepted(mc) && cma.spec.install_strategy.selects(&mc.metadata.labels) {
+                want.insert(
+                    addon_key(&mc.metadata.name, &cma.metadata.name),
+                    (mc.metadata.name.clone(), cma.metadata.name.clone(), true),
+                );
+            }
+        }
+    }
+    // Existing ones: keep hand-applied ones while cluster and ClusterManagementAddOn exist.
+    let mut delete = Vec::new();
+    for (key, (mca, _)) in &mcas {
+        if want.contains_key(key) {
+            continue;
+        }
+        let cluster = mca.cluster().to_string();
+        let name = mca.metadata.name.clone();
+        let cluster_ok = clusters.get(&cluster).is_some_and(|(mc, _)| accepted(mc));
+        let cma_ok = cmas.contains_key(&name);
+        let by_strategy = mca
+            .metadata
+            .annotations
+            .contains_key(INSTALLED_BY_ANNOTATION);
+        if cluster_ok && cma_ok && !by_strategy {
+            want.insert(key.clone(), (cluster, name, false));
+        } else {
+            let why = if !cluster_ok {
+                format!("managed cluster {cluster} is gone or no longer accepted")
+            } else if !cma_ok {
+                format!("clustermanagementaddon {name} is gone")
+            } else {
+                format!("cluster {cluster} no longer matches the install strategy of {name}")
+            };
+            delete.push((key.clone(), cluster, name, why));
+        }
+    }
+    for (key, cluster, name, why) in delete {
+        store.delete(Bucket::ManagedClusterAddOns, &key).await?;
+        mcas.remove(&key);
+        writes += 1;
+        tracing::info!(cluster = %cluster, addon = %name, reason = %why, "add-on removed");
+        event(
+            store,
+            Event::new(
+                ManagedClusterAddOn::KIND,
+                &key,
+                "Normal",
+                "AddOnRemoved",
+                why,
+            ),
+        )
+        .await;
+    }
+
+    for (key, (cluster, name, by_strategy)) in want {
+        let Some((cma, _)) = cmas.get(&name) else {
+            continue;
+        };
+        let Some((mc, _)) = clusters.get(&cluster) else {
+            continue;
+        };
+        let existing = mcas.get(&key).cloned();
+        let mut mca = match &existing {
+            Some((m, _)) => m.clone(),
+            None => {
+                let mut m = ManagedClusterAddOn::new(&cluster, &name);
+                if by_strategy {
+                    m.metadata
+                        .annotations
+                        .insert(INSTALLED_BY_ANNOTATION.into(), "install-strategy".into());
+                }
+                m
+            }
+        };
+        mca.metadata.resource_version = None;
+        let before = serde_json::to_value(&mca).unwrap_or_default();
+
+        // Effective configs: the add-on's own, then defaults for other group/resources.
+        let mut configs = mca.spec.configs.clone();
+        for d in &cma.spec.default_configs {
+            if !configs
+                .iter()
+                .any(|c| c.group == d.group && c.resource == d.resource)
+            {
+                configs.push(d.clone());
+            }
+        }
+        let mut missing = Vec::new();
+        let refs: Vec<ConfigReference> = configs
+            .iter()
+            .map(|c| {
+                let hash = match c.key() {
+                    Some((ConfigKind::AddOnDeploymentConfig, k)) => {
+                        adcs.get(&k).map(|(a, _)| spec_hash(&a.spec))
+                    }
+                    Some((ConfigKind::ManagedProxyConfiguration, k)) => {
+                        mpcs.get(&k).map(|(m, _)| spec_hash(&m.spec))
+                    }
+                    None => None,
+                };
+                if hash.is_none() {
+                    missing.push(c.display());
+                }
+                let namespace = match c.key() {
+                    Some((ConfigKind::AddOnDeploymentConfig, _)) if c.namespace.is_empty() => {
+                        addons::DEFAULT_NAMESPACE.to_string()
+                    }
+                    _ => c.namespace.clone(),
+                };
+                let last = mca
+                    .status
+                    .config_references
+                    .iter()
+                    .find(|r| {
+                        r.group == c.group
+                            && r.resource == c.resource
+                            && r.name == c.name
+                            && r.namespace == namespace
+                    })
+                    .and_then(|r| r.last_applied_config.clone());
+                ConfigReference {
+                    group: c.group.clone(),
+                    resource: c.resource.clone(),
+                    namespace: namespace.clone(),
+                    name: c.name.clone(),
+                    desired_config: ConfigSpecHash {
+                        namespace,
+                        name: c.name.clone(),
+                        spec_hash: hash.unwrap_or_default(),
+                    },
+                    last_applied_config: last,
+                }
+            })
+            .collect();
+        let hashes_changed = existing.as_ref().is_some_and(|(m, _)| {
+            m.status
+                .config_references
+                .iter()
+                .map(|r| &r.desired_config)
+                .ne(refs.iter().map(|r| &r.desired_config))
+        });
+        mca.status.config_references = refs;
+        mca.status.namespace = mca.spec.install_namespace.clone();
+        if mca.status.health_check_mode.is_empty() {
+            mca.status.health_check_mode = "Lease".into();
+        }
+        update_progressing(&mut mca);
+        let conds = &mut mca.status.conditions;
+        if missing.is_empty() {
+            set_condition(
+                conds,
+                addons::condition::DEGRADED,
+                "False",
+                "AsExpected",
+                "every referenced config exists",
+            );
+        } else {
+            set_condition(
+                conds,
+                addons::condition::DEGRADED,
+                "True",
+                "ConfigurationNotFound",
+                &format!("referenced config not found: {}", missing.join(", ")),
+            );
+        }
+        let cluster_status = mc.condition(mc_condition::AVAILABLE);
+        if cluster_status == Some("Unknown") {
+            set_condition(
+                conds,
+                addons::condition::AVAILABLE,
+                "Unknown",
+                "ClusterUnknown",
+                &format!("managed cluster {cluster} is Unknown (its lease expired)"),
+            );
+        } else {
+            match leases.get(&key) {
+                None => set_condition(
+                    conds,
+                    addons::condition::AVAILABLE,
+                    "Unknown",
+                    "WaitingForLease",
+                    "the add-on agent has not renewed its lease yet",
+                ),
+                Some((lease, _)) => {
+                    let renew = parse_rfc3339(&lease.spec.renew_time);
+                    let grace = Duration::from_secs(
+                        u64::from(lease.spec.lease_duration_seconds)
+                            * u64::from(ADDON_LEASE_GRACE_MULTIPLIER),
+                    );
+                    if renew.is_some_and(|r| r + grace > now) {
+                        set_condition(
+                            conds,
+                            addons::condition::AVAILABLE,
+                            "True",
+                            "ManagedClusterAddOnLeaseUpdated",
+                            "the add-on agent keeps its lease",
+                        )
+                    } else {
+                        set_condition(
+                            conds,
+                            addons::condition::AVAILABLE,
+                            "False",
+                            "ManagedClusterAddOnLeaseUpdateStopped",
+                            &format!(
+                                "the add-on agent has not renewed its lease for {}s",
+                                grace.as_secs()
+                            ),
+                        )
+                    }
+                }
+            };
+        }
+        let after = serde_json::to_value(&mca).unwrap_or_default();
+        match existing {
+            None => {
+                if store
+                    .create(Bucket::ManagedClusterAddOns, &key, &mca)
+                    .await?
+                    .is_some()
+                {
+                    writes += 1;
+                    tracing::info!(cluster = %cluster, addon = %name, "add-on installed");
+                    event(
+                        store,
+                        Event::new(
+                            ManagedClusterAddOn::KIND,
+                            &key,
+                            "Normal",
+                            "AddOnInstalled",
+                            format!("{name} installed on {cluster}"),
+                        ),
+                    )
+                    .await;
+                }
+            }
+            Some((_, rev)) if before != after => {
+                if store
+                    .update(Bucket::ManagedClusterAddOns, &key, &mca, rev)
+                    .await?
+                    .is_some()
+                {
+                    writes += 1;
+                    let summary: Vec<String> = mca
+                        .status
+                        .conditions
+                        .iter()
+                        .map(|c| format!("{}={}", c.type_, c.status))
+                        .collect();
+                    let (reason, msg) = if hashes_changed {
+                        (
+                            "AddOnConfigChanged",
+                            format!("config changed; {}", summary.join(" ")),
+                        )
+                    } else {
+                        ("AddOnStatusChanged", summary.join(" "))
+                    };
+                    event(
+                        store,
+                        Event::new(ManagedClusterAddOn::KIND, &key, "Normal", reason, msg),
+                    )
+                    .await;
+                }
+                // On a CAS conflict the watch brings us back.
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(writes)
+}
+
+/// Watches every input bucket (each change → [`Changed`]) and serves the status-report
+/// subject. Returns the tasks.
+pub async fn start(
+    client: async_nats::Client,
+    store: HubStore,
+    addr: Addr<AddOnController>,
+    shutdown: CancellationToken,
+) -> Result<Vec<tokio::task::JoinHandle<()>>, crate::ManagerError> {
+    let mut handles = Vec::new();
+    for b in [
+        Bucket::Clusters,
+        Bucket::ClusterManagementAddOns,
+        Bucket::ManagedClusterAddOns,
+        Bucket::AddOnDeploymentConfigs,
+        Bucket::ProxyConfigurations,
+        Bucket::AddOnLeases,
+    ] {
+        let mut w = Box::pin(store.watch::<serde_json::Value>(b).await?);
+        let addr = addr.clone();
+        let stop = shutdown.clone();
+        handles.push(tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    ev = w.next() => match ev {
+                        Some(_) => { let _ = addr.send(Changed).await; }
+                        None => {
+                            tracing::warn!(bucket = b.name(), "watch ended");
+                            return;
+                        }
+                    }
+                }
+            }
+        }));
+    }
+    let sub = client
+        .queue_subscribe(subjects::CLUSTER_ADDON_STATUS_ALL, QUEUE_GROUP.to_string())
+        .await
+        .map_err(|e| crate::ManagerError::Subscribe {
+            subject: subjects::CLUSTER_ADDON_STATUS_ALL.into(),
+            reason: e.to_string(),
+        })?;
+    let stop = shutdown.clone();
+    handles.push(tokio::spawn(async move {
+        let work = sub.for_each_concurrent(16, |msg| {
+            let client = client.clone();
+            let addr = addr.clone();
+            async move {
+                let r = match (
+                    subjects::cluster_of(&msg.subject),
+                    subjects::addon_of(&msg.subject),
+                    serde_json::from_slice::<AddOnStatusReport>(&msg.payload),
+                ) {
+                    (Some(c), Some(a), Ok(report)) => addr
+                        .send(StatusReport {
+                            cluster: c.to_string(),
+                            addon: a.to_string(),
+                            report,
+                        })
+                        .await
+                        .unwrap_or_else(|e| Err(format!("controller unavailable: {e}"))),
+                    (_, _, Err(e)) => Err(format!("malformed add-on status body: {e}")),
+                    _ => Err(format!("subject {} names no cluster/add-on", msg.subject)),
+                };
+                let Some(reply) = msg.reply else { return };
+                let res = match r {
+                    Ok(()) => client.publish(reply, "{}".into()).await,
+                    Err(e) => {
+                        tracing::info!(error = %e, "add-on status report refused");
+                        let mut h = async_nats::HeaderMap::new();
+                        h.insert(ERROR_HEADER, e.replace(['\r', '\n'], " ").as_str());
+                        let body = serde_json::json!({ "error": e }).to_string();
+                        client.publish_with_headers(reply, h, body.into()).await
+                    }
+                };
+                if let Err(e) = res {
+                    tracing::debug!(error = %e, "cannot publish reply");
+                }
+            }
+        });
+        tokio::select! {
+            _ = stop.cancelled() => {}
+            _ = work => tracing::warn!("add-on status subscription ended"),
+        }
+    }));
+    Ok(handles)
+}
