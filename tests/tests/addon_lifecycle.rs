@@ -7,9 +7,10 @@
 //!   Progressing=True until the agent reports the hashes applied; changing the
 //!   AddOnDeploymentConfig changes the hash and makes it Progressing again;
 //! - a cluster that stops matching the install strategy, or is deleted, loses its add-on;
-//! - everything survives a NATS restart.
+//! - everything survives a NATS restart;
+//! - Available follows the add-on lease, and an Unknown cluster makes its add-on Unknown.
 //!
-//! Run: `cargo build -p addon-manager -p tetherctl --bins && cargo test -p tether-e2e --test addon_lifecycle`.
+//! Run: `cargo build -p addon-manager -p tetherctl -p registration-agent --bins && cargo test -p tether-e2e --test addon_lifecycle`.
 
 mod registration_support;
 
@@ -137,6 +138,32 @@ fn stored_names(hub: &Hub) -> Vec<String> {
     names
 }
 
+/// A request as the admin user on an add-on agent subject; the reply body (or the error).
+fn admin_request(
+    hub: &Hub,
+    subject: String,
+    body: serde_json::Value,
+) -> anyhow::Result<serde_json::Value> {
+    let dir = HubDir::load(&hub.hub_dir)?;
+    let password = dir.read(&dir.config.nats.admin_password_file)?;
+    let endpoint = dir.endpoint(Some(&hub.nats_url()))?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let cfg = ConnectConfig::new(
+            endpoint,
+            Credentials::HubUser {
+                user: ADMIN_USER.into(),
+                password: password.trim().to_string(),
+            },
+            "test",
+        );
+        let conn = connect::connect(&cfg).await?;
+        Ok(connect::request_json::<_, serde_json::Value>(&conn.client, subject, &body).await?)
+    })
+}
+
 /// Reports the add-on's desired hashes as applied, as the agent will
 /// (`tether.v1.cluster.<c>.addon.<a>.status`).
 fn report_applied(hub: &Hub, cluster: &str, mca: &serde_json::Value) {
@@ -152,31 +179,21 @@ fn report_applied(hub: &Hub, cluster: &str, mca: &serde_json::Value) {
             })
         })
         .collect();
-    let dir = HubDir::load(&hub.hub_dir).unwrap();
-    let password = dir.read(&dir.config.nats.admin_password_file).unwrap();
-    let endpoint = dir.endpoint(Some(&hub.nats_url())).unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let cfg = ConnectConfig::new(
-            endpoint,
-            Credentials::HubUser {
-                user: ADMIN_USER.into(),
-                password: password.trim().to_string(),
-            },
-            "test",
-        );
-        let conn = connect::connect(&cfg).await.unwrap();
-        let _: serde_json::Value = connect::request_json(
-            &conn.client,
-            subjects::cluster_addon_status(cluster, "cluster-proxy"),
-            &serde_json::json!({ "appliedConfigs": applied }),
-        )
-        .await
-        .unwrap();
-    });
+    admin_request(
+        hub,
+        subjects::cluster_addon_status(cluster, "cluster-proxy"),
+        serde_json::json!({ "appliedConfigs": applied }),
+    )
+    .unwrap();
+}
+
+fn reason(mca: &serde_json::Value, t: &str) -> String {
+    mca["status"]["conditions"]
+        .as_array()
+        .and_then(|a| a.iter().find(|c| c["type"] == t))
+        .and_then(|c| c["reason"].as_str())
+        .unwrap_or_default()
+        .to_string()
 }
 
 #[test]
@@ -387,4 +404,68 @@ fn addon_state_survives_nats_restart() {
         cond(m, "Progressing").as_deref() == Some("True")
     });
     assert_eq!(adc_hash(&m), adc_hash(&before));
+}
+
+#[test]
+fn available_follows_addon_lease_and_unknown_cluster() {
+    let hub = Hub::start(HubOpts {
+        auto_accept: vec!["*".into()],
+        ..Default::default()
+    })
+    .unwrap();
+    let boot = hub.dir.join("bootstrap.kubeconfig");
+    hub.join(&boot, &hub.server_url(), &hub.token, None, None)
+        .unwrap();
+    let creds = hub.dir.join("creds");
+    let agent = start_agent(&hub.logs, "agent", "edge-1", &boot, &creds, None).unwrap();
+    hub.wait_condition("edge-1", "ManagedClusterConditionAvailable", "True", WAIT)
+        .unwrap();
+    let f = write(&hub, "good.yaml", GOOD);
+    hub.tetherctl_ok(&["apply", "-f", &f]).unwrap();
+    let m = wait_addon(&hub, "edge-1", "add-on waiting for its lease", |m| {
+        cond(m, "Available").as_deref() == Some("Unknown")
+    });
+    assert_eq!(reason(&m, "Available"), "WaitingForLease");
+
+    // A lease for an add-on that is not installed is refused.
+    let r = admin_request(
+        &hub,
+        subjects::cluster_addon_lease("edge-2", "cluster-proxy"),
+        serde_json::json!({"holderIdentity": "agent", "leaseDurationSeconds": 1}),
+    )
+    .unwrap();
+    assert_eq!(r["accepted"], false, "{r}");
+
+    // The add-on agent renews: Available=True; it stops: False after 5 × 1 s.
+    let r = admin_request(
+        &hub,
+        subjects::cluster_addon_lease("edge-1", "cluster-proxy"),
+        serde_json::json!({"holderIdentity": "agent", "leaseDurationSeconds": 1}),
+    )
+    .unwrap();
+    assert_eq!(r["accepted"], true, "{r}");
+    wait_addon(&hub, "edge-1", "Available=True", |m| {
+        cond(m, "Available").as_deref() == Some("True")
+    });
+    let m = wait_addon(&hub, "edge-1", "Available=False", |m| {
+        cond(m, "Available").as_deref() == Some("False")
+    });
+    assert_eq!(
+        reason(&m, "Available"),
+        "ManagedClusterAddOnLeaseUpdateStopped"
+    );
+
+    // The cluster goes Unknown (its agent stops): the add-on goes Unknown with it.
+    agent.child.terminate();
+    hub.wait_condition(
+        "edge-1",
+        "ManagedClusterConditionAvailable",
+        "Unknown",
+        WAIT,
+    )
+    .unwrap();
+    let m = wait_addon(&hub, "edge-1", "Available=Unknown with the cluster", |m| {
+        cond(m, "Available").as_deref() == Some("Unknown")
+    });
+    assert_eq!(reason(&m, "Available"), "ClusterUnknown");
 }

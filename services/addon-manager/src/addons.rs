@@ -24,13 +24,14 @@ use actix::prelude::*;
 use futures::StreamExt;
 use tether_control::ControlError;
 use tether_control::addons::{
-    self, AddOnDeploymentConfig, AddOnStatusReport, ClusterManagementAddOn, ConfigKind,
-    ConfigReference, ConfigSpecHash, ManagedClusterAddOn, ManagedProxyConfiguration, addon_key,
-    spec_hash,
+    self, AddOnDeploymentConfig, AddOnLeaseRenew, AddOnLeaseReply, AddOnStatusReport,
+    ClusterManagementAddOn, ConfigKind, ConfigReference, ConfigSpecHash, ManagedClusterAddOn,
+    ManagedProxyConfiguration, addon_key, spec_hash,
 };
 use tether_control::connect::ERROR_HEADER;
 use tether_control::resources::{
-    Event, Lease, ManagedCluster, condition as mc_condition, parse_rfc3339, set_condition,
+    Event, Lease, LeaseSpec, ManagedCluster, ObjectMeta, condition as mc_condition, parse_rfc3339,
+    rfc3339, set_condition,
 };
 use tether_control::store::{Bucket, HubStore};
 use tether_control::subjects;
@@ -53,12 +54,23 @@ pub const QUEUE_GROUP: &str = "tether-addons";
 pub struct Changed;
 
 /// An agent's report of what it applied.
-#[derive(Message)]
-#[rtype(result = "Result<(), String>")]
+#[derive(Debug)]
 pub struct StatusReport {
     pub cluster: String,
     pub addon: String,
     pub report: AddOnStatusReport,
+}
+
+/// A request from an add-on agent; the reply is its JSON body.
+#[derive(Message, Debug)]
+#[rtype(result = "Result<serde_json::Value, String>")]
+pub enum AgentRequest {
+    Status(StatusReport),
+    Lease {
+        cluster: String,
+        addon: String,
+        body: AddOnLeaseRenew,
+    },
 }
 
 pub struct AddOnController {
@@ -119,12 +131,80 @@ impl Handler<Changed> for AddOnController {
     }
 }
 
-impl Handler<StatusReport> for AddOnController {
-    type Result = ResponseFuture<Result<(), String>>;
-    fn handle(&mut self, msg: StatusReport, _ctx: &mut Self::Context) -> Self::Result {
+impl Handler<AgentRequest> for AddOnController {
+    type Result = ResponseFuture<Result<serde_json::Value, String>>;
+    fn handle(&mut self, msg: AgentRequest, _ctx: &mut Self::Context) -> Self::Result {
         let store = self.store.clone();
-        Box::pin(async move { record_report(&store, msg).await.map_err(|e| e.to_string()) })
+        Box::pin(async move {
+            match msg {
+                AgentRequest::Status(r) => record_report(&store, r)
+                    .await
+                    .map(|()| serde_json::json!({}))
+                    .map_err(|e| e.to_string()),
+                AgentRequest::Lease {
+                    cluster,
+                    addon,
+                    body,
+                } => renew_lease(&store, &cluster, &addon, body)
+                    .await
+                    .and_then(|r| {
+                        serde_json::to_value(r).map_err(|e| ControlError::Codec(e.to_string()))
+                    })
+                    .map_err(|e| e.to_string()),
+            }
+        })
     }
+}
+
+/// Stores the add-on lease (`tether-addon-leases`, key `<cluster>.<addon>`); refused when the
+/// add-on is not installed on the cluster.
+async fn renew_lease(
+    store: &HubStore,
+    cluster: &str,
+    addon: &str,
+    body: AddOnLeaseRenew,
+) -> Result<AddOnLeaseReply, ControlError> {
+    let key = addon_key(cluster, addon);
+    if store
+        .get::<serde_json::Value>(Bucket::ManagedClusterAddOns, &key)
+        .await?
+        .is_none()
+    {
+        return Ok(AddOnLeaseReply {
+            accepted: false,
+            message: format!("add-on {addon} is not installed on cluster {cluster}"),
+        });
+    }
+    if body.lease_duration_seconds == 0 {
+        return Ok(AddOnLeaseReply {
+            accepted: false,
+            message: "leaseDurationSeconds must be at least 1".into(),
+        });
+    }
+    let now = rfc3339(SystemTime::now());
+    let old: Option<(Lease, u64)> = store.get(Bucket::AddOnLeases, &key).await?;
+    let acquire_time = old
+        .filter(|(l, _)| l.spec.holder_identity == body.holder_identity)
+        .map(|(l, _)| l.spec.acquire_time)
+        .unwrap_or_else(|| now.clone());
+    let mut metadata = ObjectMeta::new(addon);
+    metadata.namespace = Some(cluster.to_string());
+    let lease = Lease {
+        api_version: Lease::API_VERSION.into(),
+        kind: Lease::KIND.into(),
+        metadata,
+        spec: LeaseSpec {
+            holder_identity: body.holder_identity,
+            lease_duration_seconds: body.lease_duration_seconds,
+            acquire_time,
+            renew_time: now,
+        },
+    };
+    store.put(Bucket::AddOnLeases, &key, &lease).await?;
+    Ok(AddOnLeaseReply {
+        accepted: true,
+        message: String::new(),
+    })
 }
 
 /// Stores the applied hashes in `status.configReferences[].lastAppliedConfig` (CAS, retried).
@@ -519,6 +599,33 @@ pub async fn reconcile_all(store: &HubStore) -> Result<usize, ControlError> {
     Ok(writes)
 }
 
+fn parse_agent_request(msg: &async_nats::Message, lease: bool) -> Result<AgentRequest, String> {
+    let (Some(cluster), Some(addon)) = (
+        subjects::cluster_of(&msg.subject),
+        subjects::addon_of(&msg.subject),
+    ) else {
+        return Err(format!("subject {} names no cluster/add-on", msg.subject));
+    };
+    let (cluster, addon) = (cluster.to_string(), addon.to_string());
+    if lease {
+        let body = serde_json::from_slice(&msg.payload)
+            .map_err(|e| format!("malformed add-on lease body: {e}"))?;
+        Ok(AgentRequest::Lease {
+            cluster,
+            addon,
+            body,
+        })
+    } else {
+        let report = serde_json::from_slice(&msg.payload)
+            .map_err(|e| format!("malformed add-on status body: {e}"))?;
+        Ok(AgentRequest::Status(StatusReport {
+            cluster,
+            addon,
+            report,
+        }))
+    }
+}
+
 /// Watches every input bucket (each change → [`Changed`]) and serves the status-report
 /// subject. Returns the tasks.
 pub async fn start(
@@ -554,55 +661,53 @@ pub async fn start(
             }
         }));
     }
-    let sub = client
-        .queue_subscribe(subjects::CLUSTER_ADDON_STATUS_ALL, QUEUE_GROUP.to_string())
-        .await
-        .map_err(|e| crate::ManagerError::Subscribe {
-            subject: subjects::CLUSTER_ADDON_STATUS_ALL.into(),
-            reason: e.to_string(),
-        })?;
-    let stop = shutdown.clone();
-    handles.push(tokio::spawn(async move {
-        let work = sub.for_each_concurrent(16, |msg| {
-            let client = client.clone();
-            let addr = addr.clone();
-            async move {
-                let r = match (
-                    subjects::cluster_of(&msg.subject),
-                    subjects::addon_of(&msg.subject),
-                    serde_json::from_slice::<AddOnStatusReport>(&msg.payload),
-                ) {
-                    (Some(c), Some(a), Ok(report)) => addr
-                        .send(StatusReport {
-                            cluster: c.to_string(),
-                            addon: a.to_string(),
-                            report,
-                        })
-                        .await
-                        .unwrap_or_else(|e| Err(format!("controller unavailable: {e}"))),
-                    (_, _, Err(e)) => Err(format!("malformed add-on status body: {e}")),
-                    _ => Err(format!("subject {} names no cluster/add-on", msg.subject)),
-                };
-                let Some(reply) = msg.reply else { return };
-                let res = match r {
-                    Ok(()) => client.publish(reply, "{}".into()).await,
-                    Err(e) => {
-                        tracing::info!(error = %e, "add-on status report refused");
-                        let mut h = async_nats::HeaderMap::new();
-                        h.insert(ERROR_HEADER, e.replace(['\r', '\n'], " ").as_str());
-                        let body = serde_json::json!({ "error": e }).to_string();
-                        client.publish_with_headers(reply, h, body.into()).await
+    for (subject, lease) in [
+        (subjects::CLUSTER_ADDON_STATUS_ALL, false),
+        (subjects::CLUSTER_ADDON_LEASE_ALL, true),
+    ] {
+        let sub = client
+            .queue_subscribe(subject, QUEUE_GROUP.to_string())
+            .await
+            .map_err(|e| crate::ManagerError::Subscribe {
+                subject: subject.into(),
+                reason: e.to_string(),
+            })?;
+        let stop = shutdown.clone();
+        let client = client.clone();
+        let addr = addr.clone();
+        handles.push(tokio::spawn(async move {
+            let work = sub.for_each_concurrent(16, |msg| {
+                let client = client.clone();
+                let addr = addr.clone();
+                async move {
+                    let r = match parse_agent_request(&msg, lease) {
+                        Ok(req) => addr
+                            .send(req)
+                            .await
+                            .unwrap_or_else(|e| Err(format!("controller unavailable: {e}"))),
+                        Err(e) => Err(e),
+                    };
+                    let Some(reply) = msg.reply else { return };
+                    let res = match r {
+                        Ok(v) => client.publish(reply, v.to_string().into()).await,
+                        Err(e) => {
+                            tracing::info!(subject = %msg.subject, error = %e, "add-on request refused");
+                            let mut h = async_nats::HeaderMap::new();
+                            h.insert(ERROR_HEADER, e.replace(['\r', '\n'], " ").as_str());
+                            let body = serde_json::json!({ "error": e }).to_string();
+                            client.publish_with_headers(reply, h, body.into()).await
+                        }
+                    };
+                    if let Err(e) = res {
+                        tracing::debug!(error = %e, "cannot publish reply");
                     }
-                };
-                if let Err(e) = res {
-                    tracing::debug!(error = %e, "cannot publish reply");
                 }
+            });
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = work => tracing::warn!(subject, "add-on subscription ended"),
             }
-        });
-        tokio::select! {
-            _ = stop.cancelled() => {}
-            _ = work => tracing::warn!("add-on status subscription ended"),
-        }
-    }));
+        }));
+    }
     Ok(handles)
 }

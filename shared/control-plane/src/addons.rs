@@ -500,6 +500,26 @@ pub struct AppliedConfig {
     pub spec_hash: String,
 }
 
+/// Body of `tether.v1.cluster.<c>.addon.<a>.lease`: the add-on agent renews its health lease.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AddOnLeaseRenew {
+    /// Who holds it (the add-on agent's name).
+    pub holder_identity: String,
+    /// Renewal period; the hub sets Available=False after 5 × this without renewal.
+    pub lease_duration_seconds: u32,
+}
+
+/// Reply to [`AddOnLeaseRenew`].
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AddOnLeaseReply {
+    /// False when the add-on is not installed on that cluster (the agent should stop).
+    pub accepted: bool,
+    #[serde(default)]
+    pub message: String,
+}
+
 // ---- parsing and validation of applied documents ----
 
 /// One validated document of `tetherctl apply -f`.

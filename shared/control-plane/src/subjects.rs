@@ -8,6 +8,7 @@
 //! - `tether.v1.cluster.<cluster>.csr.get` — request: poll a renewal CSR.
 //! - `tether.v1.cluster.<cluster>.notify` — hub → agent notifications.
 //! - `tether.v1.cluster.<cluster>.addon.<addon>.status` — agent → hub: applied config hashes.
+//! - `tether.v1.cluster.<cluster>.addon.<addon>.lease` — agent → hub: add-on health lease.
 //! - `tether.v1.events.<kind>.<name>` — the JetStream events stream (every state change).
 //! - `tether.v1.admin.<verb>` — requests from `tetherctl` (hub credentials only).
 //!
@@ -48,11 +49,16 @@ pub fn cluster_addon_status(cluster: &str, addon: &str) -> String {
     format!("{ROOT}.cluster.{cluster}.addon.{addon}.status")
 }
 pub const CLUSTER_ADDON_STATUS_ALL: &str = "tether.v1.cluster.*.addon.*.status";
-/// The add-on name in `tether.v1.cluster.<c>.addon.<a>.status`.
+/// Agent → hub: renew the add-on's health lease ([`crate::addons::AddOnLeaseRenew`]).
+pub fn cluster_addon_lease(cluster: &str, addon: &str) -> String {
+    format!("{ROOT}.cluster.{cluster}.addon.{addon}.lease")
+}
+pub const CLUSTER_ADDON_LEASE_ALL: &str = "tether.v1.cluster.*.addon.*.lease";
+/// The add-on name in `tether.v1.cluster.<c>.addon.<a>.status|lease`.
 pub fn addon_of(subject: &str) -> Option<&str> {
     let parts: Vec<&str> = subject.split('.').collect();
     match parts.as_slice() {
-        ["tether", "v1", "cluster", _, "addon", a, "status"] => Some(a),
+        ["tether", "v1", "cluster", _, "addon", a, "status" | "lease"] => Some(a),
         _ => None,
     }
 }
