@@ -398,8 +398,12 @@ fn addon_state_survives_nats_restart() {
         ["cluster-proxy", "cluster-proxy", "cluster-proxy-config"]
     );
 
-    // The controller still works after the restart: a second cluster gets its add-on.
-    hub.tetherctl_ok(&["accept", "c2"]).unwrap();
+    // The controller still works after the restart: a second cluster gets its add-on. (The
+    // addon-manager reconnects with backoff; accept answers once it is back.)
+    wait_until(WAIT, "accept c2 after the restart", || {
+        hub.tetherctl_ok(&["accept", "c2"]).ok()
+    })
+    .unwrap();
     let m = wait_addon(&hub, "c2", "c2 add-on after restart", |m| {
         cond(m, "Progressing").as_deref() == Some("True")
     });

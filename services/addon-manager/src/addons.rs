@@ -14,8 +14,8 @@
 //! - Degraded=True when a referenced config does not exist.
 //!
 //! The actor coalesces changes: KV watches on every input bucket send [`Changed`], and one full
-//! reconcile runs at a time (another follows if something changed meanwhile). A periodic tick
-//! re-evaluates the time-based lease conditions.
+//! reconcile runs at a time (another follows if something changed meanwhile). The next add-on
+//! lease expiry is scheduled for its deadline; a slow resync covers anything missed.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, SystemTime};
@@ -43,8 +43,11 @@ pub const INSTALLED_BY_ANNOTATION: &str = "tether.io/installed-by";
 /// Add-on lease grace: Available=False after this many lease durations without renewal
 /// (OCM: 60 s lease, 300 s).
 pub const ADDON_LEASE_GRACE_MULTIPLIER: u32 = 5;
-/// How often time-based conditions (lease expiry) are re-evaluated.
-pub const RESYNC_INTERVAL: Duration = Duration::from_secs(2);
+/// Safety resync of everything (changes arrive through KV watches; lease expiries are
+/// scheduled for their exact deadline).
+pub const RESYNC_INTERVAL: Duration = Duration::from_secs(30);
+/// Slack after a lease deadline before re-evaluating it.
+const DEADLINE_SLACK: Duration = Duration::from_millis(50);
 pub const MAILBOX_CAPACITY: usize = 64;
 pub const QUEUE_GROUP: &str = "tether-addons";
 
@@ -77,6 +80,8 @@ pub struct AddOnController {
     store: HubStore,
     running: bool,
     dirty: bool,
+    /// The pending re-evaluation at the next add-on lease deadline.
+    deadline: Option<SpawnHandle>,
 }
 
 impl AddOnController {
@@ -87,6 +92,7 @@ impl AddOnController {
                 store,
                 running: false,
                 dirty: false,
+                deadline: None,
             }
         })
     }
@@ -103,8 +109,18 @@ impl AddOnController {
             async move { reconcile_all(&store).await }
                 .into_actor(self)
                 .map(|r, act, ctx| {
-                    if let Err(e) = r {
-                        tracing::warn!(error = %e, "add-on reconcile failed");
+                    match r {
+                        Err(e) => tracing::warn!(error = %e, "add-on reconcile failed"),
+                        Ok((_, next)) => {
+                            if let Some(h) = act.deadline.take() {
+                                ctx.cancel_future(h);
+                            }
+                            if let Some(d) = next {
+                                act.deadline = Some(
+                                    ctx.run_later(d + DEADLINE_SLACK, |act, ctx| act.kick(ctx)),
+                                );
+                            }
+                        }
                     }
                     act.running = false;
                     if act.dirty {
@@ -310,8 +326,9 @@ async fn event(store: &HubStore, ev: Event) {
     }
 }
 
-/// One pass over every add-on; returns how many objects it wrote.
-pub async fn reconcile_all(store: &HubStore) -> Result<usize, ControlError> {
+/// One pass over every add-on; returns how many objects it wrote and when the next add-on
+/// lease expires (re-run then).
+pub async fn reconcile_all(store: &HubStore) -> Result<(usize, Option<Duration>), ControlError> {
     let clusters: HashMap<String, (ManagedCluster, u64)> =
         list_map(store, Bucket::Clusters).await?;
     let cmas: HashMap<String, (ClusterManagementAddOn, u64)> =
@@ -325,6 +342,7 @@ pub async fn reconcile_all(store: &HubStore) -> Result<usize, ControlError> {
         list_map(store, Bucket::ManagedClusterAddOns).await?;
     let now = SystemTime::now();
     let mut writes = 0;
+    let mut next_deadline: Option<Duration> = None;
 
     // Which add-ons should exist.
     let mut want: BTreeMap<String, (String, String, bool)> = BTreeMap::new();
@@ -518,7 +536,10 @@ pub async fn reconcile_all(store: &HubStore) -> Result<usize, ControlError> {
                         u64::from(lease.spec.lease_duration_seconds)
                             * u64::from(ADDON_LEASE_GRACE_MULTIPLIER),
                     );
-                    if renew.is_some_and(|r| r + grace > now) {
+                    if let Some(left) = renew.and_then(|r| (r + grace).duration_since(now).ok())
+                        && !left.is_zero()
+                    {
+                        next_deadline = Some(next_deadline.map_or(left, |d| d.min(left)));
                         set_condition(
                             conds,
                             addons::condition::AVAILABLE,
@@ -596,7 +617,7 @@ pub async fn reconcile_all(store: &HubStore) -> Result<usize, ControlError> {
             Some(_) => {}
         }
     }
-    Ok(writes)
+    Ok((writes, next_deadline))
 }
 
 fn parse_agent_request(msg: &async_nats::Message, lease: bool) -> Result<AgentRequest, String> {
@@ -643,20 +664,35 @@ pub async fn start(
         Bucket::ProxyConfigurations,
         Bucket::AddOnLeases,
     ] {
-        let mut w = Box::pin(store.watch::<serde_json::Value>(b).await?);
+        let first = store.watch::<serde_json::Value>(b).await?;
+        let store = store.clone();
         let addr = addr.clone();
         let stop = shutdown.clone();
         handles.push(tokio::spawn(async move {
+            let mut w = Some(Box::pin(first));
             loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    ev = w.next() => match ev {
-                        Some(_) => { let _ = addr.send(Changed).await; }
-                        None => {
-                            tracing::warn!(bucket = b.name(), "watch ended");
-                            return;
+                if let Some(mut watch) = w.take() {
+                    loop {
+                        tokio::select! {
+                            _ = stop.cancelled() => return,
+                            ev = watch.next() => match ev {
+                                Some(_) => { let _ = addr.send(Changed).await; }
+                                None => break,
+                            }
                         }
                     }
+                    tracing::warn!(bucket = b.name(), "watch ended; re-opening");
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+                match store.watch::<serde_json::Value>(b).await {
+                    Ok(watch) => {
+                        w = Some(Box::pin(watch));
+                        let _ = addr.send(Changed).await;
+                    }
+                    Err(e) => tracing::warn!(bucket = b.name(), error = %e, "cannot re-open watch"),
                 }
             }
         }));
