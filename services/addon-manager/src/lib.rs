@@ -1,5 +1,6 @@
-//! The hub's addon-manager. For now: the registration controller (OCM's hub registration
-//! controllers) and the NATS auth callout.
+//! The hub's addon-manager: the registration controller (OCM's hub registration controllers),
+//! the add-on controller (ManagedClusterAddOns of every ClusterManagementAddOn, config hashes,
+//! conditions) and the NATS auth callout.
 //!
 //! Layout:
 //! - [`hub`]: [`hub::HubCtx`], the shared state (store, CA, callout issuer, policy, metrics, the
