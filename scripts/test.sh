@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 cargo build --workspace --bins
-cargo test --workspace "$@"
+cargo test --workspace --no-fail-fast "$@"

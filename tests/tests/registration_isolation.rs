@@ -214,9 +214,11 @@ async fn clusters_are_isolated_on_the_bus() {
     assert_eq!(i, 10);
     assert!(msg.contains("too many pending CSRs"), "{msg}");
 
-    // Deny B: its certificate no longer opens a connection.
+    // Deny B: its certificate no longer opens a connection. Read it first: once denied, B's
+    // agent notices and bootstraps again, removing its hub credentials.
+    let b_material = material(&creds_b, None);
     hub.tetherctl_ok(&["deny", "iso-b"]).unwrap();
-    let err = connect_as(&ep, Credentials::Cert(material(&creds_b, None)))
+    let err = connect_as(&ep, Credentials::Cert(b_material))
         .await
         .unwrap_err();
     assert!(err.is_unauthorized(), "{err}");
