@@ -6,7 +6,6 @@
 //! - [`connector`]: one supervised actix actor per broker endpoint (reconnect, backoff, drain).
 //! - [`tunnel`]: one tunnel connection: TLS client + HTTP/2 server, request handlers, dialling.
 //! - [`metrics`]: Prometheus metrics.
-//! - [`socket`]: target sockets that an aborted stream resets (RST, never a FIN).
 //!
 //! [`run`] is what `main` calls, and what tests call in-process.
 
@@ -15,7 +14,6 @@
 pub mod config;
 pub mod connector;
 pub mod metrics;
-pub mod socket;
 pub mod tunnel;
 
 use std::sync::Arc;

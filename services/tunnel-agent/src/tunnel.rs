@@ -333,7 +333,7 @@ async fn handle_dial(
         let (rd, wr) = tcp.into_split();
         let result = splice(
             TcpChunkReader::new(rd, shared.settings.read_chunk_bytes),
-            crate::socket::ResettableWriteHalf::new(wr),
+            tether_tunnel::pump::ResettableWriteHalf::new(wr),
             send,
             req.into_body(),
             shared.settings.write_stall_timeout,
