@@ -46,11 +46,16 @@ impl ProberMetrics {
                 "Tunnel streams dialled for probing (reused across rounds).",
             )?,
         };
-        registry.register(Box::new(m.probe_duration.clone()))?;
-        registry.register(Box::new(m.healthy.clone()))?;
-        registry.register(Box::new(m.round_duration.clone()))?;
-        registry.register(Box::new(m.rounds_overrun.clone()))?;
-        registry.register(Box::new(m.connections_opened.clone()))?;
+        tether_telemetry::register_all(
+            registry,
+            [
+                Box::new(m.probe_duration.clone()) as Box<dyn prometheus::core::Collector>,
+                Box::new(m.healthy.clone()),
+                Box::new(m.round_duration.clone()),
+                Box::new(m.rounds_overrun.clone()),
+                Box::new(m.connections_opened.clone()),
+            ],
+        )?;
         Ok(m)
     }
 

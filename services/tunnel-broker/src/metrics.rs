@@ -70,13 +70,18 @@ impl BrokerMetrics {
                 &["frontend", "result"],
             )?,
         };
-        registry.register(Box::new(m.tunnels.clone()))?;
-        registry.register(Box::new(m.tunnel_connects.clone()))?;
-        registry.register(Box::new(m.open_streams.clone()))?;
-        registry.register(Box::new(m.dial_duration.clone()))?;
-        registry.register(Box::new(m.dial_failures.clone()))?;
-        registry.register(Box::new(m.bytes.clone()))?;
-        registry.register(Box::new(m.stream_duration.clone()))?;
+        tether_telemetry::register_all(
+            registry,
+            [
+                Box::new(m.tunnels.clone()) as Box<dyn prometheus::core::Collector>,
+                Box::new(m.tunnel_connects.clone()),
+                Box::new(m.open_streams.clone()),
+                Box::new(m.dial_duration.clone()),
+                Box::new(m.dial_failures.clone()),
+                Box::new(m.bytes.clone()),
+                Box::new(m.stream_duration.clone()),
+            ],
+        )?;
         Ok(m)
     }
 

@@ -160,3 +160,13 @@ impl AdminServer {
         }
     }
 }
+
+/// Registers every collector, stopping at the first error (e.g. a duplicate metric name).
+pub fn register_all(
+    registry: &Registry,
+    collectors: impl IntoIterator<Item = Box<dyn prometheus::core::Collector>>,
+) -> prometheus::Result<()> {
+    collectors
+        .into_iter()
+        .try_for_each(|c| registry.register(c))
+}
