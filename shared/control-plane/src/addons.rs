@@ -508,7 +508,78 @@ pub struct AddOnLeaseRenew {
     pub holder_identity: String,
     /// Renewal period; the hub sets Available=False after 5 × this without renewal.
     pub lease_duration_seconds: u32,
+    /// Ids of the brokers the add-on agent holds a working tunnel to right now. The hub
+    /// reports the add-on Available only when this covers every live, non-draining broker.
+    #[serde(default)]
+    pub connected_brokers: Vec<String>,
 }
+
+// ---- delivering the add-on (hub → agent) ----
+
+/// Body of `tether.v1.cluster.<c>.addon.<a>.config` (agent → hub request).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AddOnAgentConfigRequest {
+    /// The asking agent's name (for events and logs).
+    #[serde(default)]
+    pub agent_name: String,
+}
+
+/// Reply to [`AddOnAgentConfigRequest`].
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AddOnAgentConfigReply {
+    /// False when the add-on is not installed on the cluster: the agent stops it and removes
+    /// its credentials.
+    pub installed: bool,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<AddOnAgentConfig>,
+}
+
+/// What the hub wants the cluster to run for an add-on (for `cluster-proxy`: tunnel-agents).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AddOnAgentConfig {
+    pub cluster: String,
+    pub addon: String,
+    pub install_namespace: String,
+    /// Every broker the agent holds a tunnel to: each live, non-draining broker from the
+    /// `tether-brokers` presence bucket, or the ManagedProxyConfiguration's entrypoints when no
+    /// broker has announced itself.
+    pub brokers: Vec<AgentBrokerEndpoint>,
+    /// From the AddOnDeploymentConfig's `proxyConfig` (noProxy honoured on its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy: Option<ProxyConfig>,
+    /// PEM: the hub CA (brokers' certificates chain to it).
+    pub hub_ca_bundle: String,
+    /// Tunnel-agent replicas (ManagedProxyConfiguration `proxyAgent.replicas`).
+    pub replicas: u32,
+    /// Tunnel keepalive, e.g. `10s` (empty: the agent's default).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub keepalive: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub customized_variables: Vec<CustomizedVariable>,
+    /// The desired config references this realises; the agent reports them back in
+    /// [`AddOnStatusReport`] once the config is applied.
+    pub config_hashes: Vec<AppliedConfig>,
+}
+
+/// One broker in [`AddOnAgentConfig::brokers`].
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentBrokerEndpoint {
+    /// Broker id (from its presence entry), or `entrypoint-<n>`.
+    pub id: String,
+    /// `host:port`, tried in order.
+    pub addresses: Vec<String>,
+    pub server_name: String,
+}
+
+/// Hub → agent notification on `tether.v1.cluster.<c>.notify` that an add-on's desired
+/// config changed (or the add-on was removed): `{"type":"AddOnConfigChanged","addon":"<a>"}`.
+pub const NOTIFY_ADDON_CONFIG_CHANGED: &str = "AddOnConfigChanged";
 
 /// Reply to [`AddOnLeaseRenew`].
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]

@@ -11,6 +11,8 @@
 //!   Event) and the registration protocol messages.
 //! - [`auth`]: NATS auth callout (JWT request/response), bootstrap tokens, certificate
 //!   credentials and per-identity permissions.
+//! - [`addons`]: add-on resources (OCM-shaped), validation, and the agent ↔ hub add-on messages.
+//! - [`brokers`]: broker presence (`tether-brokers` KV).
 //! - [`store`]: JetStream KV buckets and the events stream.
 //! - [`trace`]: W3C `traceparent` in NATS headers.
 //!
@@ -19,6 +21,7 @@
 
 pub mod addons;
 pub mod auth;
+pub mod brokers;
 pub mod connect;
 pub mod hub;
 pub mod kubeconfig;

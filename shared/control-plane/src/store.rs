@@ -10,6 +10,8 @@
 //! - `tether-addondeploymentconfigs` — key `<namespace>.<name>` → AddOnDeploymentConfig
 //! - `tether-managedproxyconfigurations` — key `<name>` → ManagedProxyConfiguration
 //! - `tether-addon-leases` — key `<cluster>.<addon>` → Lease (add-on health, Lease mode)
+//! - `tether-brokers` — key `<broker id>` → [`crate::brokers::BrokerPresence`] (memory storage,
+//!   renewed every couple of seconds; old keys age out)
 //!
 //! Stream `TETHER_EVENTS` on `tether.v1.events.>` receives an [`Event`] for every change.
 //! Updates are compare-and-swap on the KV revision ([`HubStore::update`]).
@@ -40,9 +42,10 @@ pub enum Bucket {
     AddOnDeploymentConfigs,
     ProxyConfigurations,
     AddOnLeases,
+    Brokers,
 }
 
-const ALL_BUCKETS: [Bucket; 9] = [
+const ALL_BUCKETS: [Bucket; 10] = [
     Bucket::Clusters,
     Bucket::Leases,
     Bucket::Csrs,
@@ -52,6 +55,7 @@ const ALL_BUCKETS: [Bucket; 9] = [
     Bucket::AddOnDeploymentConfigs,
     Bucket::ProxyConfigurations,
     Bucket::AddOnLeases,
+    Bucket::Brokers,
 ];
 
 impl Bucket {
@@ -66,6 +70,7 @@ impl Bucket {
             Bucket::AddOnDeploymentConfigs => subjects::BUCKET_ADDON_DEPLOYMENT_CONFIGS,
             Bucket::ProxyConfigurations => subjects::BUCKET_PROXY_CONFIGURATIONS,
             Bucket::AddOnLeases => subjects::BUCKET_ADDON_LEASES,
+            Bucket::Brokers => subjects::BUCKET_BROKERS,
         }
     }
 
@@ -103,16 +108,24 @@ impl HubStore {
     /// Opens (creating if needed) the buckets and the stream.
     pub async fn open(client: async_nats::Client) -> Result<Self, ControlError> {
         let js = jetstream::new(client);
-        let bucket = |name: &str, history: i64| kv::Config {
-            bucket: name.to_string(),
-            history,
-            storage: jetstream::stream::StorageType::File,
-            ..Default::default()
+        let bucket = |b: Bucket| {
+            let mut cfg = kv::Config {
+                bucket: b.name().to_string(),
+                history: b.history(),
+                storage: jetstream::stream::StorageType::File,
+                ..Default::default()
+            };
+            if b == Bucket::Brokers {
+                // Presence is soft state: rebuilt within seconds after a NATS restart.
+                cfg.storage = jetstream::stream::StorageType::Memory;
+                cfg.max_age = crate::brokers::PRESENCE_BUCKET_MAX_AGE;
+            }
+            cfg
         };
         let mut stores = Vec::with_capacity(ALL_BUCKETS.len());
         for b in ALL_BUCKETS {
             stores.push(
-                js.create_or_update_key_value(bucket(b.name(), b.history()))
+                js.create_or_update_key_value(bucket(b))
                     .await
                     .map_err(js_err)?,
             );

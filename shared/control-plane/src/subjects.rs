@@ -9,6 +9,8 @@
 //! - `tether.v1.cluster.<cluster>.notify` — hub → agent notifications.
 //! - `tether.v1.cluster.<cluster>.addon.<addon>.status` — agent → hub: applied config hashes.
 //! - `tether.v1.cluster.<cluster>.addon.<addon>.lease` — agent → hub: add-on health lease.
+//! - `tether.v1.cluster.<cluster>.addon.<addon>.config` — agent → hub: the add-on's desired config.
+//! - `tether.v1.cluster.<cluster>.addon.<addon>.csr[.get]` — agent → hub: add-on credentials.
 //! - `tether.v1.events.<kind>.<name>` — the JetStream events stream (every state change).
 //! - `tether.v1.admin.<verb>` — requests from `tetherctl` (hub credentials only).
 //!
@@ -54,11 +56,28 @@ pub fn cluster_addon_lease(cluster: &str, addon: &str) -> String {
     format!("{ROOT}.cluster.{cluster}.addon.{addon}.lease")
 }
 pub const CLUSTER_ADDON_LEASE_ALL: &str = "tether.v1.cluster.*.addon.*.lease";
+/// Agent → hub request: the add-on agent's desired config
+/// ([`crate::addons::AddOnAgentConfigRequest`] → [`crate::addons::AddOnAgentConfigReply`]).
+pub fn cluster_addon_config(cluster: &str, addon: &str) -> String {
+    format!("{ROOT}.cluster.{cluster}.addon.{addon}.config")
+}
+pub const CLUSTER_ADDON_CONFIG_ALL: &str = "tether.v1.cluster.*.addon.*.config";
+/// Agent → hub request: the add-on's client certificate CSR (body as for `cluster.<c>.csr`).
+pub fn cluster_addon_csr(cluster: &str, addon: &str) -> String {
+    format!("{ROOT}.cluster.{cluster}.addon.{addon}.csr")
+}
+pub const CLUSTER_ADDON_CSR_ALL: &str = "tether.v1.cluster.*.addon.*.csr";
+/// Agent → hub request: poll the add-on CSR.
+pub fn cluster_addon_csr_get(cluster: &str, addon: &str) -> String {
+    format!("{ROOT}.cluster.{cluster}.addon.{addon}.csr.get")
+}
+pub const CLUSTER_ADDON_CSR_GET_ALL: &str = "tether.v1.cluster.*.addon.*.csr.get";
 /// The add-on name in `tether.v1.cluster.<c>.addon.<a>.status|lease`.
 pub fn addon_of(subject: &str) -> Option<&str> {
     let parts: Vec<&str> = subject.split('.').collect();
     match parts.as_slice() {
-        ["tether", "v1", "cluster", _, "addon", a, "status" | "lease"] => Some(a),
+        ["tether", "v1", "cluster", _, "addon", a, "status" | "lease" | "config" | "csr"]
+        | ["tether", "v1", "cluster", _, "addon", a, "csr", "get"] => Some(a),
         _ => None,
     }
 }
@@ -101,6 +120,7 @@ pub const BUCKET_MANAGED_CLUSTER_ADDONS: &str = "tether-managedclusteraddons";
 pub const BUCKET_ADDON_DEPLOYMENT_CONFIGS: &str = "tether-addondeploymentconfigs";
 pub const BUCKET_PROXY_CONFIGURATIONS: &str = "tether-managedproxyconfigurations";
 pub const BUCKET_ADDON_LEASES: &str = "tether-addon-leases";
+pub const BUCKET_BROKERS: &str = "tether-brokers";
 pub const STREAM_EVENTS: &str = "TETHER_EVENTS";
 
 #[cfg(test)]
@@ -111,4 +131,19 @@ mod tests {
         assert_eq!(super::cluster_of(&super::bootstrap_csr("c2")), Some("c2"));
         assert_eq!(super::cluster_of("tether.v1.events.x.y"), None);
     }
+}
+
+// ---- health-prober (issue 5) ----
+
+/// Request/reply: the prober's latest results ([`crate::health::HealthGetRequest`] →
+/// [`crate::health::HealthGetReply`]), answered from memory by every prober (queue group
+/// [`HEALTH_QUEUE_GROUP`]).
+pub const HEALTH_GET: &str = "tether.v1.health.get";
+/// Queue group of the probers answering [`HEALTH_GET`].
+pub const HEALTH_QUEUE_GROUP: &str = "tether-health";
+/// KV bucket of per-cluster probe results (key `<cluster>`, [`crate::health::HealthRecord`]).
+pub const BUCKET_HEALTH: &str = "tether-health";
+/// Health transitions on the events stream: `tether.v1.events.health.<cluster>`.
+pub fn health_event(cluster: &str) -> String {
+    format!("{ROOT}.events.health.{cluster}")
 }
