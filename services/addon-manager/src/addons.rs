@@ -78,6 +78,8 @@ pub enum AgentRequest {
 
 pub struct AddOnController {
     store: HubStore,
+    /// Publishes `AddOnConfigChanged` on `tether.v1.cluster.<c>.notify` (None in unit tests).
+    notify: Option<async_nats::Client>,
     running: bool,
     dirty: bool,
     /// The pending re-evaluation at the next add-on lease deadline.
@@ -85,11 +87,12 @@ pub struct AddOnController {
 }
 
 impl AddOnController {
-    pub fn start_with(store: HubStore) -> Addr<Self> {
+    pub fn start_with(store: HubStore, notify: Option<async_nats::Client>) -> Addr<Self> {
         Self::create(|c| {
             c.set_mailbox_capacity(MAILBOX_CAPACITY);
             Self {
                 store,
+                notify,
                 running: false,
                 dirty: false,
                 deadline: None,
@@ -105,8 +108,9 @@ impl AddOnController {
         self.running = true;
         self.dirty = false;
         let store = self.store.clone();
+        let notify = self.notify.clone();
         ctx.spawn(
-            async move { reconcile_all(&store).await }
+            async move { reconcile_all(&store, notify.as_ref()).await }
                 .into_actor(self)
                 .map(|r, act, ctx| {
                     match r {
@@ -205,6 +209,13 @@ async fn renew_lease(
         .unwrap_or_else(|| now.clone());
     let mut metadata = ObjectMeta::new(addon);
     metadata.namespace = Some(cluster.to_string());
+    let mut connected = body.connected_brokers.clone();
+    connected.sort();
+    connected.dedup();
+    metadata.annotations.insert(
+        addons::CONNECTED_BROKERS_ANNOTATION.into(),
+        connected.join(","),
+    );
     let lease = Lease {
         api_version: Lease::API_VERSION.into(),
         kind: Lease::KIND.into(),
@@ -328,7 +339,10 @@ async fn event(store: &HubStore, ev: Event) {
 
 /// One pass over every add-on; returns how many objects it wrote and when the next add-on
 /// lease expires (re-run then).
-pub async fn reconcile_all(store: &HubStore) -> Result<(usize, Option<Duration>), ControlError> {
+pub async fn reconcile_all(
+    store: &HubStore,
+    notify: Option<&async_nats::Client>,
+) -> Result<(usize, Option<Duration>), ControlError> {
     let clusters: HashMap<String, (ManagedCluster, u64)> =
         list_map(store, Bucket::Clusters).await?;
     let cmas: HashMap<String, (ClusterManagementAddOn, u64)> =
@@ -341,6 +355,9 @@ pub async fn reconcile_all(store: &HubStore) -> Result<(usize, Option<Duration>)
     let mut mcas: HashMap<String, (ManagedClusterAddOn, u64)> =
         list_map(store, Bucket::ManagedClusterAddOns).await?;
     let now = SystemTime::now();
+    let serving = crate::delivery::serving_brokers(store, now).await?;
+    let serving_ids: Vec<String> = serving.iter().map(|b| b.id.clone()).collect();
+    let mut to_notify: Vec<(String, String)> = Vec::new();
     let mut writes = 0;
     let mut next_deadline: Option<Duration> = None;
 
@@ -387,6 +404,7 @@ pub async fn reconcile_all(store: &HubStore) -> Result<(usize, Option<Duration>)
         store.delete(Bucket::ManagedClusterAddOns, &key).await?;
         mcas.remove(&key);
         writes += 1;
+        to_notify.push((cluster.clone(), name.clone()));
         tracing::info!(cluster = %cluster, addon = %name, reason = %why, "add-on removed");
         event(
             store,
@@ -540,13 +558,49 @@ pub async fn reconcile_all(store: &HubStore) -> Result<(usize, Option<Duration>)
                         && !left.is_zero()
                     {
                         next_deadline = Some(next_deadline.map_or(left, |d| d.min(left)));
-                        set_condition(
-                            conds,
-                            addons::condition::AVAILABLE,
-                            "True",
-                            "ManagedClusterAddOnLeaseUpdated",
-                            "the add-on agent keeps its lease",
-                        )
+                        let connected: Vec<&str> = lease
+                            .metadata
+                            .annotations
+                            .get(addons::CONNECTED_BROKERS_ANNOTATION)
+                            .map(|s| s.split(',').filter(|x| !x.is_empty()).collect())
+                            .unwrap_or_default();
+                        let missing: Vec<&str> = serving_ids
+                            .iter()
+                            .map(String::as_str)
+                            .filter(|id| !connected.contains(id))
+                            .collect();
+                        if missing.is_empty() {
+                            set_condition(
+                                conds,
+                                addons::condition::AVAILABLE,
+                                "True",
+                                "ManagedClusterAddOnLeaseUpdated",
+                                &if serving_ids.is_empty() {
+                                    "the add-on agent keeps its lease".to_string()
+                                } else {
+                                    format!(
+                                        "the add-on agent keeps its lease and has a tunnel to every live broker ({})",
+                                        serving_ids.join(", ")
+                                    )
+                                },
+                            )
+                        } else {
+                            set_condition(
+                                conds,
+                                addons::condition::AVAILABLE,
+                                "False",
+                                "ProxyAgentNotConnected",
+                                &format!(
+                                    "no tunnel to live broker(s) {} (connected: {})",
+                                    missing.join(", "),
+                                    if connected.is_empty() {
+                                        "none".to_string()
+                                    } else {
+                                        connected.join(", ")
+                                    }
+                                ),
+                            )
+                        }
                     } else {
                         set_condition(
                             conds,
@@ -571,6 +625,7 @@ pub async fn reconcile_all(store: &HubStore) -> Result<(usize, Option<Duration>)
                     .is_some()
                 {
                     writes += 1;
+                    to_notify.push((cluster.clone(), name.clone()));
                     tracing::info!(cluster = %cluster, addon = %name, "add-on installed");
                     event(
                         store,
@@ -592,6 +647,9 @@ pub async fn reconcile_all(store: &HubStore) -> Result<(usize, Option<Duration>)
                     .is_some()
                 {
                     writes += 1;
+                    if hashes_changed {
+                        to_notify.push((cluster.clone(), name.clone()));
+                    }
                     let summary: Vec<String> = mca
                         .status
                         .conditions
@@ -615,6 +673,12 @@ pub async fn reconcile_all(store: &HubStore) -> Result<(usize, Option<Duration>)
                 // On a CAS conflict the watch brings us back.
             }
             Some(_) => {}
+        }
+    }
+    writes += crate::delivery::update_proxy_configuration_status(store, &mpcs, &serving).await?;
+    if let Some(client) = notify {
+        for (cluster, addon) in to_notify {
+            crate::delivery::notify_config_changed(client, &cluster, &addon).await;
         }
     }
     Ok((writes, next_deadline))

@@ -10,6 +10,8 @@
 //!   so a full mailbox slows the pumps down instead of dropping work.
 //! - [`addons`]: the [`addons::AddOnController`] actor: ManagedClusterAddOns from
 //!   ClusterManagementAddOn install strategies, config spec hashes, Progressing/Available/Degraded.
+//! - [`delivery`]: what an add-on agent runs (`…addon.<a>.config`), its credentials
+//!   (`…addon.<a>.csr[.get]`), and `AddOnConfigChanged` notifications when the broker set changes.
 //! - [`callout`]: who may connect to NATS with what permissions.
 //! - [`metrics`]: Prometheus metrics.
 //!
@@ -20,6 +22,7 @@
 pub mod addons;
 pub mod callout;
 pub mod controller;
+pub mod delivery;
 pub mod hub;
 pub mod metrics;
 
@@ -163,14 +166,24 @@ pub async fn run(
     let addr = controller::RegistrationController::start_with(ctx.clone());
     let pumps =
         controller::start_pumps(conn.client.clone(), addr.clone(), shutdown.child_token()).await?;
-    let addon_ctl = addons::AddOnController::start_with(ctx.store.clone());
-    let addon_tasks = addons::start(
+    let addon_ctl =
+        addons::AddOnController::start_with(ctx.store.clone(), Some(conn.client.clone()));
+    let mut addon_tasks = addons::start(
         conn.client.clone(),
         ctx.store.clone(),
-        addon_ctl,
+        addon_ctl.clone(),
         shutdown.child_token(),
     )
     .await?;
+    addon_tasks.extend(
+        delivery::start(
+            conn.client.clone(),
+            ctx.clone(),
+            addon_ctl,
+            shutdown.child_token(),
+        )
+        .await?,
+    );
     readiness.set_ready();
     tracing::info!(admin = ?admin_addr, "addon-manager ready");
     if let Some(p) = &opts.ready_file {

@@ -5,6 +5,11 @@
 //! from the broker moves the endpoint to its next address at once, while the draining tunnel
 //! keeps serving its open streams until the broker closes it. Run under an actix `Supervisor`:
 //! if the actor stops it is restarted with its backoff state intact.
+//!
+//! Config reload (see `lib.rs`): [`Reconfigure`] swaps the shared settings (proxy, policy, …)
+//! and replaces the tunnel — the new one dials through the new proxy, the old one drains; a
+//! connector whose endpoint left the config is stopped with [`StopConnector`] (its tunnels
+//! drain) without touching the others.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -30,7 +35,16 @@ pub const DRAIN_AVOID: Duration = Duration::from_secs(30);
 #[derive(Clone)]
 pub struct EndpointStates {
     inner: Arc<Mutex<HashMap<String, Option<String>>>>,
+    /// Endpoint → id of the broker at the other end of its current tunnel (from `hello`).
+    brokers: Arc<Mutex<HashMap<String, String>>>,
     readiness: Readiness,
+}
+
+/// One endpoint in `/debug/agent`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct EndpointState {
+    pub address: Option<String>,
+    pub broker: Option<String>,
 }
 
 impl EndpointStates {
@@ -38,6 +52,7 @@ impl EndpointStates {
         let map = endpoints.into_iter().map(|e| (e, None)).collect();
         let s = Self {
             inner: Arc::new(Mutex::new(map)),
+            brokers: Arc::new(Mutex::new(HashMap::new())),
             readiness,
         };
         s.publish();
@@ -45,11 +60,65 @@ impl EndpointStates {
     }
 
     fn set(&self, endpoint: &str, connected_to: Option<String>) {
+        if connected_to.is_none() {
+            self.brokers.lock().expect("states lock").remove(endpoint);
+        }
         self.inner
             .lock()
             .expect("states lock")
             .insert(endpoint.to_owned(), connected_to);
         self.publish();
+    }
+
+    fn set_broker(&self, endpoint: &str, broker: String) {
+        self.brokers
+            .lock()
+            .expect("states lock")
+            .insert(endpoint.to_owned(), broker);
+    }
+
+    /// A new endpoint (config reload): not connected yet.
+    pub fn add(&self, endpoint: &str) {
+        self.set(endpoint, None);
+    }
+
+    /// An endpoint left the config.
+    pub fn remove(&self, endpoint: &str) {
+        self.brokers.lock().expect("states lock").remove(endpoint);
+        self.inner.lock().expect("states lock").remove(endpoint);
+        self.publish();
+    }
+
+    /// Ids of the brokers this agent holds an established tunnel to, sorted.
+    pub fn connected_brokers(&self) -> Vec<String> {
+        let inner = self.inner.lock().expect("states lock");
+        let brokers = self.brokers.lock().expect("states lock");
+        let mut v: Vec<String> = brokers
+            .iter()
+            .filter(|(e, _)| inner.get(*e).is_some_and(Option::is_some))
+            .map(|(_, b)| b.clone())
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    /// Endpoint → address and broker id, for `/debug/agent`.
+    pub fn detail(&self) -> std::collections::BTreeMap<String, EndpointState> {
+        let inner = self.inner.lock().expect("states lock");
+        let brokers = self.brokers.lock().expect("states lock");
+        inner
+            .iter()
+            .map(|(e, a)| {
+                (
+                    e.clone(),
+                    EndpointState {
+                        address: a.clone(),
+                        broker: a.as_ref().and(brokers.get(e).cloned()),
+                    },
+                )
+            })
+            .collect()
     }
 
     fn publish(&self) {
@@ -89,7 +158,22 @@ pub struct Connector {
     pub generation: u64,
     pub avoid: HashMap<usize, Instant>,
     pub established: HashMap<u64, String>,
+    /// Cancellation of each live tunnel generation (cancelled = GOAWAY and drain).
+    pub tunnel_tokens: HashMap<u64, CancellationToken>,
 }
+
+/// Config reload: new shared settings (proxy, policy, API server, tunnel settings). The
+/// current tunnel drains and a new one is dialled with them.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Reconfigure {
+    pub shared: Arc<AgentShared>,
+}
+
+/// Config reload: this endpoint is gone. Its tunnels drain; the actor does nothing more.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct StopConnector;
 
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -168,13 +252,15 @@ impl Connector {
                 }
             }
         });
+        let token = self.shutdown.child_token();
+        self.tunnel_tokens.insert(generation, token.clone());
         let task = tokio::spawn(run_tunnel(
             addr,
             server_name,
             connector,
             Arc::clone(&self.shared),
             ev_tx,
-            self.shutdown.child_token(),
+            token,
             self.grace,
         ));
         let me = ctx.address();
@@ -195,6 +281,9 @@ impl Handler<Event> for Connector {
         match msg.event {
             TunnelEvent::Established { broker } => {
                 let addr = self.endpoint.addresses[self.index].clone();
+                if msg.generation == self.generation {
+                    self.states.set_broker(&label, broker.clone());
+                }
                 tracing::info!(endpoint = %label, %addr, %broker, "tunnel established");
                 self.backoff.succeeded();
                 self.established.insert(msg.generation, addr.clone());
@@ -208,7 +297,7 @@ impl Handler<Event> for Connector {
                     .tunnel_connects
                     .with_label_values(&[&label, "ok"])
                     .inc();
-                if msg.generation == self.generation {
+                if msg.generation == self.generation && !self.shutdown.is_cancelled() {
                     self.states.set(&label, Some(addr));
                 }
             }
@@ -231,6 +320,7 @@ impl Handler<Ended> for Connector {
 
     fn handle(&mut self, msg: Ended, ctx: &mut Context<Self>) {
         let label = self.label();
+        self.tunnel_tokens.remove(&msg.generation);
         if self.established.remove(&msg.generation).is_some() {
             self.shared
                 .metrics
@@ -262,5 +352,35 @@ impl Handler<Ended> for Connector {
         let delay = self.backoff.failed();
         tracing::debug!(endpoint = %label, ?delay, attempt = self.backoff.attempts(), "reconnecting after backoff");
         ctx.run_later(delay, |act, ctx| act.connect(ctx));
+    }
+}
+
+impl Handler<Reconfigure> for Connector {
+    type Result = ();
+
+    fn handle(&mut self, msg: Reconfigure, ctx: &mut Context<Self>) {
+        if self.shutdown.is_cancelled() {
+            return;
+        }
+        tracing::info!(endpoint = %self.label(), "settings changed: replacing the tunnel");
+        self.shared = msg.shared;
+        // The current tunnel drains (GOAWAY, open streams finish); its end is then ignored as
+        // an older generation.
+        if let Some(t) = self.tunnel_tokens.get(&self.generation) {
+            t.cancel();
+        }
+        self.states.set(&self.label(), None);
+        self.backoff.reset();
+        self.connect(ctx);
+    }
+}
+
+impl Handler<StopConnector> for Connector {
+    type Result = ();
+
+    fn handle(&mut self, _: StopConnector, _ctx: &mut Context<Self>) {
+        tracing::info!(endpoint = %self.label(), "endpoint removed from the config: stopping");
+        self.shutdown.cancel();
+        self.states.remove(&self.label());
     }
 }

@@ -8,6 +8,16 @@
 //! - [`metrics`]: Prometheus metrics.
 //!
 //! [`run`] is what `main` calls, and what tests call in-process.
+//!
+//! Config reload: the config file is checked every [`CONFIG_CHECK_INTERVAL`]. A valid new
+//! config is applied without a restart: connectors for brokers that left are stopped (their
+//! tunnels drain), connectors for new brokers start, the others are untouched — unless the
+//! proxy (or the API server, policy, dial cap, tunnel settings) changed, in which case each
+//! connector replaces its tunnel, dialling through the new proxy. An invalid new config is
+//! refused: the old one keeps running, the field error is logged and shown in `/debug/agent`
+//! (`configError`) and the metric `tether_agent_config_invalid` is 1. `/debug/agent` also lists
+//! `connectedBrokers` (ids of the brokers with an established tunnel) and `configSha256` (the
+//! file content running now), which the registration-agent reads.
 
 #![forbid(unsafe_code)]
 
@@ -16,10 +26,13 @@ pub mod connector;
 pub mod metrics;
 pub mod tunnel;
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use actix::prelude::*;
-use prometheus::Registry;
+use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
 use tether_runtime::Backoff;
 use tether_telemetry::{AdminServer, Readiness};
 use tether_tls::TlsMaterial;
@@ -27,10 +40,13 @@ use tether_tunnel::pump::ByteCounters;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::AgentConfig;
-use crate::connector::{Connector, EndpointStates};
+use crate::config::{AgentConfig, BrokerEndpoint};
+use crate::connector::{Connector, EndpointStates, Reconfigure, StopConnector};
 use crate::metrics::AgentMetrics;
 use crate::tunnel::AgentShared;
+
+/// How often the config file is checked for changes.
+pub const CONFIG_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -46,9 +62,256 @@ pub enum AgentError {
     Proxy(tether_config::ConfigError),
 }
 
+/// The config file `main` loaded: `--config`/`-c` on the command line, else
+/// `TETHER_AGENT_CONFIG`. None when neither is present (in-process tests): no reload then.
+pub fn config_path_from_process() -> Option<PathBuf> {
+    let mut args = std::env::args_os().skip(1);
+    while let Some(a) = args.next() {
+        let s = a.to_string_lossy();
+        if s == "--config" || s == "-c" {
+            return args.next().map(PathBuf::from);
+        }
+        if let Some(p) = s.strip_prefix("--config=") {
+            return Some(PathBuf::from(p));
+        }
+    }
+    std::env::var_os("TETHER_AGENT_CONFIG").map(PathBuf::from)
+}
+
+/// What `/debug/agent` shows about the config.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ConfigStatus {
+    /// SHA-256 (hex) of the config file content running now.
+    config_sha256: String,
+    /// How many configs have been applied (1 = the one at start).
+    config_generation: u64,
+    /// Why the file on disk is not running (field error), if it is not.
+    config_error: Option<String>,
+    /// Fields that changed but need a restart to take effect.
+    restart_required: Vec<String>,
+}
+
+struct ReloadMetrics {
+    reloads: IntCounterVec,
+    invalid: IntGauge,
+}
+
+impl ReloadMetrics {
+    fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let m = Self {
+            reloads: IntCounterVec::new(
+                Opts::new(
+                    "tether_agent_config_reloads_total",
+                    "Config file changes seen, by result (applied, invalid).",
+                ),
+                &["result"],
+            )?,
+            invalid: IntGauge::new(
+                "tether_agent_config_invalid",
+                "1 while the config file on disk is invalid and the previous config keeps running.",
+            )?,
+        };
+        registry.register(Box::new(m.reloads.clone()))?;
+        registry.register(Box::new(m.invalid.clone()))?;
+        Ok(m)
+    }
+}
+
+/// SHA-256 (hex) through rustls' ring provider (no extra dependency).
+fn sha256_hex(b: &[u8]) -> String {
+    let hash = rustls::crypto::ring::cipher_suite::TLS13_AES_128_GCM_SHA256
+        .tls13()
+        .map(|s| s.common.hash_provider.hash(b));
+    match hash {
+        Some(h) => hex_encode(h.as_ref()),
+        None => String::new(),
+    }
+}
+
+fn hex_encode(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Everything that a new [`AgentShared`] is built from, as a comparable fingerprint (proxy
+/// URLs with their passwords, and the proxy CA's content).
+fn shared_fingerprint(cfg: &AgentConfig) -> String {
+    let proxy = cfg.proxy.as_ref().map(|p| {
+        let ca = p
+            .ca_bundle
+            .as_ref()
+            .map(|f| sha256_hex(&std::fs::read(f).unwrap_or_default()));
+        (
+            p.http_proxy.clone(),
+            p.https_proxy.clone(),
+            p.no_proxy.clone(),
+            p.ca_bundle.clone(),
+            ca,
+        )
+    });
+    format!(
+        "{proxy:?}|{}|{:?}|{:?}|{:?}",
+        cfg.apiserver, cfg.policy, cfg.max_dial_timeout, cfg.tunnel
+    )
+}
+
+fn build_shared(
+    cfg: &AgentConfig,
+    agent: &str,
+    metrics: &AgentMetrics,
+    counters: &ByteCounters,
+) -> Result<Arc<AgentShared>, AgentError> {
+    let proxy = cfg.proxy_settings().map_err(AgentError::Proxy)?;
+    let proxy_ca = cfg
+        .proxy
+        .as_ref()
+        .and_then(|p| p.ca_bundle.clone())
+        .unwrap_or_else(|| cfg.tls.ca.clone());
+    let proxy_roots = Arc::new(tether_tls::reload::load_roots(&proxy_ca)?);
+    if !proxy.is_empty() {
+        tracing::info!(
+            ?proxy,
+            "brokers are reached through a forward proxy unless NO_PROXY exempts them"
+        );
+    }
+    Ok(Arc::new(AgentShared {
+        cluster: cfg.cluster.clone(),
+        agent: agent.to_string(),
+        apiserver: cfg.apiserver.clone(),
+        policy: cfg.policy.clone(),
+        max_dial_timeout: cfg.max_dial_timeout,
+        settings: cfg.tunnel.clone(),
+        metrics: metrics.clone(),
+        counters: counters.clone(),
+        proxy,
+        proxy_roots,
+    }))
+}
+
+fn same_endpoint(a: &BrokerEndpoint, b: &BrokerEndpoint) -> bool {
+    a.addresses == b.addresses && a.server_name == b.server_name
+}
+
+/// The running connectors and what they were built from.
+struct Running {
+    cfg: AgentConfig,
+    agent: String,
+    shared: Arc<AgentShared>,
+    shared_fp: String,
+    tls: Arc<TlsMaterial>,
+    states: EndpointStates,
+    shutdown: CancellationToken,
+    connectors: BTreeMap<String, (BrokerEndpoint, Addr<Connector>)>,
+    metrics: AgentMetrics,
+    counters: ByteCounters,
+}
+
+impl Running {
+    fn start_connector(&mut self, endpoint: &BrokerEndpoint) {
+        let label = endpoint.label();
+        self.states.add(&label);
+        let c = Connector {
+            endpoint: endpoint.clone(),
+            shared: Arc::clone(&self.shared),
+            tls: Arc::clone(&self.tls),
+            backoff: Backoff::new((&self.cfg.backoff).into()),
+            states: self.states.clone(),
+            shutdown: self.shutdown.child_token(),
+            grace: self.cfg.shutdown_grace,
+            index: 0,
+            generation: 0,
+            avoid: Default::default(),
+            established: Default::default(),
+            tunnel_tokens: Default::default(),
+        };
+        let addr = Supervisor::start_in_arbiter(&Arbiter::current(), move |_| c);
+        self.connectors.insert(label, (endpoint.clone(), addr));
+    }
+
+    /// Applies a validated new config; returns the fields that need a restart.
+    fn apply(&mut self, new: AgentConfig) -> Result<Vec<String>, AgentError> {
+        let mut restart = Vec::new();
+        let old = &self.cfg;
+        if old.cluster != new.cluster {
+            restart.push("cluster".to_string());
+        }
+        if old.agent != new.agent {
+            restart.push("agent".into());
+        }
+        if old.tls != new.tls {
+            restart.push("tls".into());
+        }
+        if old.admin_listen != new.admin_listen {
+            restart.push("admin_listen".into());
+        }
+        if old.tls_reload_interval != new.tls_reload_interval {
+            restart.push("tls_reload_interval".into());
+        }
+        let fp = shared_fingerprint(&new);
+        let reconfigure = fp != self.shared_fp;
+        if reconfigure {
+            self.shared = build_shared(&new, &self.agent, &self.metrics, &self.counters)?;
+            self.shared_fp = fp;
+        }
+        // Keep cluster/agent/tls/admin as started; take everything else.
+        let mut merged = new;
+        merged.cluster = self.cfg.cluster.clone();
+        merged.agent = self.cfg.agent.clone();
+        merged.tls = self.cfg.tls.clone();
+        merged.admin_listen = self.cfg.admin_listen;
+        merged.tls_reload_interval = self.cfg.tls_reload_interval;
+        self.cfg = merged;
+
+        let wanted: BTreeMap<String, BrokerEndpoint> = self
+            .cfg
+            .brokers
+            .iter()
+            .map(|b| (b.label(), b.clone()))
+            .collect();
+        let stale: Vec<String> = self
+            .connectors
+            .iter()
+            .filter(|(l, (e, _))| wanted.get(*l).is_none_or(|w| !same_endpoint(w, e)))
+            .map(|(l, _)| l.clone())
+            .collect();
+        for label in stale {
+            if let Some((_, addr)) = self.connectors.remove(&label) {
+                tracing::info!(endpoint = %label, "broker endpoint removed or changed");
+                addr.do_send(StopConnector);
+            }
+        }
+        if reconfigure {
+            for (label, (_, addr)) in &self.connectors {
+                tracing::debug!(endpoint = %label, "reconfiguring");
+                addr.do_send(Reconfigure {
+                    shared: Arc::clone(&self.shared),
+                });
+            }
+        }
+        for (label, endpoint) in wanted {
+            if !self.connectors.contains_key(&label) {
+                tracing::info!(endpoint = %label, "broker endpoint added");
+                self.start_connector(&endpoint);
+            }
+        }
+        Ok(restart)
+    }
+}
+
 /// Runs the agent until `shutdown`; must be called inside an actix `System` on a tokio runtime.
+/// Watches the config file named on the command line (see [`config_path_from_process`]).
 pub async fn run(
     cfg: AgentConfig,
+    admin: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), AgentError> {
+    run_with_reload(cfg, config_path_from_process(), admin, shutdown).await
+}
+
+/// [`run`] with an explicit config file to watch (None: no reload).
+pub async fn run_with_reload(
+    cfg: AgentConfig,
+    config_path: Option<PathBuf>,
     admin: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), AgentError> {
@@ -66,71 +329,159 @@ pub async fn run(
     }
     tls.spawn_watcher(cfg.tls_reload_interval, shutdown.child_token());
     let metrics = AgentMetrics::new(&registry)?;
+    let reload_metrics = ReloadMetrics::new(&registry)?;
     let counters = ByteCounters {
         to_tunnel: Some(metrics.counter("from_target")),
         from_tunnel: Some(metrics.counter("to_target")),
     };
     let agent = cfg.agent_name();
-    let proxy = cfg.proxy_settings().map_err(AgentError::Proxy)?;
-    let proxy_ca = cfg
-        .proxy
-        .as_ref()
-        .and_then(|p| p.ca_bundle.clone())
-        .unwrap_or_else(|| cfg.tls.ca.clone());
-    let proxy_roots = Arc::new(tether_tls::reload::load_roots(&proxy_ca)?);
-    if !proxy.is_empty() {
-        tracing::info!(
-            ?proxy,
-            "brokers are reached through a forward proxy unless NO_PROXY exempts them"
-        );
-    }
-    let shared = Arc::new(AgentShared {
-        cluster: cfg.cluster.clone(),
-        agent: agent.clone(),
-        apiserver: cfg.apiserver.clone(),
-        policy: cfg.policy.clone(),
-        max_dial_timeout: cfg.max_dial_timeout,
-        settings: cfg.tunnel.clone(),
-        metrics,
-        counters,
-        proxy,
-        proxy_roots,
-    });
+    let shared = build_shared(&cfg, &agent, &metrics, &counters)?;
     let readiness = Readiness::new();
     let states = EndpointStates::new(cfg.brokers.iter().map(|b| b.label()), readiness.clone());
-    let arbiter = Arbiter::current();
-    let mut connectors = Vec::new();
+    let grace = cfg.shutdown_grace;
+    let mut running = Running {
+        shared_fp: shared_fingerprint(&cfg),
+        cfg: cfg.clone(),
+        agent: agent.clone(),
+        shared,
+        tls: Arc::clone(&tls),
+        states: states.clone(),
+        shutdown: shutdown.clone(),
+        connectors: BTreeMap::new(),
+        metrics: metrics.clone(),
+        counters,
+    };
     for endpoint in &cfg.brokers {
-        let c = Connector {
-            endpoint: endpoint.clone(),
-            shared: Arc::clone(&shared),
-            tls: Arc::clone(&tls),
-            backoff: Backoff::new((&cfg.backoff).into()),
-            states: states.clone(),
-            shutdown: shutdown.child_token(),
-            grace: cfg.shutdown_grace,
-            index: 0,
-            generation: 0,
-            avoid: Default::default(),
-            established: Default::default(),
-        };
-        connectors.push(Supervisor::start_in_arbiter(&arbiter, move |_| c));
+        running.start_connector(endpoint);
     }
     tracing::info!(cluster = %cfg.cluster, %agent, endpoints = cfg.brokers.len(), "tunnel-agent started");
+
+    let status = Arc::new(Mutex::new(ConfigStatus {
+        config_sha256: config_path
+            .as_deref()
+            .and_then(|p| std::fs::read(p).ok())
+            .map(|b| sha256_hex(&b))
+            .unwrap_or_default(),
+        config_generation: 1,
+        ..Default::default()
+    }));
     let states_dbg = states.clone();
+    let states_agent = states.clone();
+    let status_dbg = Arc::clone(&status);
     let admin_server = AdminServer::new(registry, readiness)
         .with_json_route("/debug/tunnels", move || {
             serde_json::to_string(&states_dbg.snapshot()).unwrap_or_default()
+        })
+        .with_json_route("/debug/agent", move || {
+            let st = status_dbg.lock().map(|s| s.clone()).unwrap_or_default();
+            serde_json::json!({
+                "configSha256": st.config_sha256,
+                "configGeneration": st.config_generation,
+                "configError": st.config_error,
+                "restartRequired": st.restart_required,
+                "connectedBrokers": states_agent.connected_brokers(),
+                "endpoints": states_agent.detail(),
+            })
+            .to_string()
         });
     let admin_task = tokio::spawn(admin_server.serve(admin, shutdown.child_token()));
-    shutdown.cancelled().await;
-    tracing::info!(grace = ?cfg.shutdown_grace, "shutting down: draining tunnels");
+
+    let mut tick = tokio::time::interval(CONFIG_CHECK_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+        let Some(path) = config_path.as_deref() else {
+            continue;
+        };
+        check_config(path, &mut running, &status, &reload_metrics);
+    }
+    tracing::info!(grace = ?grace, "shutting down: draining tunnels");
     // Tunnels see the cancellation through their child tokens and drain within the grace.
-    let deadline = tokio::time::Instant::now() + cfg.shutdown_grace;
-    while shared.metrics.open_streams.get() > 0 && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let deadline = tokio::time::Instant::now() + grace;
+    while metrics.open_streams.get() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     admin_task.abort();
-    drop(connectors);
+    drop(running);
     Ok(())
+}
+
+/// One look at the config file: apply it when its content changed and it is valid.
+fn check_config(
+    path: &Path,
+    running: &mut Running,
+    status: &Mutex<ConfigStatus>,
+    metrics: &ReloadMetrics,
+) {
+    let Ok(bytes) = std::fs::read(path) else {
+        return; // being replaced, or gone: keep running what we have
+    };
+    let hash = sha256_hex(&bytes);
+    let (current, failed) = status
+        .lock()
+        .map(|s| {
+            (
+                s.config_sha256.clone(),
+                s.config_error.as_ref().map(|_| s.config_sha256.clone()),
+            )
+        })
+        .unwrap_or_default();
+    if hash == current {
+        if failed.is_some()
+            && let Ok(mut s) = status.lock()
+        {
+            // The file went back to the running content.
+            s.config_error = None;
+            metrics.invalid.set(0);
+        }
+        return;
+    }
+    let text = String::from_utf8_lossy(&bytes);
+    let parsed = tether_config::from_str::<AgentConfig>(&text, path);
+    let result = match parsed {
+        Ok(new) => running.apply(new).map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    let Ok(mut s) = status.lock() else { return };
+    match result {
+        Ok(restart) => {
+            metrics.reloads.with_label_values(&["applied"]).inc();
+            metrics.invalid.set(0);
+            s.config_sha256 = hash;
+            s.config_generation += 1;
+            s.config_error = None;
+            if !restart.is_empty() {
+                tracing::warn!(fields = ?restart, "config fields changed that need a restart; the rest is applied");
+            }
+            s.restart_required = restart;
+            tracing::info!(
+                generation = s.config_generation,
+                brokers = running.connectors.len(),
+                "config reloaded"
+            );
+        }
+        Err(e) => {
+            // Log a given bad file once, not every tick.
+            if s.config_error.as_deref() != Some(e.as_str()) {
+                metrics.reloads.with_label_values(&["invalid"]).inc();
+                tracing::error!(error = %e, "new config is invalid; the previous config keeps running");
+            }
+            metrics.invalid.set(1);
+            s.config_error = Some(e);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sha256_is_sha256() {
+        assert_eq!(
+            super::sha256_hex(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
 }

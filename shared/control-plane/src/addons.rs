@@ -581,6 +581,42 @@ pub struct AgentBrokerEndpoint {
 /// config changed (or the add-on was removed): `{"type":"AddOnConfigChanged","addon":"<a>"}`.
 pub const NOTIFY_ADDON_CONFIG_CHANGED: &str = "AddOnConfigChanged";
 
+/// Body of the [`NOTIFY_ADDON_CONFIG_CHANGED`] notification.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct AddOnNotify {
+    #[serde(rename = "type")]
+    pub type_: String,
+    #[serde(default)]
+    pub addon: String,
+}
+
+impl AddOnNotify {
+    pub fn config_changed(addon: &str) -> Self {
+        Self {
+            type_: NOTIFY_ADDON_CONFIG_CHANGED.into(),
+            addon: addon.into(),
+        }
+    }
+}
+
+/// Annotation on the add-on Lease (`tether-addon-leases`) with the comma-separated broker ids
+/// of the last [`AddOnLeaseRenew::connected_brokers`].
+pub const CONNECTED_BROKERS_ANNOTATION: &str = "tether.io/connected-brokers";
+
+/// OCM's add-on agent CN: `system:open-cluster-management:cluster:<c>:addon:<a>:agent:<agent>`.
+pub fn addon_agent_common_name(cluster: &str, addon: &str, agent: &str) -> String {
+    format!("system:open-cluster-management:cluster:{cluster}:addon:{addon}:agent:{agent}")
+}
+
+/// OCM's add-on agent organisations: `system:open-cluster-management:cluster:<c>:addon:<a>` and
+/// `system:open-cluster-management:addon:<a>`.
+pub fn addon_agent_organizations(cluster: &str, addon: &str) -> Vec<String> {
+    vec![
+        format!("system:open-cluster-management:cluster:{cluster}:addon:{addon}"),
+        format!("system:open-cluster-management:addon:{addon}"),
+    ]
+}
+
 /// Reply to [`AddOnLeaseRenew`].
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]

@@ -1,0 +1,653 @@
+//! Delivering add-ons to managed clusters (the agent side of OCM's addon-manager):
+//!
+//! - `tether.v1.cluster.<c>.addon.<a>.config` → [`AddOnAgentConfigReply`]: what the cluster
+//!   should run, built from the ManagedClusterAddOn's configReferences (AddOnDeploymentConfig
+//!   `proxyConfig` — a lone `noProxy` included — and `customizedVariables`; ManagedProxyConfiguration
+//!   replicas, keepalive and entrypoints), the live non-draining brokers of `tether-brokers`
+//!   (fallback: the entrypoints), the hub CA and the desired config hashes. `installed: false`
+//!   when the add-on is not installed on that cluster (or the cluster is gone / not accepted).
+//! - `tether.v1.cluster.<c>.addon.<a>.csr` / `.csr.get` → [`CsrReply`]: the add-on agent's client
+//!   certificate, OCM's add-on subject (`CN=system:open-cluster-management:cluster:<c>:addon:<a>:agent:<agent>`,
+//!   `O=system:open-cluster-management:cluster:<c>:addon:<a>`, `O=system:open-cluster-management:addon:<a>`).
+//!   Signed at once when the cluster is accepted and the add-on installed, refused otherwise — an
+//!   add-on CSR is never left pending, so the pending cap is zero by construction.
+//! - a broker watcher: when the set of live, non-draining brokers changes it tells every
+//!   installed add-on's agent (`{"type":"AddOnConfigChanged","addon":"<a>"}` on
+//!   `tether.v1.cluster.<c>.notify`) and re-runs the add-on controller (Available depends on it).
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use actix::Addr;
+use futures::StreamExt;
+use tether_control::ControlError;
+use tether_control::addons::{
+    self, AddOnAgentConfig, AddOnAgentConfigReply, AddOnAgentConfigRequest, AddOnDeploymentConfig,
+    AddOnNotify, AgentBrokerEndpoint, AppliedConfig, ConfigKind, ManagedClusterAddOn,
+    ManagedProxyConfiguration, addon_key, spec_hash,
+};
+use tether_control::brokers::BrokerPresence;
+use tether_control::connect::ERROR_HEADER;
+use tether_control::resources::{
+    CertificateSigningRequest, CsrGet, CsrPhase, CsrReply, CsrSpec, CsrStatus, CsrSubmit, Event,
+    ObjectMeta, set_condition,
+};
+use tether_control::store::{Bucket, HubStore};
+use tether_control::subjects;
+use tokio_util::sync::CancellationToken;
+
+use crate::addons::{AddOnController, Changed, QUEUE_GROUP};
+use crate::hub::HubCtx;
+
+/// Requests in flight per delivery subscription.
+pub const MAX_INFLIGHT_DELIVERY: usize = 32;
+/// How often the broker presence bucket is read for changes of the serving set (a broker that
+/// dies silently only ages out; no KV event announces it).
+pub const BROKER_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+/// Label of add-on CSRs: which add-on they are for.
+pub const ADDON_LABEL: &str = "open-cluster-management.io/addon-name";
+/// ManagedProxyConfiguration condition: how many brokers are live.
+pub const BROKERS_AVAILABLE: &str = "BrokersAvailable";
+
+/// Live, non-draining brokers, sorted by id.
+pub async fn serving_brokers(
+    store: &HubStore,
+    now: SystemTime,
+) -> Result<Vec<BrokerPresence>, ControlError> {
+    let mut out: Vec<BrokerPresence> = store
+        .list::<BrokerPresence>(Bucket::Brokers)
+        .await?
+        .into_iter()
+        .map(|(_, b, _)| b)
+        .filter(|b| b.is_serving(now) && !b.agent_addresses.is_empty())
+        .collect();
+    out.sort_by(|a, b| a.id.cmp(&b.id));
+    Ok(out)
+}
+
+/// Publishes `AddOnConfigChanged` for one add-on of one cluster (best effort).
+pub async fn notify_config_changed(client: &async_nats::Client, cluster: &str, addon: &str) {
+    let body = serde_json::to_vec(&AddOnNotify::config_changed(addon)).unwrap_or_default();
+    if let Err(e) = client
+        .publish(subjects::cluster_notify(cluster), body.into())
+        .await
+    {
+        tracing::debug!(%cluster, %addon, error = %e, "cannot publish add-on notification");
+    }
+}
+
+/// Sets `BrokersAvailable` on every ManagedProxyConfiguration; returns the writes.
+pub async fn update_proxy_configuration_status(
+    store: &HubStore,
+    mpcs: &std::collections::HashMap<String, (ManagedProxyConfiguration, u64)>,
+    serving: &[BrokerPresence],
+) -> Result<usize, ControlError> {
+    let mut writes = 0;
+    for (key, (mpc, rev)) in mpcs {
+        let mut m = mpc.clone();
+        let ids: Vec<&str> = serving.iter().map(|b| b.id.as_str()).collect();
+        let changed = if ids.is_empty() {
+            set_condition(
+                &mut m.status.conditions,
+                BROKERS_AVAILABLE,
+                "False",
+                "NoLiveBrokers",
+                &format!(
+                    "no broker has announced itself; agents use the {} entrypoint(s)",
+                    m.spec.proxy_server.entrypoints.len()
+                ),
+            )
+        } else {
+            set_condition(
+                &mut m.status.conditions,
+                BROKERS_AVAILABLE,
+                "True",
+                "BrokersLive",
+                &format!("{} live broker(s): {}", ids.len(), ids.join(", ")),
+            )
+        };
+        if changed {
+            m.metadata.resource_version = None;
+            if store
+                .update(Bucket::ProxyConfigurations, key, &m, *rev)
+                .await?
+                .is_some()
+            {
+                writes += 1;
+            }
+        }
+    }
+    Ok(writes)
+}
+
+fn not_installed(message: String) -> AddOnAgentConfigReply {
+    AddOnAgentConfigReply {
+        installed: false,
+        message,
+        config: None,
+    }
+}
+
+/// Builds the add-on agent config of `<cluster>/<addon>`.
+pub async fn agent_config(
+    ctx: &HubCtx,
+    cluster: &str,
+    addon: &str,
+) -> Result<AddOnAgentConfigReply, ControlError> {
+    let store = &ctx.store;
+    match ctx.cluster(cluster).await {
+        Ok(Some(mc)) if mc.spec.hub_accepts_client => {}
+        Ok(_) => {
+            return Ok(not_installed(format!(
+                "managed cluster {cluster} is gone or not accepted"
+            )));
+        }
+        Err(e) => return Err(ControlError::Codec(e.to_string())),
+    }
+    let Some((mca, _)) = store
+        .get::<ManagedClusterAddOn>(Bucket::ManagedClusterAddOns, &addon_key(cluster, addon))
+        .await?
+    else {
+        return Ok(not_installed(format!(
+            "add-on {addon} is not installed on cluster {cluster}"
+        )));
+    };
+    let mut cfg = AddOnAgentConfig {
+        cluster: cluster.into(),
+        addon: addon.into(),
+        install_namespace: mca.spec.install_namespace.clone(),
+        hub_ca_bundle: ctx.ca.cert_pem().to_string(),
+        replicas: 1,
+        ..Default::default()
+    };
+    let mut entrypoints = Vec::new();
+    for r in &mca.status.config_references {
+        let cref = addons::ConfigRef {
+            group: r.group.clone(),
+            resource: r.resource.clone(),
+            namespace: r.namespace.clone(),
+            name: r.name.clone(),
+        };
+        let hash = match cref.key() {
+            Some((ConfigKind::AddOnDeploymentConfig, k)) => {
+                let Some((adc, _)) = store
+                    .get::<AddOnDeploymentConfig>(Bucket::AddOnDeploymentConfigs, &k)
+                    .await?
+                else {
+                    continue;
+                };
+                let p = &adc.spec.proxy_config;
+                if !(p.http_proxy.is_empty()
+                    && p.https_proxy.is_empty()
+                    && p.no_proxy.is_empty()
+                    && p.ca_bundle.is_empty())
+                {
+                    cfg.proxy = Some(p.clone());
+                }
+                cfg.customized_variables = adc.spec.customized_variables.clone();
+                spec_hash(&adc.spec)
+            }
+            Some((ConfigKind::ManagedProxyConfiguration, k)) => {
+                let Some((mpc, _)) = store
+                    .get::<ManagedProxyConfiguration>(Bucket::ProxyConfigurations, &k)
+                    .await?
+                else {
+                    continue;
+                };
+                cfg.replicas = mpc.spec.proxy_agent.replicas.max(1);
+                cfg.keepalive = mpc.spec.proxy_agent.keepalive.clone();
+                entrypoints = mpc.spec.proxy_server.entrypoints.clone();
+                spec_hash(&mpc.spec)
+            }
+            None => continue,
+        };
+        cfg.config_hashes.push(AppliedConfig {
+            group: r.group.clone(),
+            resource: r.resource.clone(),
+            namespace: r.namespace.clone(),
+            name: r.name.clone(),
+            spec_hash: hash,
+        });
+    }
+    let serving = serving_brokers(store, SystemTime::now()).await?;
+    cfg.brokers = if serving.is_empty() {
+        entrypoints
+            .iter()
+            .enumerate()
+            .map(|(i, e)| AgentBrokerEndpoint {
+                id: format!("entrypoint-{i}"),
+                addresses: vec![format!("{}:{}", e.host, e.port)],
+                server_name: e.host.trim_matches(['[', ']']).to_string(),
+            })
+            .collect()
+    } else {
+        serving
+            .into_iter()
+            .map(|b| AgentBrokerEndpoint {
+                id: b.id,
+                addresses: b.agent_addresses,
+                server_name: b.server_name,
+            })
+            .collect()
+    };
+    Ok(AddOnAgentConfigReply {
+        installed: true,
+        message: String::new(),
+        config: Some(cfg),
+    })
+}
+
+fn csr_reply(csr: &CertificateSigningRequest) -> CsrReply {
+    CsrReply {
+        csr_name: csr.metadata.name.clone(),
+        phase: csr.phase(),
+        certificate: csr.status.certificate.clone(),
+        message: match csr.phase() {
+            CsrPhase::Issued => "issued".into(),
+            CsrPhase::Denied => "denied".into(),
+            _ => "pending".into(),
+        },
+    }
+}
+
+/// Why an add-on CSR is refused (the message goes back in `Tether-Error`).
+#[derive(Debug, thiserror::Error)]
+pub enum DeliveryError {
+    #[error("{0}")]
+    Rejected(String),
+    #[error(transparent)]
+    Control(#[from] ControlError),
+}
+
+fn reject<T>(ctx: &HubCtx, reason: &'static str, msg: String) -> Result<T, DeliveryError> {
+    ctx.metrics
+        .csrs_denied_total
+        .with_label_values(&[reason])
+        .inc();
+    Err(DeliveryError::Rejected(msg))
+}
+
+/// Checks an add-on CSR (subject, signature, cluster accepted, add-on installed) and signs it.
+pub async fn submit_addon_csr(
+    ctx: &HubCtx,
+    cluster: &str,
+    addon: &str,
+    req: CsrSubmit,
+) -> Result<CsrReply, DeliveryError> {
+    if req.cluster_name != cluster {
+        return reject(
+            ctx,
+            "subject",
+            format!(
+                "clusterName {:?} does not match the subject's cluster {cluster:?}",
+                req.cluster_name
+            ),
+        );
+    }
+    if !tether_pki::subject::is_agent_name(&req.agent_name) {
+        return reject(
+            ctx,
+            "subject",
+            format!("agentName {:?} must be 1-64 of [a-z0-9-]", req.agent_name),
+        );
+    }
+    let parsed = match tether_pki::parse_csr(&req.csr) {
+        Ok(p) => p,
+        Err(e) => return reject(ctx, "invalid", e.to_string()),
+    };
+    let want_cn = addons::addon_agent_common_name(cluster, addon, &req.agent_name);
+    let mut want_o = addons::addon_agent_organizations(cluster, addon);
+    let mut have_o = parsed.organizations.clone();
+    want_o.sort();
+    have_o.sort();
+    if parsed.common_name != want_cn || want_o != have_o {
+        let msg = format!(
+            "add-on CSR subject must be CN={want_cn:?} O={want_o:?}, not CN={:?} O={:?}",
+            parsed.common_name, parsed.organizations
+        );
+        event(
+            ctx,
+            Event::new(
+                ManagedClusterAddOn::KIND,
+                &addon_key(cluster, addon),
+                "Warning",
+                "CSRRejected",
+                msg.clone(),
+            ),
+        )
+        .await;
+        return reject(ctx, "subject", msg);
+    }
+    match ctx.cluster(cluster).await {
+        Ok(Some(mc)) if mc.spec.hub_accepts_client => {}
+        Ok(_) => {
+            return reject(
+                ctx,
+                "not_accepted",
+                format!("cluster {cluster} is not accepted by the hub"),
+            );
+        }
+        Err(e) => return Err(DeliveryError::Rejected(e.to_string())),
+    }
+    if ctx
+        .store
+        .get::<serde_json::Value>(Bucket::ManagedClusterAddOns, &addon_key(cluster, addon))
+        .await?
+        .is_none()
+    {
+        return reject(
+            ctx,
+            "not_installed",
+            format!("add-on {addon} is not installed on cluster {cluster}"),
+        );
+    }
+    let name = format!("{cluster}-{addon}-{}", &parsed.key_fingerprint[..16]);
+    let key = format!("{cluster}.{name}");
+    if let Some((csr, _)) = ctx
+        .store
+        .get::<CertificateSigningRequest>(Bucket::Csrs, &key)
+        .await?
+        && csr.phase() == CsrPhase::Issued
+    {
+        return Ok(csr_reply(&csr));
+    }
+    let lifetime = ctx.policy.client_cert_lifetime;
+    let cert = sign_addon_csr(&ctx.ca, &req.csr, cluster, addon, &req.agent_name, lifetime)
+        .map_err(DeliveryError::Rejected)?;
+    let mut meta = ObjectMeta::new(&name);
+    meta.labels.insert(
+        CertificateSigningRequest::CLUSTER_LABEL.into(),
+        cluster.into(),
+    );
+    meta.labels.insert(ADDON_LABEL.into(), addon.into());
+    let mut csr = CertificateSigningRequest {
+        api_version: CertificateSigningRequest::API_VERSION.into(),
+        kind: CertificateSigningRequest::KIND.into(),
+        metadata: meta,
+        spec: CsrSpec {
+            request: req.csr.clone(),
+            signer_name: tether_pki::subject::SIGNER_NAME.into(),
+            usages: vec!["digital signature".into(), "client auth".into()],
+            username: tether_pki::subject::common_name(cluster, &req.agent_name),
+            expiration_seconds: Some(lifetime.as_secs()),
+        },
+        status: CsrStatus::default(),
+    };
+    set_condition(
+        &mut csr.status.conditions,
+        "Approved",
+        "True",
+        "AddOnCSRAutoApproved",
+        "add-on installed on an accepted cluster",
+    );
+    csr.status.certificate = cert;
+    ctx.store.put(Bucket::Csrs, &key, &csr).await?;
+    ctx.metrics
+        .csrs_signed_total
+        .with_label_values(&["addon"])
+        .inc();
+    tracing::info!(%cluster, %addon, agent = %req.agent_name, csr = %name, "add-on certificate signed");
+    event(
+        ctx,
+        Event::new(
+            CertificateSigningRequest::KIND,
+            &name,
+            "Normal",
+            "CSRApproved",
+            format!("signed the {addon} add-on client certificate of cluster {cluster}"),
+        ),
+    )
+    .await;
+    Ok(csr_reply(&csr))
+}
+
+/// Status of an add-on CSR.
+pub async fn get_addon_csr(
+    ctx: &HubCtx,
+    cluster: &str,
+    addon: &str,
+    req: CsrGet,
+) -> Result<CsrReply, DeliveryError> {
+    if !req.csr_name.starts_with(&format!("{cluster}-{addon}-")) {
+        return Err(DeliveryError::Rejected(format!(
+            "CSR {} is not an add-on {addon} CSR of cluster {cluster}",
+            req.csr_name
+        )));
+    }
+    match ctx
+        .store
+        .get::<CertificateSigningRequest>(Bucket::Csrs, &format!("{cluster}.{}", req.csr_name))
+        .await?
+    {
+        Some((csr, _)) => Ok(csr_reply(&csr)),
+        None => Err(DeliveryError::Rejected(format!(
+            "CSR {} of cluster {cluster} not found",
+            req.csr_name
+        ))),
+    }
+}
+
+/// Signs an add-on CSR: the hub sets subject (OCM's add-on CN and organisations), client-auth
+/// usage and lifetime; only the public key comes from the request.
+pub fn sign_addon_csr(
+    ca: &tether_pki::HubCa,
+    csr_pem: &str,
+    cluster: &str,
+    addon: &str,
+    agent: &str,
+    lifetime: Duration,
+) -> Result<String, String> {
+    use rcgen::{
+        CertificateParams, CertificateSigningRequestParams, DistinguishedName, DnType,
+        ExtendedKeyUsagePurpose, Issuer, KeyPair, KeyUsagePurpose, SerialNumber,
+    };
+    let key = KeyPair::from_pem(&ca.key_pem()).map_err(|e| format!("hub CA key: {e}"))?;
+    let issuer =
+        Issuer::from_ca_cert_pem(ca.cert_pem(), key).map_err(|e| format!("hub CA: {e}"))?;
+    let mut req = CertificateSigningRequestParams::from_pem(csr_pem)
+        .map_err(|e| format!("invalid add-on CSR: {e}"))?;
+    let mut params = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(
+        DnType::CommonName,
+        addons::addon_agent_common_name(cluster, addon, agent).as_str(),
+    );
+    let orgs = addons::addon_agent_organizations(cluster, addon);
+    dn.push(DnType::OrganizationName, orgs[0].as_str());
+    // rcgen keeps one value per attribute type; the same OID as a custom type adds the second O.
+    dn.push(DnType::CustomDnType(vec![2, 5, 4, 10]), orgs[1].as_str());
+    params.distinguished_name = dn;
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    let mut serial: [u8; 16] = rand::random();
+    serial[0] &= 0x7f;
+    params.serial_number = Some(SerialNumber::from_slice(&serial));
+    params.use_authority_key_identifier_extension = true;
+    let now = time::OffsetDateTime::now_utc();
+    let back = tether_pki::backdate_for(lifetime);
+    params.not_before = now - time::Duration::milliseconds(back.as_millis() as i64);
+    params.not_after = now + time::Duration::seconds(lifetime.as_secs() as i64);
+    req.params = params;
+    let cert = req
+        .signed_by(&issuer)
+        .map_err(|e| format!("signing the add-on certificate: {e}"))?;
+    Ok(cert.pem())
+}
+
+async fn event(ctx: &HubCtx, ev: Event) {
+    if let Err(e) = ctx.store.publish_event(&ev).await {
+        tracing::warn!(error = %e, reason = %ev.reason, "cannot publish event");
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Config,
+    Csr,
+    CsrGet,
+}
+
+async fn serve(
+    ctx: &HubCtx,
+    kind: Kind,
+    msg: &async_nats::Message,
+) -> Result<serde_json::Value, String> {
+    let (Some(cluster), Some(addon)) = (
+        subjects::cluster_of(&msg.subject),
+        subjects::addon_of(&msg.subject),
+    ) else {
+        return Err(format!("subject {} names no cluster/add-on", msg.subject));
+    };
+    let span = tracing::info_span!("addon.delivery", %cluster, %addon, kind = ?kind);
+    tracing::Instrument::instrument(serve_in(ctx, kind, msg, cluster, addon), span).await
+}
+
+async fn serve_in(
+    ctx: &HubCtx,
+    kind: Kind,
+    msg: &async_nats::Message,
+    cluster: &str,
+    addon: &str,
+) -> Result<serde_json::Value, String> {
+    let to_json = |v: Result<CsrReply, DeliveryError>| {
+        v.map_err(|e| e.to_string())
+            .and_then(|r| serde_json::to_value(r).map_err(|e| e.to_string()))
+    };
+    match kind {
+        Kind::Config => {
+            let req: AddOnAgentConfigRequest = if msg.payload.is_empty() {
+                Default::default()
+            } else {
+                serde_json::from_slice(&msg.payload)
+                    .map_err(|e| format!("malformed add-on config request: {e}"))?
+            };
+            tracing::debug!(agent = %req.agent_name, "add-on config requested");
+            let r = agent_config(ctx, cluster, addon)
+                .await
+                .map_err(|e| e.to_string())?;
+            serde_json::to_value(r).map_err(|e| e.to_string())
+        }
+        Kind::Csr => {
+            let body: CsrSubmit = serde_json::from_slice(&msg.payload)
+                .map_err(|e| format!("malformed add-on CSR body: {e}"))?;
+            to_json(submit_addon_csr(ctx, cluster, addon, body).await)
+        }
+        Kind::CsrGet => {
+            let body: CsrGet = serde_json::from_slice(&msg.payload)
+                .map_err(|e| format!("malformed add-on CSR get body: {e}"))?;
+            to_json(get_addon_csr(ctx, cluster, addon, body).await)
+        }
+    }
+}
+
+/// Serves the delivery subjects and watches the broker set. Returns the tasks.
+pub async fn start(
+    client: async_nats::Client,
+    ctx: Arc<HubCtx>,
+    controller: Addr<AddOnController>,
+    shutdown: CancellationToken,
+) -> Result<Vec<tokio::task::JoinHandle<()>>, crate::ManagerError> {
+    let mut handles = Vec::new();
+    for (subject, kind) in [
+        (subjects::CLUSTER_ADDON_CONFIG_ALL, Kind::Config),
+        (subjects::CLUSTER_ADDON_CSR_ALL, Kind::Csr),
+        (subjects::CLUSTER_ADDON_CSR_GET_ALL, Kind::CsrGet),
+    ] {
+        let sub = client
+            .queue_subscribe(subject, QUEUE_GROUP.to_string())
+            .await
+            .map_err(|e| crate::ManagerError::Subscribe {
+                subject: subject.into(),
+                reason: e.to_string(),
+            })?;
+        let stop = shutdown.clone();
+        let client = client.clone();
+        let ctx = ctx.clone();
+        handles.push(tokio::spawn(async move {
+            let work = sub.for_each_concurrent(MAX_INFLIGHT_DELIVERY, |msg| {
+                let client = client.clone();
+                let ctx = ctx.clone();
+                async move {
+                    let r = serve(&ctx, kind, &msg).await;
+                    let label = match kind {
+                        Kind::Config => "addon.config",
+                        Kind::Csr => "addon.csr",
+                        Kind::CsrGet => "addon.csr.get",
+                    };
+                    ctx.metrics
+                        .requests_total
+                        .with_label_values(&[label, if r.is_ok() { "ok" } else { "error" }])
+                        .inc();
+                    let Some(reply) = msg.reply else { return };
+                    let res = match r {
+                        Ok(v) => client.publish(reply, v.to_string().into()).await,
+                        Err(e) => {
+                            tracing::info!(subject = %msg.subject, error = %e, "add-on request refused");
+                            let mut h = async_nats::HeaderMap::new();
+                            h.insert(ERROR_HEADER, e.replace(['\r', '\n'], " ").as_str());
+                            let body = serde_json::json!({ "error": e }).to_string();
+                            client.publish_with_headers(reply, h, body.into()).await
+                        }
+                    };
+                    if let Err(e) = res {
+                        tracing::debug!(error = %e, "cannot publish reply");
+                    }
+                }
+            });
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = work => tracing::warn!(subject, "add-on delivery subscription ended"),
+            }
+        }));
+    }
+    // The broker set: notify every installed add-on and re-evaluate Available when it changes.
+    let stop = shutdown.clone();
+    handles.push(tokio::spawn(async move {
+        let mut last: Option<Vec<AgentBrokerEndpoint>> = None;
+        let mut tick = tokio::time::interval(BROKER_CHECK_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let serving = match serving_brokers(&ctx.store, SystemTime::now()).await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot read broker presence");
+                    continue;
+                }
+            };
+            let now: Vec<AgentBrokerEndpoint> = serving
+                .into_iter()
+                .map(|b| AgentBrokerEndpoint {
+                    id: b.id,
+                    addresses: b.agent_addresses,
+                    server_name: b.server_name,
+                })
+                .collect();
+            if last.as_ref() == Some(&now) {
+                continue;
+            }
+            let first = last.is_none();
+            let ids: Vec<&str> = now.iter().map(|b| b.id.as_str()).collect();
+            tracing::info!(brokers = ?ids, "serving broker set changed");
+            last = Some(now);
+            let _ = controller.send(Changed).await;
+            if first {
+                continue; // agents re-read their config periodically anyway
+            }
+            match ctx.store.keys(Bucket::ManagedClusterAddOns).await {
+                Ok(keys) => {
+                    for k in keys {
+                        if let Some((cluster, addon)) = k.split_once('.') {
+                            notify_config_changed(&client, cluster, addon).await;
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot list add-ons to notify"),
+            }
+        }
+    }));
+    Ok(handles)
+}
