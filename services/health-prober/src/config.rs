@@ -45,6 +45,56 @@ pub struct ProberConfig {
     pub connection_max_age: Duration,
     #[serde(default = "default_admin")]
     pub admin_listen: SocketAddr,
+    /// Hub NATS: when set, the cluster list is the hub's accepted ManagedClusters and results
+    /// are published (KV `tether-health`, events, `tether.v1.health.get`).
+    #[serde(default)]
+    pub nats: Option<NatsAccess>,
+    /// Name of this prober in published results (default: host name + pid).
+    #[serde(default)]
+    pub prober_id: Option<String>,
+}
+
+/// How the prober reaches hub NATS, as a hub process (user `tether-hub`).
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsAccess {
+    /// Hub directory written by `tetherctl init`: URL, server name, CA and the hub user's
+    /// password file are read from its `hub.yaml` (each may be overridden below).
+    #[serde(default)]
+    pub hub_dir: Option<PathBuf>,
+    /// `tls://host:port` of hub NATS.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Name checked in the NATS server certificate (default: the URL's host).
+    #[serde(default)]
+    pub server_name: Option<String>,
+    /// CA bundle that signed the NATS server certificate.
+    #[serde(default)]
+    pub ca: Option<PathBuf>,
+    /// NATS user (default `tether-hub`).
+    #[serde(default = "default_nats_user")]
+    pub user: String,
+    /// File holding that user's password.
+    #[serde(default)]
+    pub password_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for NatsAccess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Only paths are held here, never the password itself.
+        f.debug_struct("NatsAccess")
+            .field("hub_dir", &self.hub_dir)
+            .field("url", &self.url)
+            .field("server_name", &self.server_name)
+            .field("ca", &self.ca)
+            .field("user", &self.user)
+            .field("password_file", &self.password_file)
+            .finish()
+    }
+}
+
+fn default_nats_user() -> String {
+    "tether-hub".into()
 }
 
 /// How the prober reaches brokers: the native gRPC Dial API.
@@ -74,6 +124,10 @@ pub struct ProbeTarget {
     pub path: String,
     #[serde(default)]
     pub tls: bool,
+    /// Dial through this cluster's tunnel instead of the probed cluster's own (simulations and
+    /// benchmarks: many cluster names probed through a few real agents).
+    #[serde(default)]
+    pub via_cluster: Option<String>,
 }
 
 fn default_interval() -> Duration {
@@ -148,6 +202,21 @@ impl Validate for ProberConfig {
         for (i, c) in self.clusters.iter().enumerate() {
             tether_tls::identity::validate_dns_label(c)
                 .map_err(|r| ConfigError::invalid(format!("clusters[{i}]"), r))?;
+        }
+        if let Some(n) = &self.nats {
+            if n.hub_dir.is_none()
+                && (n.url.is_none() || n.ca.is_none() || n.password_file.is_none())
+            {
+                return Err(ConfigError::invalid(
+                    "nats",
+                    "set hub_dir, or url + ca + password_file",
+                ));
+            }
+            if let Some(u) = &n.url
+                && !u.starts_with("tls://")
+            {
+                return Err(ConfigError::invalid("nats.url", "must be tls://host:port"));
+            }
         }
         for (name, t) in &self.targets {
             if t.port == 0 || t.host.is_empty() || !t.path.starts_with('/') {

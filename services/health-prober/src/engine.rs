@@ -11,9 +11,22 @@ use actix::prelude::*;
 use tokio::sync::{Mutex, Semaphore};
 
 use crate::config::ProbeTarget;
-use crate::health::{Damping, HealthTable};
+use crate::health::{ClusterHealth, Damping, HealthTable};
 use crate::metrics::ProberMetrics;
 use crate::probe::{ClusterProber, ProbeContext, ProbeOutcome};
+
+/// Results queued towards the NATS publisher before probe tasks wait.
+pub const PUBLISH_QUEUE: usize = 4096;
+/// Longest a probe task waits for room in the publish queue before dropping its result
+/// (the next round publishes the cluster again; dropped results are counted).
+pub const PUBLISH_WAIT: Duration = Duration::from_secs(5);
+
+/// One probe result for the publisher: the record and whether the damped verdict flipped.
+#[derive(Debug, Clone)]
+pub struct Published {
+    pub record: ClusterHealth,
+    pub changed: bool,
+}
 
 pub struct Scheduler {
     pub ctx: Arc<ProbeContext>,
@@ -27,6 +40,7 @@ pub struct Scheduler {
     pub metrics: ProberMetrics,
     probers: BTreeMap<String, Arc<Mutex<ClusterProber>>>,
     running: bool,
+    publish: Option<tokio::sync::mpsc::Sender<Published>>,
 }
 
 impl Scheduler {
@@ -54,7 +68,14 @@ impl Scheduler {
             metrics,
             probers: BTreeMap::new(),
             running: false,
+            publish: None,
         }
+    }
+
+    /// Sends every result to `tx` (the NATS publisher), bounded by [`PUBLISH_QUEUE`].
+    pub fn with_publisher(mut self, tx: tokio::sync::mpsc::Sender<Published>) -> Self {
+        self.publish = Some(tx);
+        self
     }
 
     fn round(&mut self, ctx: &mut Context<Self>) {
@@ -80,12 +101,13 @@ impl Scheduler {
                 (c.clone(), Arc::clone(p))
             })
             .collect();
-        let (pctx, timeout, damping, table, metrics) = (
+        let (pctx, timeout, damping, table, metrics, publish) = (
             Arc::clone(&self.ctx),
             self.timeout,
             self.damping,
             self.table.clone(),
             self.metrics.clone(),
+            self.publish.clone(),
         );
         let limit = Arc::new(Semaphore::new(self.concurrency));
         let me = ctx.address();
@@ -93,11 +115,12 @@ impl Scheduler {
             let started = Instant::now();
             let mut tasks = tokio::task::JoinSet::new();
             for (cluster, prober) in jobs {
-                let (pctx, table, metrics, limit) = (
+                let (pctx, table, metrics, limit, publish) = (
                     Arc::clone(&pctx),
                     table.clone(),
                     metrics.clone(),
                     Arc::clone(&limit),
+                    publish.clone(),
                 );
                 tasks.spawn(async move {
                     let _permit = limit.acquire_owned().await.expect("semaphore open");
@@ -122,6 +145,16 @@ impl Scheduler {
                     let (rec, changed) = table.record(&cluster, &outcome, damping, pctx.tls_verified);
                     if changed {
                         tracing::warn!(cluster = %cluster, healthy = rec.healthy, error = ?rec.error, "cluster health changed");
+                    }
+                    if let Some(tx) = publish {
+                        let sent = tokio::time::timeout(
+                            PUBLISH_WAIT,
+                            tx.send(Published { record: rec, changed }),
+                        )
+                        .await;
+                        if !matches!(sent, Ok(Ok(()))) {
+                            metrics.publish_dropped.inc();
+                        }
                     }
                 });
             }
@@ -160,7 +193,12 @@ impl Handler<RoundDone> for Scheduler {
 
 impl Handler<SetClusters> for Scheduler {
     type Result = ();
-    fn handle(&mut self, msg: SetClusters, _: &mut Context<Self>) {
+    fn handle(&mut self, msg: SetClusters, ctx: &mut Context<Self>) {
+        let added = msg.0.iter().any(|c| !self.clusters.contains(c));
         self.clusters = msg.0;
+        // A newly accepted cluster is probed at once rather than at the next tick.
+        if added && !self.running {
+            self.round(ctx);
+        }
     }
 }

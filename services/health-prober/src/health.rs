@@ -37,6 +37,56 @@ pub struct ClusterHealth {
     pub connections_opened: u64,
 }
 
+impl ClusterHealth {
+    /// Short machine-readable cause of the last result.
+    pub fn reason(&self) -> &'static str {
+        if self.last_probe_ok {
+            return "ProbeSucceeded";
+        }
+        if self.status.is_some() {
+            return "HttpStatus";
+        }
+        let e = self.error.as_deref().unwrap_or("").to_ascii_lowercase();
+        if e.contains("no tunnel") || e.contains("notunnel") {
+            "NoTunnel"
+        } else if e.contains("timed out") || e.contains("timeout") {
+            "Timeout"
+        } else if e.contains("tls") {
+            "TlsFailed"
+        } else if e.contains("refused") || e.contains("unreachable") {
+            "TargetUnreachable"
+        } else {
+            "ProbeFailed"
+        }
+    }
+
+    /// The published form (KV `tether-health`, `tether.v1.health.get`).
+    pub fn to_record(&self, prober: &str) -> tether_control::health::HealthRecord {
+        tether_control::health::HealthRecord {
+            cluster: self.cluster.clone(),
+            healthy: self.healthy,
+            reason: self.reason().into(),
+            message: self.error.clone().unwrap_or_default(),
+            last_probe_ok: self.last_probe_ok,
+            latency: tether_control::health::LatencySplit {
+                total_ms: self.latency_ms,
+                tunnel_ms: self.tunnel_rtt_ms,
+                target_ms: self.target_ms,
+            },
+            probed_at: tether_control::resources::rfc3339(
+                SystemTime::UNIX_EPOCH + Duration::from_secs(self.probed_at),
+            ),
+            consecutive_failures: self.consecutive_failures,
+            consecutive_successes: self.consecutive_successes,
+            path: self.path.clone(),
+            status: self.status,
+            tls_verified: self.tls_verified,
+            probes: self.probes,
+            prober: prober.to_string(),
+        }
+    }
+}
+
 /// Thresholds of the damping.
 #[derive(Debug, Clone, Copy)]
 pub struct Damping {
@@ -116,6 +166,15 @@ impl HealthTable {
             .write()
             .expect("health table lock")
             .retain(|k, _| keep(k));
+    }
+
+    /// One cluster's record.
+    pub fn get(&self, cluster: &str) -> Option<ClusterHealth> {
+        self.inner
+            .read()
+            .expect("health table lock")
+            .get(cluster)
+            .cloned()
     }
 
     pub fn snapshot(&self) -> Vec<ClusterHealth> {

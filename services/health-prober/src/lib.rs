@@ -7,6 +7,9 @@
 //! - [`engine`]: the scheduler actor (rounds, bounded concurrency, overrun accounting).
 //! - [`metrics`]: Prometheus metrics.
 //!
+//! - [`nats`]: on hub NATS, the cluster list from ManagedClusters, results to KV
+//!   `tether-health`, transitions to events, `tether.v1.health.get` answered from memory.
+//!
 //! Results are served on the admin listener at `/debug/health` (JSON).
 
 #![forbid(unsafe_code)]
@@ -15,6 +18,7 @@ pub mod config;
 pub mod engine;
 pub mod health;
 pub mod metrics;
+pub mod nats;
 pub mod probe;
 
 use std::sync::Arc;
@@ -45,9 +49,11 @@ pub enum ProberError {
     Tls(#[from] tether_tls::TlsError),
     #[error("metrics: {0}")]
     Metrics(#[from] prometheus::Error),
+    #[error("hub NATS: {0}")]
+    Nats(String),
 }
 
-fn read(path: &std::path::Path) -> Result<String, ProberError> {
+pub(crate) fn read(path: &std::path::Path) -> Result<String, ProberError> {
     std::fs::read_to_string(path).map_err(|source| ProberError::Read {
         path: path.to_owned(),
         source,
@@ -110,9 +116,22 @@ pub async fn run(
         connection_max_age: cfg.connection_max_age,
     });
     let table = HealthTable::default();
-    let scheduler = Scheduler::new(
+    let prober_id = cfg.prober_id.clone().unwrap_or_else(default_prober_id);
+    // On NATS, connect first (a hub that is down is a start-up error with its reason).
+    let nats_side = match &cfg.nats {
+        Some(access) => {
+            let conn = nats::connect_hub(access).await?;
+            Some(nats::NatsSide::open(conn).await?)
+        }
+        None => None,
+    };
+    let mut scheduler = Scheduler::new(
         ctx,
-        cfg.clusters.clone(),
+        if nats_side.is_some() {
+            Vec::new()
+        } else {
+            cfg.clusters.clone()
+        },
         cfg.targets.clone(),
         cfg.interval,
         cfg.timeout,
@@ -122,16 +141,48 @@ pub async fn run(
             success_threshold: cfg.success_threshold,
         },
         table.clone(),
-        metrics,
+        metrics.clone(),
     );
-    let _scheduler = Scheduler::start_in_arbiter(&Arbiter::current(), move |_| scheduler);
+    let results = match nats_side {
+        Some(_) => {
+            let (tx, rx) = tokio::sync::mpsc::channel(engine::PUBLISH_QUEUE);
+            scheduler = scheduler.with_publisher(tx);
+            Some(rx)
+        }
+        None => None,
+    };
+    let scheduler = Scheduler::start_in_arbiter(&Arbiter::current(), move |_| scheduler);
+    if let (Some(side), Some(rx)) = (nats_side, results) {
+        side.spawn(
+            scheduler,
+            table.clone(),
+            rx,
+            prober_id.clone(),
+            cfg.interval,
+            metrics,
+            shutdown.clone(),
+        );
+    }
     let readiness = Readiness::new();
     readiness.set_ready();
     let admin_server = AdminServer::new(registry, readiness)
         .with_json_route("/debug/health", move || {
             serde_json::to_string(&table.snapshot()).unwrap_or_default()
         });
-    tracing::info!(clusters = cfg.clusters.len(), interval = ?cfg.interval, "health-prober started");
+    tracing::info!(
+        prober = %prober_id,
+        nats = cfg.nats.is_some(),
+        clusters = cfg.clusters.len(),
+        interval = ?cfg.interval,
+        "health-prober started"
+    );
     admin_server.serve(admin, shutdown).await;
     Ok(())
+}
+
+fn default_prober_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "prober".into());
+    format!("health-prober/{host}/{}", std::process::id())
 }

@@ -11,6 +11,9 @@ pub struct ProberMetrics {
     pub round_duration: Gauge,
     pub rounds_overrun: IntCounter,
     pub connections_opened: IntCounter,
+    pub publish_dropped: IntCounter,
+    pub published: prometheus::IntCounterVec,
+    pub health_requests: IntCounter,
 }
 
 impl ProberMetrics {
@@ -45,6 +48,21 @@ impl ProberMetrics {
                 "tether_prober_connections_opened_total",
                 "Tunnel streams dialled for probing (reused across rounds).",
             )?,
+            publish_dropped: IntCounter::new(
+                "tether_prober_publish_dropped_total",
+                "Probe results not handed to the NATS publisher (queue full for 5 s).",
+            )?,
+            published: prometheus::IntCounterVec::new(
+                Opts::new(
+                    "tether_prober_nats_published_total",
+                    "Messages published to NATS, by kind (kv, event) and result (ok, error).",
+                ),
+                &["kind", "result"],
+            )?,
+            health_requests: IntCounter::new(
+                "tether_prober_health_requests_total",
+                "tether.v1.health.get requests answered.",
+            )?,
         };
         tether_telemetry::register_all(
             registry,
@@ -54,6 +72,9 @@ impl ProberMetrics {
                 Box::new(m.round_duration.clone()),
                 Box::new(m.rounds_overrun.clone()),
                 Box::new(m.connections_opened.clone()),
+                Box::new(m.publish_dropped.clone()),
+                Box::new(m.published.clone()),
+                Box::new(m.health_requests.clone()),
             ],
         )?;
         Ok(m)

@@ -80,7 +80,10 @@ impl ClusterProber {
     async fn connect(&mut self, ctx: &ProbeContext) -> Result<(), String> {
         let (stream, tls) = match &self.target {
             None => (ctx.dialer.dial_api_server(&self.cluster).await, true),
-            Some(t) => (ctx.dialer.dial(&self.cluster, &t.host, t.port).await, t.tls),
+            Some(t) => {
+                let via = t.via_cluster.as_deref().unwrap_or(&self.cluster);
+                (ctx.dialer.dial(via, &t.host, t.port).await, t.tls)
+            }
         };
         let stream = stream.map_err(|e| e.to_string())?;
         self.tunnel_rtt = stream.tunnel_rtt();

@@ -9,19 +9,57 @@
 //!   ManagedClusterAddOn, AddOnDeploymentConfig, ManagedProxyConfiguration; all validated before
 //!   any is stored), `get addons|configs|clustermanagementaddons`, `delete <kind> <name>`.
 //!
+//! - `proxy health` (the `clusteradm proxy health` table, from the health-prober over NATS),
+//!   `proxy connect` (local port forward through a broker), `proxy kubectl` (kubectl through
+//!   the tunnel, TLS verified against the cluster CA).
+//! - `events [--watch] [--durable NAME]`: events as they arrive (JetStream consumer).
+//! - `completions <shell>`: shell completion script.
+//!
 //! Hub commands read `<hub dir>/hub.yaml` (`--hub-dir`, env `TETHER_HUB_DIR`) and connect as the
 //! `tether-admin` NATS user.
 
 mod addons;
+mod events;
 mod init;
 mod ops;
+mod proxy;
 
 use std::path::PathBuf;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory as _, Parser, Subcommand, ValueEnum};
+
+const EXAMPLES: &str = "\
+Examples:
+  tetherctl init --dir hub --hub-host hub.example.com
+  tetherctl accept edge-1
+  tetherctl get clusters -o wide
+  tetherctl proxy health
+  tetherctl proxy health --cluster edge-1 -o json
+  tetherctl proxy connect edge-1 web.default.svc:8080 --local-port 8080 --broker https://broker:8443 --token-file ops.token
+  tetherctl proxy kubectl --cluster edge-1 --kubeconfig edge-1.kubeconfig -- get pods -A
+  tetherctl events --watch
+  tetherctl completions bash > /etc/bash_completion.d/tetherctl
+
+Hub commands read <hub dir>/hub.yaml (--hub-dir, TETHER_HUB_DIR) and connect to NATS as tether-admin.
+Output: tables for people; -o json|yaml for scripts. Waits longer than a second say so on stderr.";
+
+const PROXY_EXAMPLES: &str = "\
+Examples:
+  # The clusteradm-style table, answered from the health-prober's results (instant)
+  tetherctl proxy health
+  tetherctl proxy health -o wide       # adds tunnel vs target latency, reason, probed-at
+  # Forward 127.0.0.1:8080 to a service in edge-1 through a broker
+  export TETHER_BROKER=https://broker.hub:8443 TETHER_TOKEN_FILE=ops.token
+  tetherctl proxy connect edge-1 web.default.svc:8080 --local-port 8080
+  # kubectl against edge-1's API server through the tunnel
+  tetherctl proxy kubectl --cluster edge-1 --kubeconfig edge-1.kubeconfig -- get nodes
+
+Broker access: --broker (TETHER_BROKER), --broker-ca (TETHER_BROKER_CA, default <hub dir>/ca.crt),
+--broker-server-name (TETHER_BROKER_SERVER_NAME), --client-cert/--client-key
+(TETHER_CLIENT_CERT/TETHER_CLIENT_KEY) or --token-file (TETHER_TOKEN_FILE) / TETHER_TOKEN.";
 
 #[derive(Parser, Debug)]
-#[command(name = "tetherctl", version, about = "Tether CLI")]
+#[command(name = "tetherctl", version, about = "Tether CLI", after_help = EXAMPLES)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -87,6 +125,66 @@ enum Cmd {
     Token {
         #[command(subcommand)]
         what: TokenCmd,
+    },
+    /// Reach clusters: health table, port forward, kubectl through the tunnel.
+    #[command(after_help = PROXY_EXAMPLES)]
+    Proxy {
+        #[command(subcommand)]
+        what: ProxyCmd,
+    },
+    /// Events from the events stream; --watch prints them as they arrive.
+    #[command(
+        after_help = "Examples:\n  tetherctl events edge-1\n  tetherctl events --watch\n  tetherctl events --watch --subject 'tether.v1.events.health.>' -o json\n  tetherctl events --watch --durable ops-audit   # resumes where it stopped"
+    )]
+    Events(events::EventsArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    #[command(
+        after_help = "Examples:\n  tetherctl completions bash > /etc/bash_completion.d/tetherctl\n  tetherctl completions zsh > \"${fpath[1]}/_tetherctl\""
+    )]
+    Completions { shell: clap_complete::Shell },
+}
+
+#[derive(Subcommand, Debug)]
+enum ProxyCmd {
+    /// CLUSTER NAME, INSTALLED, AVAILABLE, PROBED HEALTH, LATENCY (like clusteradm proxy health).
+    #[command(
+        after_help = "Examples:\n  tetherctl proxy health\n  tetherctl proxy health --cluster edge-1 -o wide\n  tetherctl proxy health -o json | jq '.items[] | select(.probedHealth != \"True\")'"
+    )]
+    Health {
+        /// Only this cluster.
+        #[arg(long)]
+        cluster: Option<String>,
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: Output,
+        #[command(flatten)]
+        hub: HubArgs,
+    },
+    /// Forward a local port to a target in a cluster (default: its API server).
+    #[command(
+        after_help = "Examples:\n  tetherctl proxy connect edge-1 --local-port 6443                 # the API server\n  tetherctl proxy connect edge-1 web.default.svc:8080 --local-port 8080\n  tetherctl proxy connect edge-1 db:5432 --local-port 0           # a free port, printed"
+    )]
+    Connect {
+        cluster: String,
+        /// host:port inside the cluster (default: its API server).
+        target: Option<String>,
+        /// Local port (0: any free port; the chosen one is printed).
+        #[arg(long, default_value_t = 0)]
+        local_port: u16,
+        /// Local address to listen on.
+        #[arg(long, default_value = "127.0.0.1")]
+        address: String,
+        #[command(flatten)]
+        broker: proxy::BrokerArgs,
+    },
+    /// Run kubectl against a cluster's API server through the tunnel.
+    #[command(
+        after_help = "Examples:\n  tetherctl proxy kubectl --cluster edge-1 --kubeconfig edge-1.kubeconfig -- get pods -A\n  tetherctl proxy kubectl --cluster edge-1 --cluster-ca edge-1-ca.crt --kube-token-file t -- version"
+    )]
+    Kubectl {
+        #[command(flatten)]
+        args: proxy::KubectlArgs,
+        #[command(flatten)]
+        broker: proxy::BrokerArgs,
     },
 }
 
@@ -195,6 +293,34 @@ async fn main() {
         },
         Cmd::Apply { file, hub } => addons::apply(&hub, &file).await,
         Cmd::Delete { kind, name, hub } => addons::delete(&hub, &kind, &name).await,
+        Cmd::Proxy { what } => match what {
+            ProxyCmd::Health {
+                cluster,
+                output,
+                hub,
+            } => proxy::health(&hub, cluster.as_deref(), output).await,
+            ProxyCmd::Connect {
+                cluster,
+                target,
+                local_port,
+                address,
+                broker,
+            } => proxy::connect(&broker, &cluster, target.as_deref(), &address, local_port).await,
+            ProxyCmd::Kubectl { args, broker } => match proxy::kubectl(&broker, &args).await {
+                Ok(code) => std::process::exit(code),
+                Err(e) => Err(e),
+            },
+        },
+        Cmd::Events(a) => events::events(&a).await,
+        Cmd::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "tetherctl",
+                &mut std::io::stdout(),
+            );
+            Ok(())
+        }
         Cmd::Token { what } => match what {
             TokenCmd::Create {
                 ttl,

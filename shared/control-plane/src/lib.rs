@@ -13,6 +13,8 @@
 //!   credentials and per-identity permissions.
 //! - [`addons`]: add-on resources (OCM-shaped), validation, and the agent ↔ hub add-on messages.
 //! - [`brokers`]: broker presence (`tether-brokers` KV).
+//! - [`health`]: health-prober results (`tether-health`, `tether.v1.health.get`) and the
+//!   `proxy health` table.
 //! - [`store`]: JetStream KV buckets and the events stream.
 //! - [`trace`]: W3C `traceparent` in NATS headers.
 //!
@@ -23,6 +25,7 @@ pub mod addons;
 pub mod auth;
 pub mod brokers;
 pub mod connect;
+pub mod health;
 pub mod hub;
 pub mod kubeconfig;
 /// Forward-proxy dialling lives in its own crate; re-exported under its old path.

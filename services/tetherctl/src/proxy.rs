@@ -1,0 +1,434 @@
+//! `tetherctl proxy health | connect | kubectl`.
+//!
+//! - `health`: the `clusteradm proxy health` table from the hub's ManagedClusters, the
+//!   `cluster-proxy` ManagedClusterAddOns and the health-prober's in-memory results
+//!   (`tether.v1.health.get`); nothing is probed on demand, so it answers at once.
+//! - `connect`: a local port forward (127.0.0.1:N → a target in the cluster) through a broker's
+//!   native Dial API, one tunnel stream per accepted connection.
+//! - `kubectl`: runs `kubectl` with a temporary kubeconfig whose server is such a local forward
+//!   to the cluster's API server; TLS is end to end and verified against the cluster's CA.
+//!
+//! Broker access (`connect`, `kubectl`): `--broker https://host:port` (`TETHER_BROKER`),
+//! `--broker-ca` (`TETHER_BROKER_CA`, default `<hub dir>/ca.crt`), `--broker-server-name`
+//! (`TETHER_BROKER_SERVER_NAME`, default the URL's host), and either `--client-cert` +
+//! `--client-key` (`TETHER_CLIENT_CERT`/`TETHER_CLIENT_KEY`, CN `tether:client:<name>`) or a
+//! bearer token: `--token-file` (`TETHER_TOKEN_FILE`) or `TETHER_TOKEN`.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use tether_client::{ClientCert, Dialer, DialerConfig, Token};
+use tether_control::health::{self, ProxyHealthRow};
+use tether_control::store::HubStore;
+use tokio::net::TcpListener;
+
+use crate::ops::connect_admin;
+use crate::{HubArgs, Output};
+
+/// Waits longer than this show a progress line on stderr.
+pub const PROGRESS_AFTER: Duration = Duration::from_secs(1);
+/// Budget of one dial through the broker.
+pub const DIAL_TIMEOUT: Duration = Duration::from_secs(15);
+/// Budget of connecting to the broker.
+pub const BROKER_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Runs `fut`; if it takes longer than [`PROGRESS_AFTER`], says on stderr what is awaited.
+pub async fn progress<T>(what: &str, fut: impl Future<Output = T>) -> T {
+    let fut = std::pin::pin!(fut);
+    let mut fut = fut;
+    tokio::select! {
+        r = &mut fut => return r,
+        _ = tokio::time::sleep(PROGRESS_AFTER) => eprintln!("… {what}"),
+    }
+    let started = std::time::Instant::now();
+    let r = fut.await;
+    eprintln!(
+        "… {what}: done after {:.1}s",
+        (started.elapsed() + PROGRESS_AFTER).as_secs_f64()
+    );
+    r
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct BrokerArgs {
+    /// Broker client TLS listener (native Dial API), https://host:port.
+    #[arg(long, env = "TETHER_BROKER")]
+    pub broker: Option<String>,
+    /// CA bundle that signed the broker's certificate [default: <hub dir>/ca.crt].
+    #[arg(long, env = "TETHER_BROKER_CA")]
+    pub broker_ca: Option<PathBuf>,
+    /// Name checked in the broker's certificate [default: the --broker host].
+    #[arg(long, env = "TETHER_BROKER_SERVER_NAME")]
+    pub broker_server_name: Option<String>,
+    /// Client certificate (CN tether:client:<name>), with --client-key.
+    #[arg(long, env = "TETHER_CLIENT_CERT", requires = "client_key")]
+    pub client_cert: Option<PathBuf>,
+    #[arg(long, env = "TETHER_CLIENT_KEY", requires = "client_cert")]
+    pub client_key: Option<PathBuf>,
+    /// File holding a bearer token for the broker.
+    #[arg(long, env = "TETHER_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Hub directory (for the default CA).
+    #[arg(long, env = "TETHER_HUB_DIR", default_value = "hub")]
+    pub hub_dir: PathBuf,
+}
+
+fn read(p: &Path) -> anyhow::Result<String> {
+    std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+}
+
+impl BrokerArgs {
+    /// Connects to the broker's native Dial API.
+    pub async fn dialer(&self) -> anyhow::Result<Dialer> {
+        let Some(endpoint) = self.broker.clone() else {
+            bail!("no broker: pass --broker https://host:port (or set TETHER_BROKER)");
+        };
+        let Some(hostport) = endpoint.strip_prefix("https://") else {
+            bail!("--broker {endpoint:?} must be https://host:port");
+        };
+        let host = hostport
+            .rsplit_once(':')
+            .map(|(h, _)| h.trim_matches(['[', ']']))
+            .unwrap_or(hostport)
+            .to_string();
+        let ca = self
+            .broker_ca
+            .clone()
+            .unwrap_or_else(|| self.hub_dir.join("ca.crt"));
+        let client_cert = match (&self.client_cert, &self.client_key) {
+            (Some(c), Some(k)) => Some(ClientCert {
+                cert_pem: read(c)?,
+                key_pem: read(k)?,
+            }),
+            _ => None,
+        };
+        let token = match (&self.token_file, std::env::var("TETHER_TOKEN")) {
+            (Some(p), _) => Some(Token(read(p)?.trim().to_string())),
+            (None, Ok(t)) if !t.is_empty() => Some(Token(t)),
+            _ => None,
+        };
+        if client_cert.is_none() && token.is_none() {
+            bail!(
+                "no broker credential: pass --client-cert/--client-key or --token-file (or set TETHER_TOKEN)"
+            );
+        }
+        let cfg = DialerConfig {
+            endpoint: endpoint.clone(),
+            server_name: self.broker_server_name.clone().unwrap_or(host),
+            ca_pem: read(&ca).context("broker CA (--broker-ca)")?,
+            client_cert,
+            token,
+            connect_timeout: BROKER_CONNECT_TIMEOUT,
+        };
+        progress(
+            &format!("connecting to broker {endpoint}"),
+            Dialer::connect(cfg),
+        )
+        .await
+        .with_context(|| format!("broker {endpoint}"))
+    }
+}
+
+/// `tetherctl proxy health`.
+pub async fn health(hub: &HubArgs, cluster: Option<&str>, output: Output) -> anyhow::Result<()> {
+    let (_, conn) = progress("connecting to hub NATS", connect_admin(hub)).await?;
+    let store = HubStore::open(conn.client.clone()).await?;
+    let found = progress(
+        "asking the health-prober",
+        health::proxy_health(&conn.client, &store, cluster),
+    )
+    .await?;
+    if let Some(c) = cluster
+        && found.rows.is_empty()
+    {
+        bail!("cluster {c:?} is neither accepted nor has the cluster-proxy add-on");
+    }
+    if let Err(e) = &found.prober {
+        eprintln!("warning: no health-prober answered ({e}); PROBED HEALTH is Unknown");
+    }
+    print_rows(&found.rows, output)
+}
+
+fn print_rows(rows: &[ProxyHealthRow], output: Output) -> anyhow::Result<()> {
+    let list = serde_json::json!({ "apiVersion": "v1", "kind": "List", "items": rows });
+    match output {
+        Output::Json => println!("{}", serde_json::to_string_pretty(&list)?),
+        Output::Yaml => print!("{}", serde_saphyr::to_string(&list)?),
+        Output::Table | Output::Wide => {
+            print!("{}", health::render_table(rows, output == Output::Wide))
+        }
+    }
+    Ok(())
+}
+
+/// `host:port` → (host, port).
+fn parse_target(t: &str) -> anyhow::Result<(String, u16)> {
+    let (h, p) = t
+        .rsplit_once(':')
+        .with_context(|| format!("target {t:?} is not host:port"))?;
+    let port: u16 = p
+        .parse()
+        .ok()
+        .filter(|p| *p > 0)
+        .with_context(|| format!("target {t:?}: bad port"))?;
+    if h.is_empty() {
+        bail!("target {t:?}: empty host");
+    }
+    Ok((h.trim_matches(['[', ']']).to_string(), port))
+}
+
+/// A forward listening on `listener`: every connection becomes one tunnel stream to
+/// `cluster` (`target` or its API server).
+async fn forward(
+    listener: TcpListener,
+    dialer: Dialer,
+    cluster: String,
+    target: Option<(String, u16)>,
+) {
+    loop {
+        let (mut local, peer) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                eprintln!("accept: {e}");
+                continue;
+            }
+        };
+        let (dialer, cluster, target) = (dialer.clone(), cluster.clone(), target.clone());
+        tokio::spawn(async move {
+            let dial = async {
+                match &target {
+                    Some((h, p)) => dialer.dial(&cluster, h, *p).await,
+                    None => dialer.dial_api_server(&cluster).await,
+                }
+            };
+            let mut remote = match tokio::time::timeout(DIAL_TIMEOUT, dial).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    eprintln!("connection from {peer}: {e}");
+                    return;
+                }
+                Err(_) => {
+                    eprintln!("connection from {peer}: dial timed out after {DIAL_TIMEOUT:?}");
+                    return;
+                }
+            };
+            if let Err(e) = tokio::io::copy_bidirectional(&mut local, &mut remote).await {
+                tracing::debug!(%peer, error = %e, "forwarded connection ended");
+            }
+        });
+    }
+}
+
+/// `tetherctl proxy connect`.
+pub async fn connect(
+    broker: &BrokerArgs,
+    cluster: &str,
+    target: Option<&str>,
+    address: &str,
+    local_port: u16,
+) -> anyhow::Result<()> {
+    tether_tls::identity::validate_dns_label(cluster)
+        .map_err(|r| anyhow::anyhow!("cluster {cluster:?}: {r}"))?;
+    let target = target.map(parse_target).transpose()?;
+    let dialer = broker.dialer().await?;
+    let listener = TcpListener::bind((address, local_port))
+        .await
+        .with_context(|| format!("cannot listen on {address}:{local_port}"))?;
+    let local = listener.local_addr()?;
+    let what = match &target {
+        Some((h, p)) => format!("{h}:{p} in cluster {cluster}"),
+        None => format!("the API server of cluster {cluster}"),
+    };
+    println!("Forwarding from {local} -> {what}");
+    use std::io::Write as _;
+    std::io::stdout().flush()?;
+    tokio::select! {
+        _ = forward(listener, dialer, cluster.to_string(), target) => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    Ok(())
+}
+
+/// Options of `tetherctl proxy kubectl`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct KubectlArgs {
+    /// Managed cluster whose API server kubectl talks to.
+    #[arg(long)]
+    pub cluster: String,
+    /// The cluster's own kubeconfig: its current context's CA, TLS server name and user are
+    /// kept, only the server is replaced by the tunnel.
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// CA bundle of the cluster's API server (when no --kubeconfig).
+    #[arg(long)]
+    pub cluster_ca: Option<PathBuf>,
+    /// Name checked in the API server's certificate.
+    #[arg(long, default_value = "kubernetes.default.svc")]
+    pub tls_server_name: String,
+    /// Bearer token for the API server (when no --kubeconfig), from this file.
+    #[arg(long)]
+    pub kube_token_file: Option<PathBuf>,
+    /// kubectl binary.
+    #[arg(long, env = "TETHER_KUBECTL", default_value = "kubectl")]
+    pub kubectl: PathBuf,
+    /// Arguments for kubectl (after `--`).
+    #[arg(last = true)]
+    pub args: Vec<String>,
+}
+
+/// The temporary kubeconfig: server = the local forward, CA and user from the cluster.
+fn kubeconfig(a: &KubectlArgs, local: std::net::SocketAddr) -> anyhow::Result<serde_json::Value> {
+    use base64::Engine as _;
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    let server = format!("https://{local}");
+    let (mut cluster, user) = match &a.kubeconfig {
+        Some(path) => {
+            let text = read(path)?;
+            let kc: serde_json::Value = serde_saphyr::from_str(&text)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            let base = path.parent().unwrap_or(Path::new("."));
+            let current = kc["current-context"].as_str().unwrap_or_default();
+            let ctx = kc["contexts"]
+                .as_array()
+                .and_then(|v| {
+                    v.iter()
+                        .find(|c| c["name"] == current)
+                        .or_else(|| v.first())
+                })
+                .with_context(|| format!("{}: no context", path.display()))?;
+            let find = |list: &str, name: &serde_json::Value| {
+                kc[list]
+                    .as_array()
+                    .and_then(|v| v.iter().find(|x| x["name"] == *name))
+                    .cloned()
+            };
+            let cluster = find("clusters", &ctx["context"]["cluster"])
+                .with_context(|| format!("{}: context names no cluster", path.display()))?;
+            let mut c = cluster["cluster"].clone();
+            // The original server's host is the name its certificate carries.
+            if c.get("tls-server-name").is_none()
+                && let Some(host) = c["server"]
+                    .as_str()
+                    .and_then(|s| s.split("://").nth(1))
+                    .map(|s| s.split(['/', ':']).next().unwrap_or(s).to_string())
+            {
+                c["tls-server-name"] = host.into();
+            }
+            if let Some(p) = c["certificate-authority"].as_str() {
+                c["certificate-authority"] = base.join(p).display().to_string().into();
+            }
+            let mut user = find("users", &ctx["context"]["user"])
+                .map(|u| u["user"].clone())
+                .unwrap_or_else(|| serde_json::json!({}));
+            for k in ["client-certificate", "client-key", "tokenFile"] {
+                if let Some(p) = user[k].as_str() {
+                    user[k] = base.join(p).display().to_string().into();
+                }
+            }
+            (c, user)
+        }
+        None => {
+            let ca = a.cluster_ca.as_ref().context(
+                "pass --kubeconfig (the cluster's) or --cluster-ca: TLS to the API server is verified",
+            )?;
+            let mut user = serde_json::json!({});
+            if let Some(t) = &a.kube_token_file {
+                user["token"] = read(t)?.trim().into();
+            }
+            (
+                serde_json::json!({
+                    "certificate-authority-data": b64(&read(ca)?),
+                    "tls-server-name": a.tls_server_name,
+                }),
+                user,
+            )
+        }
+    };
+    cluster["server"] = server.into();
+    cluster
+        .as_object_mut()
+        .context("cluster entry is not a map")?
+        .remove("proxy-url");
+    let name = format!("tether-{}", a.cluster);
+    Ok(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": name, "cluster": cluster}],
+        "users": [{"name": name, "user": user}],
+        "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
+        "current-context": name,
+    }))
+}
+
+/// `tetherctl proxy kubectl`: returns kubectl's exit code.
+pub async fn kubectl(broker: &BrokerArgs, a: &KubectlArgs) -> anyhow::Result<i32> {
+    tether_tls::identity::validate_dns_label(&a.cluster)
+        .map_err(|r| anyhow::anyhow!("cluster {:?}: {r}", a.cluster))?;
+    let dialer = broker.dialer().await?;
+    let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
+    let local = listener.local_addr()?;
+    let kc = kubeconfig(a, local)?;
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("kubeconfig");
+    std::fs::write(&path, serde_json::to_string_pretty(&kc)?)?;
+    let fwd = tokio::spawn(forward(listener, dialer, a.cluster.clone(), None));
+    let status = tokio::process::Command::new(&a.kubectl)
+        .arg("--kubeconfig")
+        .arg(&path)
+        .args(&a.args)
+        .env("KUBECONFIG", &path)
+        .status()
+        .await
+        .with_context(|| format!("running {}", a.kubectl.display()))?;
+    fwd.abort();
+    Ok(status.code().unwrap_or(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_parse() {
+        assert_eq!(
+            parse_target("web.default.svc:8080").unwrap(),
+            ("web.default.svc".to_string(), 8080)
+        );
+        assert!(parse_target("nohost").is_err());
+        assert!(parse_target("h:0").is_err());
+    }
+
+    #[test]
+    fn kubeconfig_keeps_ca_and_user_and_replaces_server() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("kc.yaml");
+        std::fs::write(
+            &src,
+            "apiVersion: v1\nkind: Config\ncurrent-context: c\ncontexts:\n- name: c\n  context: {cluster: k, user: u}\nclusters:\n- name: k\n  cluster:\n    server: https://kubernetes.default.svc:443\n    certificate-authority: ca.crt\n    proxy-url: http://p:3128\nusers:\n- name: u\n  user: {token: abc}\n",
+        )
+        .unwrap();
+        let a = KubectlArgs {
+            cluster: "c1".into(),
+            kubeconfig: Some(src),
+            cluster_ca: None,
+            tls_server_name: "kubernetes.default.svc".into(),
+            kube_token_file: None,
+            kubectl: "kubectl".into(),
+            args: vec![],
+        };
+        let kc = kubeconfig(&a, "127.0.0.1:5555".parse().unwrap()).unwrap();
+        let c = &kc["clusters"][0]["cluster"];
+        assert_eq!(c["server"], "https://127.0.0.1:5555");
+        assert_eq!(c["tls-server-name"], "kubernetes.default.svc");
+        assert!(c.get("proxy-url").is_none());
+        assert!(
+            c["certificate-authority"]
+                .as_str()
+                .unwrap()
+                .ends_with("ca.crt")
+        );
+        assert_eq!(kc["users"][0]["user"]["token"], "abc");
+    }
+}

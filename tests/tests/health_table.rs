@@ -1,0 +1,279 @@
+//! `tetherctl proxy health` against a live hub: real nats-server + addon-manager (the
+//! `cluster-proxy` add-on installed on every accepted cluster), real brokers and tunnel-agents,
+//! and a health-prober on NATS (cluster list from the hub, results in KV `tether-health`,
+//! transitions as events, answers `tether.v1.health.get` from memory).
+//!
+//! Three clusters: `ok` (healthy), `down` (agent up, API server down: PROBED HEALTH False) and
+//! `stopped` (its agent is killed: PROBED HEALTH False within one probe interval, AVAILABLE
+//! False once its add-on lease lapses).
+//!
+//! The tunnel-agent does not renew the add-on lease by itself yet (add-on delivery, issue 4):
+//! the test renews `tether.v1.cluster.<c>.addon.cluster-proxy.lease` on behalf of each running
+//! agent, and stops when it kills the agent — what the agent will do.
+//!
+//! Run: `cargo build -p addon-manager -p tetherctl -p health-prober -p tunnel-broker -p tunnel-agent --bins && cargo test -p tether-e2e --test health_table`.
+
+mod registration_support;
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use registration_support::{Hub as NatsHub, HubOpts, read_log, tail};
+use tether_control::connect::{self, ConnectConfig, Credentials};
+use tether_control::hub::{ADMIN_USER, HubDir};
+use tether_control::subjects;
+use tether_e2e::apiserver::FakeApiServer;
+use tether_e2e::{Hub as TunnelHub, wait_agent_ready, wait_tunnel};
+use tether_test_support::wait_until_async;
+
+const WAIT: Duration = Duration::from_secs(30);
+const INTERVAL: Duration = Duration::from_secs(1);
+
+const CMA: &str = "apiVersion: addon.open-cluster-management.io/v1alpha1\nkind: ClusterManagementAddOn\nmetadata:\n  name: cluster-proxy\nspec:\n  installStrategy:\n    type: All\n";
+
+/// An admin NATS connection to the hub (as tetherctl has).
+pub async fn admin_connection(hub: &NatsHub) -> anyhow::Result<tether_control::NatsConnection> {
+    let dir = HubDir::load(&hub.hub_dir)?;
+    let password = dir.read(&dir.config.nats.admin_password_file)?;
+    let endpoint = dir.endpoint(Some(&hub.nats_url()))?;
+    let cfg = ConnectConfig::new(
+        endpoint,
+        Credentials::HubUser {
+            user: ADMIN_USER.into(),
+            password: password.trim().to_string(),
+        },
+        "test",
+    );
+    Ok(connect::connect(&cfg).await?)
+}
+
+/// Renews the add-on lease of every cluster in `alive` every 300 ms (as the add-on agent would).
+fn renew_addon_leases(client: async_nats::Client, alive: Arc<Mutex<BTreeSet<String>>>) {
+    tokio::spawn(async move {
+        loop {
+            let clusters: Vec<String> = alive.lock().unwrap().iter().cloned().collect();
+            for c in clusters {
+                let _ = connect::request_json::<_, serde_json::Value>(
+                    &client,
+                    subjects::cluster_addon_lease(&c, "cluster-proxy"),
+                    &serde_json::json!({"holderIdentity": "cluster-proxy-agent", "leaseDurationSeconds": 1}),
+                )
+                .await;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    });
+}
+
+fn proxy_health(hub: &NatsHub, extra: &[&str]) -> anyhow::Result<String> {
+    let mut args = vec!["proxy", "health"];
+    args.extend_from_slice(extra);
+    hub.tetherctl_ok(&args)
+}
+
+fn rows(hub: &NatsHub) -> Option<Vec<serde_json::Value>> {
+    let out = proxy_health(hub, &["-o", "json"]).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&out).ok()?;
+    v["items"].as_array().cloned()
+}
+
+fn row<'a>(rows: &'a [serde_json::Value], c: &str) -> Option<&'a serde_json::Value> {
+    rows.iter().find(|r| r["clusterName"] == c)
+}
+
+fn is(r: Option<&serde_json::Value>, installed: bool, available: &str, probed: &str) -> bool {
+    r.is_some_and(|r| {
+        r["installed"] == installed && r["available"] == available && r["probedHealth"] == probed
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_health_table_healthy_target_down_and_agent_stopped() -> anyhow::Result<()> {
+    let hub = NatsHub::start(HubOpts::default())?;
+    for c in ["ok", "down", "stopped"] {
+        hub.tetherctl_ok(&["accept", c])?;
+    }
+    let cma = hub.dir.join("cma.yaml");
+    std::fs::write(&cma, CMA)?;
+    hub.tetherctl_ok(&["apply", "-f", cma.to_str().unwrap()])?;
+
+    // Data plane: one broker, three agents (down's API server address has nothing listening).
+    let th = TunnelHub::new()?;
+    let api = FakeApiServer::start(&th).await?;
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let broker = th.start_broker("b1", "")?;
+    let ok = th.start_agent("ok", "ok", &[vec![broker.agent_addr]], api.addr, "")?;
+    let down = th.start_agent("down", "down", &[vec![broker.agent_addr]], closed, "")?;
+    let mut stopped = th.start_agent(
+        "stopped",
+        "stopped",
+        &[vec![broker.agent_addr]],
+        api.addr,
+        "",
+    )?;
+    for a in [&ok, &down, &stopped] {
+        wait_agent_ready(a).await?;
+        wait_tunnel(&broker, &a.cluster).await?;
+    }
+    let admin = admin_connection(&hub).await?;
+    let alive = Arc::new(Mutex::new(
+        ["ok", "down", "stopped"]
+            .map(String::from)
+            .into_iter()
+            .collect::<BTreeSet<_>>(),
+    ));
+    renew_addon_leases(admin.client.clone(), Arc::clone(&alive));
+
+    // The prober takes its cluster list from the hub (no static clusters).
+    let prober = th.start_prober(
+        &broker,
+        &[],
+        &format!(
+            "interval: {}ms\ntimeout: 800ms\nfailure_threshold: 1\nprober_id: prober-test\nnats:\n  hub_dir: {}\n  url: {}\n",
+            INTERVAL.as_millis(),
+            hub.hub_dir.display(),
+            hub.nats_url()
+        ),
+    )?;
+    let prober_log = || tail(&read_log(th.path(), "health-prober"), 20);
+
+    let first = wait_until_async(
+        WAIT,
+        "table: ok healthy, down unhealthy, stopped healthy",
+        || async {
+            let r = rows(&hub)?;
+            (is(row(&r, "ok"), true, "True", "True")
+                && is(row(&r, "down"), true, "True", "False")
+                && is(row(&r, "stopped"), true, "True", "True"))
+            .then_some(r)
+        },
+    )
+    .await
+    .map_err(|e| {
+        anyhow::anyhow!(
+            "{e}\nlast table:\n{:?}\nprober log:\n{}",
+            proxy_health(&hub, &["-o", "wide"]),
+            prober_log()
+        )
+    })?;
+    let r_ok = row(&first, "ok").unwrap();
+    assert!(r_ok["latency"]["totalMs"].as_f64().is_some(), "{r_ok}");
+    assert!(r_ok["latency"]["tunnelMs"].as_f64().is_some(), "{r_ok}");
+    assert_eq!(r_ok["reason"], "ProbeSucceeded");
+    let r_down = row(&first, "down").unwrap();
+    assert_eq!(r_down["reason"], "TargetUnreachable", "{r_down}");
+    assert!(r_down.get("latency").is_none(), "{r_down}");
+
+    // The table for people, and the wide one.
+    let table = proxy_health(&hub, &[])?;
+    println!("{table}");
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(
+        lines[0].starts_with("CLUSTER NAME")
+            && ["INSTALLED", "AVAILABLE", "PROBED HEALTH", "LATENCY"]
+                .iter()
+                .all(|c| lines[0].contains(c)),
+        "{table}"
+    );
+    let cells = |name: &str| -> Vec<String> {
+        lines
+            .iter()
+            .find(|l| l.starts_with(name))
+            .map(|l| l.split_whitespace().map(String::from).collect())
+            .unwrap_or_default()
+    };
+    assert_eq!(cells("ok")[1..4], ["True", "True", "True"], "{table}");
+    assert!(cells("ok")[4].ends_with("ms"), "{table}");
+    assert_eq!(
+        cells("down")[1..5],
+        ["True", "True", "False", "-"],
+        "{table}"
+    );
+    let wide = proxy_health(&hub, &["-o", "wide"])?;
+    let head = wide.lines().next().unwrap();
+    assert!(
+        ["TUNNEL", "TARGET", "REASON", "PROBED AT"]
+            .iter()
+            .all(|c| head.contains(c)),
+        "{wide}"
+    );
+    assert!(wide.contains("TargetUnreachable"), "{wide}");
+    let yaml = proxy_health(&hub, &["--cluster", "ok", "-o", "yaml"])?;
+    assert!(
+        yaml.contains("clusterName: ok") && !yaml.contains("clusterName: down"),
+        "{yaml}"
+    );
+
+    // Answered from memory: no probing on demand.
+    let t = Instant::now();
+    proxy_health(&hub, &["-o", "json"])?;
+    let answered_in = t.elapsed();
+    assert!(
+        answered_in < Duration::from_secs(2),
+        "proxy health took {answered_in:?}"
+    );
+
+    // Stop one cluster's agent (and so its add-on lease renewals).
+    alive.lock().unwrap().remove("stopped");
+    stopped.child.kill();
+    let killed = Instant::now();
+    wait_until_async(WAIT, "stopped: PROBED HEALTH False", || async {
+        let r = rows(&hub)?;
+        (row(&r, "stopped")?["probedHealth"] == "False").then_some(())
+    })
+    .await?;
+    let probed_after = killed.elapsed();
+    // One interval until the next round, plus the probe itself and the tetherctl round trip.
+    assert!(
+        probed_after <= INTERVAL + Duration::from_millis(1500),
+        "PROBED HEALTH took {probed_after:?} (interval {INTERVAL:?})"
+    );
+    let last = wait_until_async(
+        WAIT,
+        "stopped: AVAILABLE False (add-on lease lapsed)",
+        || async {
+            let r = rows(&hub)?;
+            is(row(&r, "stopped"), true, "False", "False").then_some(r)
+        },
+    )
+    .await?;
+    assert_eq!(row(&last, "stopped").unwrap()["reason"], "NoTunnel");
+    assert!(is(row(&last, "ok"), true, "True", "True"), "{last:?}");
+    println!("{}", proxy_health(&hub, &["-o", "wide"])?);
+
+    // Results are in KV, the transition is an event, the prober answers requests directly.
+    let js = async_nats::jetstream::new(admin.client.clone());
+    let kv = js.get_key_value(subjects::BUCKET_HEALTH).await?;
+    let rec: serde_json::Value =
+        serde_json::from_slice(&kv.get("down").await?.expect("down in tether-health"))?;
+    assert_eq!(rec["healthy"], false);
+    assert_eq!(rec["prober"], "prober-test");
+    let events = hub.tetherctl_ok(&[
+        "events",
+        "stopped",
+        "--subject",
+        "tether.v1.events.health.>",
+        "-o",
+        "json",
+    ])?;
+    assert!(events.contains("ClusterProbeFailed"), "{events}");
+    let reply: serde_json::Value = connect::request_json(
+        &admin.client,
+        subjects::HEALTH_GET.into(),
+        &serde_json::json!({"cluster": "ok"}),
+    )
+    .await?;
+    assert_eq!(reply["prober"], "prober-test");
+    assert_eq!(
+        reply["clusters"].as_array().map(Vec::len),
+        Some(1),
+        "{reply}"
+    );
+    let (_, metrics) = tether_e2e::admin_get(prober.admin_addr, "/metrics").await?;
+    assert!(
+        metrics.contains("tether_prober_nats_published_total{kind=\"kv\",result=\"ok\"}"),
+        "{metrics}"
+    );
+    Ok(())
+}
