@@ -277,3 +277,148 @@ async fn proxy_health_table_healthy_target_down_and_agent_stopped() -> anyhow::R
     );
     Ok(())
 }
+
+/// CPU seconds (user + system) of a process so far.
+fn cpu_secs(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+        + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0.0);
+    ticks / 100.0
+}
+
+/// The 1,000-cluster figure in docs/configuration.md: 1,000 accepted ManagedClusters on a live
+/// hub; every probe is real (tunnel stream through the broker, TLS to an API server stand-in,
+/// `GET /livez`, result put in KV), but the 1,000 names are carried by 4 real agents
+/// (`targets.<name>.via_cluster`), since 1,000 agent processes do not fit on this machine.
+/// Prints round duration and CPU. `PROBER_SCALE_CLUSTERS`, `PROBER_SCALE_INTERVAL_MS` and
+/// `TETHER_BIN_DIR` (release binaries) adjust it.
+///
+/// Run: `cargo test -p tether-e2e --test health_table -- --ignored --nocapture prober_scale`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "measurement; prints figures"]
+async fn prober_scale_1000_clusters() -> anyhow::Result<()> {
+    use tether_control::resources::ManagedCluster;
+    use tether_control::store::{Bucket, HubStore};
+    let n: usize = std::env::var("PROBER_SCALE_CLUSTERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let interval_ms: u64 = std::env::var("PROBER_SCALE_INTERVAL_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    const AGENTS: usize = 4;
+    let hub = NatsHub::start(HubOpts::default())?;
+    let admin = admin_connection(&hub).await?;
+    let store = HubStore::open(admin.client.clone()).await?;
+    let th = TunnelHub::new()?;
+    let broker = th.start_broker("b1", "")?;
+    let mut agents = Vec::new();
+    let mut apis = Vec::new();
+    for i in 0..AGENTS {
+        let api = FakeApiServer::start(&th).await?;
+        let name = format!("agent-{i}");
+        let a = th.start_agent(&name, &name, &[vec![broker.agent_addr]], api.addr, "")?;
+        wait_agent_ready(&a).await?;
+        wait_tunnel(&broker, &name).await?;
+        agents.push(a);
+        apis.push(api);
+    }
+    let mut targets = String::from("targets:\n");
+    for i in 0..n {
+        let name = format!("sim-{i:04}");
+        let mut mc = ManagedCluster::new(&name);
+        mc.spec.hub_accepts_client = true;
+        store.put(Bucket::Clusters, &name, &mc).await?;
+        targets.push_str(&format!(
+            "  {name}: {{host: localhost, port: {}, path: /livez, tls: true, via_cluster: agent-{}}}\n",
+            apis[i % AGENTS].addr.port(),
+            i % AGENTS
+        ));
+    }
+    let prober = th.start_prober(
+        &broker,
+        &[],
+        &format!(
+            "interval: {interval_ms}ms\ntimeout: 5s\nconnection_max_age: 1h\nnats:\n  hub_dir: {}\n  url: {}\n{targets}",
+            hub.hub_dir.display(),
+            hub.nats_url()
+        ),
+    )?;
+    let pid = prober.child.pid();
+    let get_all = || async {
+        connect::request_json::<_, serde_json::Value>(
+            &admin.client,
+            subjects::HEALTH_GET.into(),
+            &serde_json::json!({}),
+        )
+        .await
+        .ok()
+    };
+    // First round: every cluster dials its stream and does its TLS handshake.
+    let t0 = Instant::now();
+    wait_until_async(
+        Duration::from_secs(120),
+        "every cluster probed once",
+        || async {
+            let r = get_all().await?;
+            let c = r["clusters"].as_array()?;
+            (c.len() == n && c.iter().all(|h| h["healthy"] == true)).then_some(())
+        },
+    )
+    .await?;
+    println!(
+        "first round (new streams + TLS) done within {:?}",
+        t0.elapsed()
+    );
+    // Steady state: rounds over reused connections.
+    let rounds = 3u32;
+    let cpu0 = cpu_secs(pid);
+    let broker_cpu0 = cpu_secs(broker.child.pid());
+    let w0 = Instant::now();
+    let probes = |r: &serde_json::Value| -> u64 {
+        r["clusters"]
+            .as_array()
+            .map(|c| {
+                c.iter()
+                    .filter_map(|h| h["probes"].as_u64())
+                    .min()
+                    .unwrap_or(0)
+            })
+            .unwrap_or(0)
+    };
+    let start_probes = probes(&get_all().await.expect("reply"));
+    wait_until_async(
+        Duration::from_millis(interval_ms * (rounds as u64 + 2)),
+        "steady rounds",
+        || async { (probes(&get_all().await?) >= start_probes + rounds as u64).then_some(()) },
+    )
+    .await?;
+    let wall = w0.elapsed().as_secs_f64();
+    let cpu = cpu_secs(pid) - cpu0;
+    let broker_cpu = cpu_secs(broker.child.pid()) - broker_cpu0;
+    let (_, metrics) = tether_e2e::admin_get(prober.admin_addr, "/metrics").await?;
+    let gauge = |name: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().last())
+            .unwrap_or("?")
+            .to_string()
+    };
+    let opened = gauge("tether_prober_connections_opened_total");
+    println!(
+        "{n} clusters, interval {interval_ms} ms: last round {} s; rounds overrun {}; streams opened {opened} (one per cluster); prober CPU {:.2} s over {wall:.1} s wall = {:.1}% of one core ({:.2} CPU-ms per probe); broker CPU {:.1}%; API server requests {}",
+        gauge("tether_prober_round_duration_seconds"),
+        gauge("tether_prober_rounds_overrun_total"),
+        cpu,
+        100.0 * cpu / wall,
+        1000.0 * cpu / (n as f64 * wall * 1000.0 / interval_ms as f64),
+        100.0 * broker_cpu / wall,
+        apis.iter().map(|a| a.requests()).sum::<u64>(),
+    );
+    assert_eq!(gauge("tether_prober_rounds_overrun_total"), "0");
+    Ok(())
+}
