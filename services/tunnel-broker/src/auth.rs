@@ -7,16 +7,23 @@
 //!
 //! Policy is deny-by-default: a client with no `allow` rules reaches the API server of every
 //! cluster and nothing else; other targets need an explicit rule.
+//!
+//! With a control plane, the hub's HubClients (token SHA-256 or certificate) and
+//! ClientAccessPolicies (`tether_control::clients`) are merged in and replaced whenever the KV
+//! buckets change, so a deleted client is refused for new streams within seconds.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, RwLock};
 
 use base64::Engine as _;
 use sha2::{Digest, Sha256};
+use tether_control::clients::{ClientAccessPolicy, HubClient};
 use tether_tls::Identity;
 use tether_tunnel::pattern;
 use tether_tunnel::wire::DialErrorKind;
 use tether_tunnel::{Dest, DialError, Target};
 
+use crate::clusters::ClusterDirectory;
 use crate::config::{AllowRule, ClientConfig};
 
 /// An authenticated hub client.
@@ -26,9 +33,46 @@ pub struct ClientId {
     pub via: &'static str,
 }
 
+/// One allow rule: clusters by glob or labels, and targets.
+#[derive(Debug, Clone, Default)]
+struct Rule {
+    clusters: Vec<String>,
+    labels: Option<BTreeMap<String, String>>,
+    targets: Vec<String>,
+}
+
+impl From<&AllowRule> for Rule {
+    fn from(r: &AllowRule) -> Self {
+        Self {
+            clusters: r.clusters.clone(),
+            labels: None,
+            targets: r.targets.clone(),
+        }
+    }
+}
+
+/// Clients and rules from the hub (`tether-hubclients`, `tether-clientaccesspolicies`).
+#[derive(Default)]
+struct HubAuth {
+    by_token: HashMap<[u8; 32], String>,
+    /// HubClients with an issued certificate.
+    cert_clients: HashSet<String>,
+    rules: HashMap<String, Vec<Rule>>,
+}
+
+/// Client identities and policy: the static `clients` of the config merged with the hub's
+/// HubClients and ClientAccessPolicies (replaced as a whole on every change).
 pub struct Auth {
     by_token: HashMap<[u8; 32], String>,
-    rules: HashMap<String, Vec<AllowRule>>,
+    rules: HashMap<String, Vec<Rule>>,
+    hub: RwLock<Arc<HubAuth>>,
+    clusters: Arc<ClusterDirectory>,
+}
+
+fn digest_of(hex_sha: &str) -> Option<[u8; 32]> {
+    hex::decode(hex_sha)
+        .ok()
+        .and_then(|h| <[u8; 32]>::try_from(h.as_slice()).ok())
 }
 
 impl Auth {
@@ -36,26 +80,82 @@ impl Auth {
         let mut by_token = HashMap::new();
         let mut rules = HashMap::new();
         for c in clients {
-            if let Some(h) = c.token_sha256.as_deref().and_then(|h| hex::decode(h).ok())
-                && let Ok(arr) = <[u8; 32]>::try_from(h.as_slice())
-            {
+            if let Some(arr) = c.token_sha256.as_deref().and_then(digest_of) {
                 by_token.insert(arr, c.name.clone());
             }
-            rules.insert(c.name.clone(), c.allow.clone());
+            rules.insert(c.name.clone(), c.allow.iter().map(Rule::from).collect());
         }
-        Self { by_token, rules }
+        Self {
+            by_token,
+            rules,
+            hub: RwLock::new(Arc::default()),
+            clusters: Arc::default(),
+        }
+    }
+
+    /// The hub's cluster directory this policy consults.
+    pub fn clusters(&self) -> &Arc<ClusterDirectory> {
+        &self.clusters
+    }
+
+    /// Replaces the hub's clients and policies. Policies naming a static client add to its
+    /// rules; a HubClient whose name is also static keeps the static token too.
+    pub fn set_hub(&self, clients: &[HubClient], policies: &[ClientAccessPolicy]) {
+        let mut hub = HubAuth::default();
+        for c in clients {
+            let name = &c.metadata.name;
+            if let Some(arr) = c.spec.token_sha256.as_deref().and_then(digest_of) {
+                hub.by_token.insert(arr, name.clone());
+            }
+            if c.spec.certificate.is_some() {
+                hub.cert_clients.insert(name.clone());
+            }
+        }
+        for p in policies {
+            for client in &p.spec.clients {
+                let list = hub.rules.entry(client.clone()).or_default();
+                for r in &p.spec.rules {
+                    list.push(Rule {
+                        clusters: r.clusters.clone(),
+                        labels: r
+                            .cluster_selector
+                            .as_ref()
+                            .filter(|s| !s.match_labels.is_empty())
+                            .map(|s| s.match_labels.clone()),
+                        targets: r.targets.clone(),
+                    });
+                }
+            }
+        }
+        *self.hub.write().expect("auth lock") = Arc::new(hub);
+    }
+
+    fn hub(&self) -> Arc<HubAuth> {
+        Arc::clone(&self.hub.read().expect("auth lock"))
+    }
+
+    /// Hub clients currently known (for metrics).
+    pub fn hub_client_count(&self) -> usize {
+        let h = self.hub();
+        let mut names: HashSet<&String> = h.by_token.values().collect();
+        names.extend(h.cert_clients.iter());
+        names.len()
     }
 
     /// Identity from a verified client certificate.
     pub fn from_certificate(&self, identity: &Identity) -> Result<ClientId, DialError> {
         match identity {
-            Identity::Client { name } if self.rules.contains_key(name) => Ok(ClientId {
-                name: name.clone(),
-                via: "certificate",
-            }),
+            Identity::Client { name }
+                if self.rules.contains_key(name) || self.hub().cert_clients.contains(name) =>
+            {
+                Ok(ClientId {
+                    name: name.clone(),
+                    via: "certificate",
+                })
+            }
             Identity::Client { name } => Err(DialError::new(
                 DialErrorKind::Forbidden,
-                format!("client {name:?} is not configured on this broker"),
+                format!("client {name:?} is not configured on this broker (or was revoked)"),
             )),
             other => Err(DialError::new(
                 DialErrorKind::Forbidden,
@@ -67,12 +167,12 @@ impl Auth {
     /// Identity from a bearer token.
     pub fn from_token(&self, token: &str) -> Result<ClientId, DialError> {
         let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-        self.by_token
+        let name = self
+            .by_token
             .get(&digest)
-            .map(|name| ClientId {
-                name: name.clone(),
-                via: "token",
-            })
+            .cloned()
+            .or_else(|| self.hub().by_token.get(&digest).cloned());
+        name.map(|name| ClientId { name, via: "token" })
             .ok_or_else(|| {
                 DialError::new(DialErrorKind::Unauthenticated, "unknown or revoked token")
             })
@@ -110,20 +210,32 @@ impl Auth {
         ))
     }
 
-    /// Whether `client` may reach `target`.
+    /// Whether `client` may reach `target`; then, whether the hub knows the cluster (an
+    /// `unknown_cluster` answer only goes to clients the policy lets through, so the answer
+    /// reveals nothing to others).
     pub fn authorize(&self, client: &ClientId, target: &Target) -> Result<(), DialError> {
-        let rules = self
+        let hub = self.hub();
+        let rules: Vec<&Rule> = self
             .rules
             .get(&client.name)
-            .map(Vec::as_slice)
-            .unwrap_or(&[]);
+            .into_iter()
+            .flatten()
+            .chain(hub.rules.get(&client.name).into_iter().flatten())
+            .collect();
         let allowed = if rules.is_empty() {
             target.dest == Dest::ApiServer
         } else {
+            let labels = self.clusters.labels(&target.cluster);
             rules.iter().any(|r| {
-                r.clusters
+                let by_name = r
+                    .clusters
                     .iter()
-                    .any(|g| pattern::cluster_matches(g, &target.cluster))
+                    .any(|g| pattern::cluster_matches(g, &target.cluster));
+                let by_labels = match (&r.labels, &labels) {
+                    (Some(want), Some(have)) => want.iter().all(|(k, v)| have.get(k) == Some(v)),
+                    _ => false,
+                };
+                (by_name || by_labels)
                     && r.targets.iter().any(|t| match &target.dest {
                         Dest::ApiServer => t == "apiserver",
                         Dest::HostPort { host, port } => {
@@ -132,14 +244,13 @@ impl Auth {
                     })
             })
         };
-        if allowed {
-            Ok(())
-        } else {
-            Err(DialError::new(
+        if !allowed {
+            return Err(DialError::new(
                 DialErrorKind::Forbidden,
                 format!("client {:?} may not reach {target}", client.name),
-            ))
+            ));
         }
+        self.clusters.check_client(&target.cluster)
     }
 }
 

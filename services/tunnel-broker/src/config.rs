@@ -48,6 +48,65 @@ pub struct BrokerConfig {
     /// that has one (the peer never relays further).
     #[serde(default)]
     pub peers: Vec<PeerConfig>,
+    /// Hub control plane (NATS). Absent: the broker runs from this file alone.
+    #[serde(default)]
+    pub control_plane: Option<ControlPlaneConfig>,
+}
+
+/// The broker's connection to hub NATS (user `tether-hub`): presence in `tether-brokers`,
+/// relay peers from the other brokers' presence, the registered clusters, and hub clients and
+/// their access policies. The data plane never waits for NATS.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ControlPlaneConfig {
+    /// `tls://host:port` of hub NATS.
+    pub nats_url: String,
+    /// Name in the NATS server certificate (default: the URL's host).
+    #[serde(default)]
+    pub server_name: Option<String>,
+    /// CA bundle verifying NATS (the hub CA, `<hub dir>/ca.crt`).
+    pub ca: std::path::PathBuf,
+    /// NATS user (hub processes use `tether-hub`).
+    #[serde(default = "default_nats_user")]
+    pub user: String,
+    /// File holding the user's password (`<hub dir>/hub-user.password`).
+    pub password_file: std::path::PathBuf,
+    /// What this broker announces; defaults come from the bound listeners.
+    #[serde(default)]
+    pub advertise: Advertise,
+    /// Refuse tunnels of clusters the hub does not know or has not accepted, and answer
+    /// "unknown cluster" to clients (default true).
+    #[serde(default = "default_true")]
+    pub enforce_clusters: bool,
+    /// Use the other brokers' presence as relay peers (default true).
+    #[serde(default = "default_true")]
+    pub discover_peers: bool,
+}
+
+/// Addresses in this broker's presence entry.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Advertise {
+    /// `host:port` agents dial (default: `agent_listen` as bound).
+    #[serde(default)]
+    pub agent_addresses: Vec<String>,
+    /// Name agents and peers verify in this broker's certificate (default: the host of the
+    /// first agent address).
+    #[serde(default)]
+    pub server_name: Option<String>,
+    /// `http://host:port` / `https://host:port` (default: the client listeners as bound).
+    #[serde(default)]
+    pub client_addresses: Vec<String>,
+    /// `host:port` peers dial to relay (default: the first agent address).
+    #[serde(default)]
+    pub relay_address: Option<String>,
+}
+
+fn default_nats_user() -> String {
+    "tether-hub".into()
+}
+fn default_true() -> bool {
+    true
 }
 
 /// A peer broker, reached on its `agent_listen` address with ALPN `tether-relay/1`.
@@ -193,6 +252,44 @@ impl Validate for BrokerConfig {
                     format!("peers[{i}].server_name"),
                     "must not be empty",
                 ));
+            }
+        }
+        if let Some(cp) = &self.control_plane {
+            if cp
+                .nats_url
+                .strip_prefix("tls://")
+                .and_then(|r| r.rsplit_once(':'))
+                .and_then(|(_, p)| p.parse::<u16>().ok())
+                .is_none()
+            {
+                return Err(ConfigError::invalid(
+                    "control_plane.nats_url",
+                    format!("{:?} is not tls://host:port", cp.nats_url),
+                ));
+            }
+            if cp.user.is_empty() {
+                return Err(ConfigError::invalid(
+                    "control_plane.user",
+                    "must not be empty",
+                ));
+            }
+            let agent_unspecified = self.agent_listen.ip().is_unspecified();
+            if agent_unspecified && cp.advertise.agent_addresses.is_empty() {
+                return Err(ConfigError::invalid(
+                    "control_plane.advertise.agent_addresses",
+                    "required when agent_listen is a wildcard address (agents and peers need a reachable host:port)",
+                ));
+            }
+            for (i, a) in cp.advertise.agent_addresses.iter().enumerate() {
+                if a.rsplit_once(':')
+                    .and_then(|(_, p)| p.parse::<u16>().ok())
+                    .is_none()
+                {
+                    return Err(ConfigError::invalid(
+                        format!("control_plane.advertise.agent_addresses[{i}]"),
+                        format!("{a:?} is not host:port"),
+                    ));
+                }
             }
         }
         self.tunnel

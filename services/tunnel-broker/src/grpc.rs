@@ -124,6 +124,7 @@ fn status_of(e: &DialError) -> Status {
         }
         DialErrorKind::Timeout => Status::deadline_exceeded(e.to_string()),
         DialErrorKind::Overloaded => Status::resource_exhausted(e.to_string()),
+        DialErrorKind::UnknownCluster => Status::not_found(e.to_string()),
         _ => Status::unavailable(e.to_string()),
     }
 }
@@ -140,6 +141,7 @@ fn code_of(kind: DialErrorKind) -> pb::DialErrorCode {
         DialErrorKind::NameNotFound => C::NameNotFound,
         DialErrorKind::Overloaded => C::Overloaded,
         DialErrorKind::Internal => C::Internal,
+        DialErrorKind::UnknownCluster => C::UnknownCluster,
     }
 }
 

@@ -10,6 +10,10 @@
 //! - [`connect`]: HTTP CONNECT front end (plain and TLS).
 //! - [`grpc`]: native `tether.tunnel.v1.Dialer/Dial` and konnectivity `ProxyService/Proxy`.
 //! - [`peers`]: relaying streams to peer brokers that hold the cluster's tunnel.
+//! - [`control`]: the optional control-plane session (NATS): presence, peers, clusters, clients.
+//! - [`presence`]: this broker's `tether-brokers` entry and the relay peers discovered from
+//!   the others'.
+//! - [`clusters`]: the clusters the hub knows (tunnel admission, "unknown cluster" answers).
 //! - [`metrics`]: Prometheus metrics.
 //!
 //! [`run`] is what `main` calls, and what tests may call in-process.
@@ -17,12 +21,15 @@
 #![forbid(unsafe_code)]
 
 pub mod auth;
+pub mod clusters;
 pub mod config;
 pub mod connect;
+pub mod control;
 pub mod dial;
 pub mod grpc;
 pub mod metrics;
 pub mod peers;
+pub mod presence;
 pub mod registry;
 pub mod tunnel;
 
@@ -54,7 +61,14 @@ pub enum BrokerError {
     Tls(#[from] tether_tls::TlsError),
     #[error("metrics: {0}")]
     Metrics(#[from] prometheus::Error),
+    #[error("control plane: {0}")]
+    ControlPlane(#[from] control::ControlPlaneError),
+    #[error("listener address: {0}")]
+    Listener(std::io::Error),
 }
+
+/// Time the broker waits on exit for its presence entry to be deleted.
+pub const PRESENCE_DELETE_WAIT: Duration = Duration::from_secs(5);
 
 /// The bound listeners of a broker.
 pub struct Listeners {
@@ -80,6 +94,13 @@ pub async fn run(
     let arbiter = Arbiter::current();
     let reg_addr = Registry::start_in_arbiter(&arbiter, move |_| reg_actor);
 
+    let auth = auth::Auth::new(&cfg.clients);
+    // Fails early (before listening) on unreadable control-plane files.
+    let cp_connect = cfg
+        .control_plane
+        .as_ref()
+        .map(control::connect_config)
+        .transpose()?;
     let agent_acceptor = TlsAcceptor::from(Arc::new(
         tls.server_config(true, &[tether_tls::ALPN_TUNNEL, tether_tls::ALPN_RELAY])?,
     ));
@@ -93,12 +114,14 @@ pub async fn run(
         arbiter: arbiter.clone(),
         next_id: Default::default(),
         broker: Default::default(),
+        clusters: Arc::clone(auth.clusters()),
     });
     let (peer_table, peer_routes) = peers::PeerTable::new();
+    let peer_table = peer_table.with_gauge(metrics.relay_peers_connected.clone());
     let broker = Arc::new(Broker::new(
         cfg.id.clone(),
         routes.clone(),
-        auth::Auth::new(&cfg.clients),
+        auth,
         metrics.clone(),
         cfg.tunnel.clone(),
         cfg.dial_timeout,
@@ -118,6 +141,54 @@ pub async fn run(
     }
     let accepting = CancellationToken::new();
     let readiness = Readiness::new();
+    let (draining_tx, draining_rx) = tokio::sync::watch::channel(false);
+    let cp_exit = CancellationToken::new();
+    let mut cp_task = None;
+    if let (Some(cp), Some(connect)) = (&cfg.control_plane, cp_connect) {
+        let me = presence::template(
+            &cfg.id,
+            &cp.advertise,
+            listeners
+                .agent
+                .local_addr()
+                .map_err(BrokerError::Listener)?,
+            listeners.client.as_ref().and_then(|l| l.local_addr().ok()),
+            listeners
+                .client_tls
+                .as_ref()
+                .and_then(|l| l.local_addr().ok()),
+        );
+        let peers = cp.discover_peers.then(|| {
+            presence::PeerManager::new(
+                cfg.id.clone(),
+                &cfg.peers,
+                Arc::clone(&tls),
+                Arc::clone(&broker),
+                peer_table.clone(),
+                cfg.max_pending_dials_per_tunnel,
+                arbiter.clone(),
+                metrics.discovered_peers.clone(),
+            )
+        });
+        let plane = control::ControlPlane {
+            connect,
+            me,
+            broker: Arc::clone(&broker),
+            registry: side.registry.clone(),
+            routes: routes.clone(),
+            peers,
+            clusters: cp
+                .enforce_clusters
+                .then(|| Arc::clone(broker.auth.clusters())),
+            metrics: metrics.clone(),
+            draining: draining_rx,
+        };
+        let span = tracing::info_span!("control_plane", broker = %cfg.id);
+        cp_task = Some(tokio::spawn(tracing::Instrument::instrument(
+            plane.run(cp_exit.clone()),
+            span,
+        )));
+    }
 
     tokio::spawn(accept_loop(listeners.agent, accepting.clone(), {
         let side = Arc::clone(&side);
@@ -208,6 +279,7 @@ pub async fn run(
     tracing::info!(grace = ?cfg.drain_grace, "draining: no new connections, agents asked to move");
     accepting.cancel();
     readiness.set_not_ready("draining");
+    let _ = draining_tx.send(true);
     let table = routes.borrow().clone();
     let drains: Vec<_> = table
         .clusters
@@ -226,6 +298,10 @@ pub async fn run(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tracing::info!(open_streams = broker.open_stream_count(), "drain finished");
+    cp_exit.cancel();
+    if let Some(t) = cp_task {
+        let _ = tokio::time::timeout(PRESENCE_DELETE_WAIT, t).await;
+    }
     admin_stop.cancel();
     Ok(())
 }

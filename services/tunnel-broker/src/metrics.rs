@@ -13,6 +13,16 @@ pub struct BrokerMetrics {
     pub dial_failures: IntCounterVec,
     pub bytes: IntCounterVec,
     pub stream_duration: HistogramVec,
+    /// 1 while a control-plane session is up (presence renewed, KV followed).
+    pub control_plane_connected: IntGauge,
+    pub presence_renewals: IntCounterVec,
+    /// Relay peers discovered from presence (connectors running).
+    pub discovered_peers: IntGauge,
+    /// Relay connections to peers that are up (static and discovered).
+    pub relay_peers_connected: IntGauge,
+    pub known_clusters: IntGauge,
+    pub hub_clients: IntGauge,
+    pub tunnels_closed_by_hub: IntCounter,
 }
 
 impl BrokerMetrics {
@@ -69,6 +79,37 @@ impl BrokerMetrics {
                 .buckets(vec![0.01, 0.1, 1.0, 10.0, 60.0, 600.0, 3600.0]),
                 &["frontend", "result"],
             )?,
+            control_plane_connected: IntGauge::new(
+                "tether_broker_control_plane_connected",
+                "1 while the broker's control-plane session is up (presence renewed, hub state followed), else 0.",
+            )?,
+            presence_renewals: IntCounterVec::new(
+                Opts::new(
+                    "tether_broker_presence_renewals_total",
+                    "Writes of this broker's presence entry, by result.",
+                ),
+                &["result"],
+            )?,
+            discovered_peers: IntGauge::new(
+                "tether_broker_discovered_peers",
+                "Relay peers discovered from the other brokers' presence.",
+            )?,
+            relay_peers_connected: IntGauge::new(
+                "tether_broker_relay_peers_connected",
+                "Relay connections to peer brokers that are up.",
+            )?,
+            known_clusters: IntGauge::new(
+                "tether_broker_known_clusters",
+                "ManagedClusters read from the hub (0 without a control plane).",
+            )?,
+            hub_clients: IntGauge::new(
+                "tether_broker_hub_clients",
+                "Hub clients (HubClient resources) the broker accepts.",
+            )?,
+            tunnels_closed_by_hub: IntCounter::new(
+                "tether_broker_tunnels_closed_by_hub_total",
+                "Tunnels closed because their cluster was deleted, denied or never registered on the hub.",
+            )?,
         };
         tether_telemetry::register_all(
             registry,
@@ -80,6 +121,13 @@ impl BrokerMetrics {
                 Box::new(m.dial_failures.clone()),
                 Box::new(m.bytes.clone()),
                 Box::new(m.stream_duration.clone()),
+                Box::new(m.control_plane_connected.clone()),
+                Box::new(m.presence_renewals.clone()),
+                Box::new(m.discovered_peers.clone()),
+                Box::new(m.relay_peers_connected.clone()),
+                Box::new(m.known_clusters.clone()),
+                Box::new(m.hub_clients.clone()),
+                Box::new(m.tunnels_closed_by_hub.clone()),
             ],
         )?;
         Ok(m)

@@ -34,6 +34,7 @@ use crate::tunnel::TunnelHandle;
 pub struct PeerTable {
     inner: Arc<Mutex<BTreeMap<String, Arc<TunnelHandle>>>>,
     tx: Arc<watch::Sender<Arc<Vec<Arc<TunnelHandle>>>>>,
+    gauge: Option<prometheus::IntGauge>,
 }
 
 impl PeerTable {
@@ -43,9 +44,16 @@ impl PeerTable {
             Self {
                 inner: Default::default(),
                 tx: Arc::new(tx),
+                gauge: None,
             },
             rx,
         )
+    }
+
+    /// Keeps `gauge` at the number of live peer connections.
+    pub fn with_gauge(mut self, gauge: prometheus::IntGauge) -> Self {
+        self.gauge = Some(gauge);
+        self
     }
 
     fn set(&self, peer: &str, handle: Option<Arc<TunnelHandle>>) {
@@ -54,6 +62,9 @@ impl PeerTable {
             Some(h) => map.insert(peer.to_owned(), h),
             None => map.remove(peer),
         };
+        if let Some(g) = &self.gauge {
+            g.set(map.len() as i64);
+        }
         self.tx
             .send_replace(Arc::new(map.values().cloned().collect()));
     }
@@ -68,6 +79,8 @@ pub struct PeerConnector {
     pub backoff: Backoff,
     pub max_pending_dials: usize,
     pub generation: u64,
+    /// Cancelled when the peer is dropped (its presence disappeared or went stale).
+    pub stop: tokio_util::sync::CancellationToken,
 }
 
 impl PeerConnector {
@@ -90,7 +103,24 @@ impl PeerConnector {
             }),
             max_pending_dials,
             generation: 0,
+            stop: Default::default(),
         }
+    }
+}
+
+/// Stops a peer connector for good: closes its relay connection and forgets the peer.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct StopPeer;
+
+impl Handler<StopPeer> for PeerConnector {
+    type Result = ();
+
+    fn handle(&mut self, _: StopPeer, ctx: &mut Context<Self>) {
+        tracing::info!(peer = %self.peer.id, "peer dropped");
+        self.stop.cancel();
+        self.table.set(&self.peer.id, None);
+        ctx.stop();
     }
 }
 
@@ -122,8 +152,13 @@ impl PeerConnector {
         let table = self.table.clone();
         let max_pending = self.max_pending_dials;
         let me = ctx.address();
+        let stop = self.stop.clone();
         tokio::spawn(async move {
-            let (reason, was_up) = match open_peer(&peer, &tls, &settings).await {
+            let opened = tokio::select! {
+                r = open_peer(&peer, &tls, &settings) => r,
+                _ = stop.cancelled() => return,
+            };
+            let (reason, was_up) = match opened {
                 Err(e) => (e, false),
                 Ok((send, conn_end, pp)) => {
                     let handle = Arc::new(TunnelHandle::new(
@@ -136,6 +171,10 @@ impl PeerConnector {
                     table.set(&peer.id, Some(Arc::clone(&handle)));
                     tracing::info!(peer = %peer.id, address = %peer.address, "relay connection to peer up");
                     let reason = tokio::select! {
+                        _ = stop.cancelled() => {
+                            table.set(&peer.id, None);
+                            return;
+                        }
                         r = conn_end => r.unwrap_or_else(|_| "connection task ended".into()),
                         e = tether_tunnel::keepalive::run_measured(pp, settings.keepalive_interval, settings.keepalive_timeout, handle.rtt_cell()) => e.to_string(),
                     };
@@ -199,7 +238,7 @@ impl Handler<PeerEnded> for PeerConnector {
     type Result = ();
 
     fn handle(&mut self, msg: PeerEnded, ctx: &mut Context<Self>) {
-        if msg.generation != self.generation {
+        if msg.generation != self.generation || self.stop.is_cancelled() {
             return;
         }
         if msg.was_up {

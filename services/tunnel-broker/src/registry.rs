@@ -113,3 +113,29 @@ impl Handler<Refresh> for Registry {
         self.publish();
     }
 }
+
+/// Closes every tunnel whose cluster the hub no longer accepts (deleted, denied or never
+/// registered), telling the agent why. The tunnel actors then deregister them.
+#[derive(Message)]
+#[rtype(result = "usize")]
+pub struct CloseUnadmitted(pub Arc<crate::clusters::ClusterDirectory>);
+
+impl Handler<CloseUnadmitted> for Registry {
+    type Result = usize;
+    fn handle(&mut self, msg: CloseUnadmitted, _: &mut Context<Self>) -> usize {
+        let mut closed = 0;
+        for (cluster, list) in &self.tunnels {
+            let Err(reason) = msg.0.admit(cluster) else {
+                continue;
+            };
+            for t in list {
+                tracing::info!(cluster = %cluster, tunnel = t.id, %reason, "closing tunnel: cluster not accepted by the hub");
+                let t = Arc::clone(t);
+                let reason = reason.clone();
+                tokio::spawn(async move { t.refuse_and_close(&reason).await });
+                closed += 1;
+            }
+        }
+        closed
+    }
+}

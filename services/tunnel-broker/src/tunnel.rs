@@ -40,6 +40,8 @@ pub struct TunnelHandle {
     draining: AtomicBool,
     /// Last HTTP/2 PING round trip on this connection, µs (0 = not measured yet).
     rtt_micros: std::sync::atomic::AtomicU64,
+    /// Cancelling it drops the connection (open streams are reset).
+    closer: tokio_util::sync::CancellationToken,
 }
 
 impl std::fmt::Debug for TunnelHandle {
@@ -88,7 +90,20 @@ impl TunnelHandle {
             max_pending: max_pending_dials,
             draining: AtomicBool::new(false),
             rtt_micros: Default::default(),
+            closer: Default::default(),
         }
+    }
+
+    /// Uses `closer` to close the connection (see [`TunnelHandle::refuse_and_close`]).
+    pub fn with_closer(mut self, closer: tokio_util::sync::CancellationToken) -> Self {
+        self.closer = closer;
+        self
+    }
+
+    /// Tells the agent why (`refused`, best effort) and closes the connection.
+    pub async fn refuse_and_close(&self, reason: &str) {
+        tell_refused(&self.send, reason).await;
+        self.closer.cancel();
     }
 
     pub fn open_streams(&self) -> usize {
@@ -224,6 +239,22 @@ impl TunnelHandle {
     }
 }
 
+/// Sends `POST /tether.tunnel.v1/refused` with the reason; waits at most [`HELLO_TIMEOUT`].
+async fn tell_refused(send: &SendRequest<Bytes>, reason: &str) {
+    let req = Request::builder()
+        .method(Method::POST)
+        .uri(format!("https://tunnel{}", wire::PATH_REFUSED))
+        .header(wire::HEADER_ERROR_MESSAGE, wire::header_safe(reason))
+        .body(())
+        .expect("valid request");
+    let work = async {
+        let mut send = send.clone().ready().await?;
+        let (resp, _) = send.send_request(req, true)?;
+        resp.await
+    };
+    let _ = tokio::time::timeout(HELLO_TIMEOUT, work).await;
+}
+
 /// Shared state of the agent side of the broker.
 pub struct AgentSide {
     pub broker_id: String,
@@ -236,6 +267,8 @@ pub struct AgentSide {
     pub next_id: std::sync::atomic::AtomicU64,
     /// The client side, for serving peer brokers' relays (set once at start-up).
     pub broker: std::sync::OnceLock<Arc<crate::dial::Broker>>,
+    /// Clusters the hub accepts (checks nothing until synced with the control plane).
+    pub clusters: Arc<crate::clusters::ClusterDirectory>,
 }
 
 /// Why an agent connection was refused.
@@ -253,6 +286,8 @@ pub enum AcceptError {
     H2(String),
     #[error("agent refused the hello: {0}")]
     IdentityMismatch(String),
+    #[error("tunnel refused: {0}")]
+    ClusterRefused(String),
 }
 
 impl AcceptError {
@@ -263,6 +298,7 @@ impl AcceptError {
             Self::Identity(_) | Self::NotAnAgent(_) => "bad_identity",
             Self::H2(_) => "h2_error",
             Self::IdentityMismatch(_) => "identity_mismatch",
+            Self::ClusterRefused(_) => "cluster_refused",
         }
     }
 }
@@ -322,13 +358,23 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
     .map_err(|e| AcceptError::H2(e.to_string()))?;
     let ping_pong = conn.ping_pong().expect("ping_pong taken once");
     let (closed_tx, closed_rx) = tokio::sync::oneshot::channel::<String>();
+    let closer = tokio_util::sync::CancellationToken::new();
+    let conn_closer = closer.clone();
     tokio::spawn(async move {
-        let reason = match conn.await {
-            Ok(()) => "closed".to_owned(),
-            Err(e) => e.to_string(),
+        let reason = tokio::select! {
+            r = conn => match r {
+                Ok(()) => "closed".to_owned(),
+                Err(e) => e.to_string(),
+            },
+            _ = conn_closer.cancelled() => "closed by the broker".to_owned(),
         };
         let _ = closed_tx.send(reason);
     });
+    if let Err(reason) = side.clusters.admit(&cluster) {
+        tell_refused(&send, &reason).await;
+        closer.cancel();
+        return Err(AcceptError::ClusterRefused(reason));
+    }
     // hello: tell the agent who its certificate says it is; it refuses if that is not its cluster.
     let hello = Request::builder()
         .method(Method::POST)
@@ -355,13 +401,16 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
             .to_owned();
         return Err(AcceptError::IdentityMismatch(format!("{identity}: {msg}")));
     }
-    let handle = Arc::new(TunnelHandle::new(
-        side.next_id.fetch_add(1, Ordering::Relaxed),
-        cluster,
-        agent,
-        send,
-        side.max_pending_dials,
-    ));
+    let handle = Arc::new(
+        TunnelHandle::new(
+            side.next_id.fetch_add(1, Ordering::Relaxed),
+            cluster,
+            agent,
+            send,
+            side.max_pending_dials,
+        )
+        .with_closer(closer),
+    );
     let actor = TunnelActor {
         handle,
         registry: side.registry.clone(),

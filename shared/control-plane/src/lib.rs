@@ -13,6 +13,7 @@
 //!   credentials and per-identity permissions.
 //! - [`addons`]: add-on resources (OCM-shaped), validation, and the agent ↔ hub add-on messages.
 //! - [`brokers`]: broker presence (`tether-brokers` KV).
+//! - [`clients`]: hub client credentials and access policy resources.
 //! - [`health`]: health-prober results (`tether-health`, `tether.v1.health.get`) and the
 //!   `proxy health` table.
 //! - [`store`]: JetStream KV buckets and the events stream.
@@ -24,6 +25,7 @@
 pub mod addons;
 pub mod auth;
 pub mod brokers;
+pub mod clients;
 pub mod connect;
 pub mod health;
 pub mod hub;

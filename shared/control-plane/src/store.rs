@@ -12,6 +12,8 @@
 //! - `tether-addon-leases` — key `<cluster>.<addon>` → Lease (add-on health, Lease mode)
 //! - `tether-brokers` — key `<broker id>` → [`crate::brokers::BrokerPresence`] (memory storage,
 //!   renewed every couple of seconds; old keys age out)
+//! - `tether-hubclients` — key `<client>` → [`crate::clients::HubClient`]
+//! - `tether-clientaccesspolicies` — key `<policy>` → [`crate::clients::ClientAccessPolicy`]
 //!
 //! Stream `TETHER_EVENTS` on `tether.v1.events.>` receives an [`Event`] for every change.
 //! Updates are compare-and-swap on the KV revision ([`HubStore::update`]).
@@ -43,9 +45,11 @@ pub enum Bucket {
     ProxyConfigurations,
     AddOnLeases,
     Brokers,
+    HubClients,
+    ClientAccessPolicies,
 }
 
-const ALL_BUCKETS: [Bucket; 10] = [
+const ALL_BUCKETS: [Bucket; 12] = [
     Bucket::Clusters,
     Bucket::Leases,
     Bucket::Csrs,
@@ -56,6 +60,8 @@ const ALL_BUCKETS: [Bucket; 10] = [
     Bucket::ProxyConfigurations,
     Bucket::AddOnLeases,
     Bucket::Brokers,
+    Bucket::HubClients,
+    Bucket::ClientAccessPolicies,
 ];
 
 impl Bucket {
@@ -71,6 +77,8 @@ impl Bucket {
             Bucket::ProxyConfigurations => subjects::BUCKET_PROXY_CONFIGURATIONS,
             Bucket::AddOnLeases => subjects::BUCKET_ADDON_LEASES,
             Bucket::Brokers => subjects::BUCKET_BROKERS,
+            Bucket::HubClients => subjects::BUCKET_HUB_CLIENTS,
+            Bucket::ClientAccessPolicies => subjects::BUCKET_CLIENT_ACCESS_POLICIES,
         }
     }
 

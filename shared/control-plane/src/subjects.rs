@@ -138,6 +138,19 @@ pub fn health_event(cluster: &str) -> String {
     format!("{ROOT}.events.health.{cluster}")
 }
 
+// ---- hub client credentials and access policy (issue 4) ----
+
+/// Admin request: issue a hub client credential ([`crate::clients::ClientCreateRequest`] →
+/// [`crate::clients::ClientCreateReply`]).
+pub const ADMIN_CLIENT_CREATE: &str = "tether.v1.admin.client.create";
+/// Admin request: delete (revoke) a hub client ([`crate::clients::ClientDeleteRequest`] →
+/// [`crate::clients::ClientDeleteReply`]).
+pub const ADMIN_CLIENT_DELETE: &str = "tether.v1.admin.client.delete";
+/// KV bucket of hub clients (key `<client>`, [`crate::clients::HubClient`]).
+pub const BUCKET_HUB_CLIENTS: &str = "tether-hubclients";
+/// KV bucket of client access policies (key `<policy>`, [`crate::clients::ClientAccessPolicy`]).
+pub const BUCKET_CLIENT_ACCESS_POLICIES: &str = "tether-clientaccesspolicies";
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -8,6 +8,7 @@
 //! | `POST /tether.tunnel.v1/hello` | sent once after connecting; the agent answers with its claimed cluster/agent in `tether-cluster` / `tether-agent`, which the broker checks against the certificate |
 //! | `POST /tether.tunnel.v1/dial` | one tunnelled TCP connection; `tether-cluster` the cluster, `tether-target` is `apiserver` or `host:port`, `tether-stream` the broker's stream id, `tether-dial-timeout-ms` the dial budget, plus W3C `traceparent` |
 //! | `POST /tether.tunnel.v1/drain` | the broker is shutting down: open no new tunnel to it, find another broker |
+//! | `POST /tether.tunnel.v1/refused` | the hub does not accept this cluster (`tether-error-message` says why); the broker closes the connection |
 //!
 //! A dial answers `200` and then carries bytes both ways, or answers an error status with
 //! `tether-error: <code>` and `tether-error-message: <reason>` and ends.
@@ -19,6 +20,9 @@ use http::StatusCode;
 pub const PATH_HELLO: &str = "/tether.tunnel.v1/hello";
 pub const PATH_DIAL: &str = "/tether.tunnel.v1/dial";
 pub const PATH_DRAIN: &str = "/tether.tunnel.v1/drain";
+/// Broker → agent: the hub refuses this cluster's tunnel (unknown, not accepted or deleted);
+/// `tether-error-message` says why. The broker closes the connection right after.
+pub const PATH_REFUSED: &str = "/tether.tunnel.v1/refused";
 
 pub const HEADER_TARGET: &str = "tether-target";
 pub const HEADER_STREAM: &str = "tether-stream";
@@ -56,10 +60,12 @@ pub enum DialErrorKind {
     TunnelLost,
     /// Anything else.
     Internal,
+    /// The hub has no (accepted) cluster of that name.
+    UnknownCluster,
 }
 
 impl DialErrorKind {
-    pub const ALL: [Self; 11] = [
+    pub const ALL: [Self; 12] = [
         Self::BadRequest,
         Self::Unauthenticated,
         Self::Forbidden,
@@ -71,6 +77,7 @@ impl DialErrorKind {
         Self::Overloaded,
         Self::TunnelLost,
         Self::Internal,
+        Self::UnknownCluster,
     ];
 
     pub fn metric_label(self) -> &'static str {
@@ -86,6 +93,7 @@ impl DialErrorKind {
             Self::Overloaded => "overloaded",
             Self::TunnelLost => "tunnel_lost",
             Self::Internal => "internal",
+            Self::UnknownCluster => "unknown_cluster",
         }
     }
 
@@ -108,6 +116,7 @@ impl DialErrorKind {
             Self::Timeout => StatusCode::GATEWAY_TIMEOUT,
             Self::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::UnknownCluster => StatusCode::NOT_FOUND,
         }
     }
 }

@@ -1,0 +1,441 @@
+//! Broker HA with a control plane (real nats-server, addon-manager, brokers and agents):
+//! brokers announce themselves in `tether-brokers` and relay to each other without static
+//! peers; killing a broker leaves the other serving at once; a drained broker shows
+//! `draining` and removes its entry on exit; a deleted cluster loses its tunnels and clients
+//! get "unknown cluster"; hub clients issued by `tetherctl client create` are enforced by the
+//! brokers, limited by a ClientAccessPolicy, and revoked by `tetherctl client delete`.
+
+mod registration_support;
+
+use std::time::{Duration, Instant, SystemTime};
+
+use tether_control::brokers::BrokerPresence;
+use tether_control::connect::{self, ConnectConfig, Credentials};
+use tether_control::hub::{ADMIN_USER, HubDir};
+use tether_control::resources::ManagedCluster;
+use tether_control::store::{Bucket, HubStore};
+use tether_e2e::{
+    Broker, Hub as Procs, OPS_TOKEN, admin_get, connect, connect_ok, echo_server, metric,
+    qualified, wait_agent_ready, wait_tunnel,
+};
+use tether_test_support::wait_until_async;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use registration_support::{Hub as ControlHub, HubOpts};
+
+/// Deadline for anything the control plane propagates.
+const CP_TIMEOUT: Duration = Duration::from_secs(20);
+
+struct Ha {
+    procs: Procs,
+    hub: ControlHub,
+    store: HubStore,
+    _conn: tether_control::NatsConnection,
+}
+
+impl Ha {
+    async fn start() -> anyhow::Result<Self> {
+        let hub = ControlHub::start(HubOpts::default())?;
+        let procs = Procs::new()?;
+        let dir = HubDir::load(&hub.hub_dir)?;
+        let endpoint = dir.endpoint(Some(&hub.nats_url()))?;
+        let password = dir.read(&dir.config.nats.admin_password_file)?;
+        let conn = connect::connect(&ConnectConfig::new(
+            endpoint,
+            Credentials::HubUser {
+                user: ADMIN_USER.into(),
+                password: password.trim().into(),
+            },
+            "tetherctl",
+        ))
+        .await?;
+        let store = HubStore::open(conn.client.clone()).await?;
+        Ok(Self {
+            procs,
+            hub,
+            store,
+            _conn: conn,
+        })
+    }
+
+    /// YAML of a broker's `control_plane` section (plus `extra` top-level keys).
+    fn cp_yaml(&self, extra: &str) -> String {
+        format!(
+            "control_plane:\n  nats_url: {}\n  server_name: {}\n  ca: {}\n  password_file: {}\n  advertise:\n    server_name: tether-broker\n{extra}",
+            self.hub.nats_url(),
+            self.hub.opts.hub_host,
+            self.hub.hub_dir.join("ca.crt").display(),
+            self.hub.hub_dir.join("hub-user.password").display(),
+        )
+    }
+
+    fn broker(&self, id: &str) -> anyhow::Result<Broker> {
+        self.procs.start_broker(id, &self.cp_yaml(""))
+    }
+
+    /// Writes an accepted (or not) ManagedCluster, as registration would.
+    async fn register(&self, cluster: &str, accepted: bool) -> anyhow::Result<()> {
+        let mut mc = ManagedCluster::new(cluster);
+        mc.spec.hub_accepts_client = accepted;
+        self.store.put(Bucket::Clusters, cluster, &mc).await?;
+        Ok(())
+    }
+
+    async fn presence(&self, id: &str) -> Option<BrokerPresence> {
+        self.store
+            .get::<BrokerPresence>(Bucket::Brokers, id)
+            .await
+            .ok()
+            .flatten()
+            .map(|(p, _)| p)
+    }
+
+    fn log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.procs.path().join(format!("{name}.log"))).unwrap_or_default()
+    }
+}
+
+/// Waits until `broker` answers a CONNECT to `authority` with 200.
+async fn wait_connect(broker: &Broker, authority: &str) -> anyhow::Result<tokio::net::TcpStream> {
+    wait_until_async(
+        CP_TIMEOUT,
+        &format!("CONNECT {authority} via {}", broker.id),
+        || async {
+            connect(broker.client_addr, authority, Some(OPS_TOKEN))
+                .await
+                .ok()?
+                .ok()
+        },
+    )
+    .await
+}
+
+async fn echo_round_trip(mut s: tokio::net::TcpStream, n: usize) -> anyhow::Result<()> {
+    let data: Vec<u8> = (0..n).map(|i| (i * 31 % 251) as u8).collect();
+    s.write_all(&data).await?;
+    s.shutdown().await?;
+    let mut back = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut back)).await??;
+    anyhow::ensure!(back == data, "echo differs ({} of {n} bytes)", back.len());
+    Ok(())
+}
+
+/// A target that writes forever, so a client is mid-read when something breaks.
+async fn endless_source() -> anyhow::Result<std::net::SocketAddr> {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let a = l.local_addr()?;
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let chunk = vec![7u8; 64 * 1024];
+                while s.write_all(&chunk).await.is_ok() {}
+            });
+        }
+    });
+    Ok(a)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brokers_announce_and_relay_without_static_peers() -> anyhow::Result<()> {
+    let ha = Ha::start().await?;
+    ha.register("c1", true).await?;
+    ha.register("c2", true).await?;
+    let echo = echo_server().await?;
+    let a = ha.broker("a")?;
+    let b = ha.broker("b")?;
+
+    // Both announce themselves, with their addresses and a live lease.
+    for br in [&a, &b] {
+        let p = wait_until_async(CP_TIMEOUT, &format!("presence of {}", br.id), || async {
+            ha.presence(&br.id)
+                .await
+                .filter(|p| p.is_serving(SystemTime::now()))
+        })
+        .await?;
+        assert_eq!(p.agent_addresses, vec![br.agent_addr.to_string()]);
+        assert_eq!(p.relay_address, br.agent_addr.to_string());
+        assert!(
+            p.client_addresses
+                .contains(&format!("http://{}", br.client_addr)),
+            "{p:?}"
+        );
+    }
+
+    // An agent connected only to B is reached through A (relay peer from presence).
+    let agent = ha
+        .procs
+        .start_agent("c1", "c1", &[vec![b.agent_addr]], echo, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&b, "c1").await?;
+    let s = wait_connect(&a, &qualified("c1", echo))
+        .await
+        .inspect_err(|_| eprintln!("== a\n{}\n== b\n{}", ha.log("broker-a"), ha.log("broker-b")))?;
+    echo_round_trip(s, 1_000_000).await?;
+    assert_eq!(
+        metric(a.admin_addr, "tether_broker_discovered_peers", &[]).await?,
+        1.0
+    );
+    assert_eq!(
+        metric(a.admin_addr, "tether_broker_control_plane_connected", &[]).await?,
+        1.0
+    );
+    // Load is announced: B reports its tunnel.
+    wait_until_async(CP_TIMEOUT, "B's presence counts its tunnel", || async {
+        ha.presence("b").await.filter(|p| p.tunnels == 1)
+    })
+    .await?;
+
+    // A cluster the hub does not know: a clear "unknown cluster", not "no tunnel".
+    match connect(a.client_addr, "nowhere:443", Some(OPS_TOKEN)).await? {
+        Err((404, body)) => assert!(
+            body.contains("unknown cluster nowhere") && body.contains("unknown_cluster"),
+            "{body}"
+        ),
+        other => panic!("expected 404, got {:?}", other.map(|_| ())),
+    }
+    // A known cluster without an agent: still no_tunnel (502), after asking the peer.
+    match connect(a.client_addr, "c2:443", Some(OPS_TOKEN)).await? {
+        Err((502, body)) => assert!(body.contains("no_tunnel"), "{body}"),
+        other => panic!("expected 502, got {:?}", other.map(|_| ())),
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_a_broker_leaves_the_other_serving() -> anyhow::Result<()> {
+    let ha = Ha::start().await?;
+    ha.register("c1", true).await?;
+    let echo = echo_server().await?;
+    let source = endless_source().await?;
+    let mut a = ha.broker("a")?;
+    let b = ha.broker("b")?;
+    // The agent holds a tunnel to every broker; its API server is the endless source.
+    let agent = ha.procs.start_agent(
+        "c1",
+        "c1",
+        &[vec![a.agent_addr], vec![b.agent_addr]],
+        source,
+        "",
+    )?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&a, "c1").await?;
+    wait_tunnel(&b, "c1").await?;
+    wait_until_async(CP_TIMEOUT, "b discovers a", || async {
+        (metric(b.admin_addr, "tether_broker_relay_peers_connected", &[])
+            .await
+            .ok()?
+            == 1.0)
+            .then_some(())
+    })
+    .await?;
+
+    // Two streams on A, mid-transfer: over TLS (CONNECT) and plain TCP.
+    let cfg = tether_e2e::client_tls_config(&ha.procs.pki.ca_path(), &[b"http/1.1"], None)?;
+    let mut on_a_tls =
+        match tether_e2e::connect_tls(a.client_tls_addr, cfg, "c1:443", Some(OPS_TOKEN)).await? {
+            Ok(s) => s,
+            Err((code, body)) => anyhow::bail!("CONNECT over TLS answered {code}: {body}"),
+        };
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut got = 0;
+    while got < 1_000_000 {
+        got += on_a_tls.read(&mut buf).await?;
+    }
+
+    let killed = Instant::now();
+    a.child.kill();
+    // New streams through B succeed within 5 s of the kill.
+    let s = wait_until_async(Duration::from_secs(5), "a new stream via B", || async {
+        connect_ok(b.client_addr, &qualified("c1", echo)).await.ok()
+    })
+    .await?;
+    let first_ok = killed.elapsed();
+    echo_round_trip(s, 100_000).await?;
+    eprintln!("new stream through the surviving broker {first_ok:?} after SIGKILL");
+    assert!(first_ok < Duration::from_secs(5), "{first_ok:?}");
+
+    // The stream that was on the killed broker ends with an error, never a clean EOF.
+    let end = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match on_a_tls.read(&mut buf).await {
+                Ok(0) => return Ok(()),
+                Ok(_) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    })
+    .await?;
+    let err = end.expect_err("a stream on the killed broker must end with an error, not EOF");
+    eprintln!("stream on the killed broker ended with: {err}");
+
+    // A's presence goes stale (it could not delete it) and B drops it as a peer.
+    wait_until_async(CP_TIMEOUT, "A's presence goes stale", || async {
+        ha.presence("a")
+            .await
+            .filter(|p| !p.is_live(SystemTime::now()))
+    })
+    .await?;
+    wait_until_async(CP_TIMEOUT, "B forgets A", || async {
+        (metric(b.admin_addr, "tether_broker_discovered_peers", &[])
+            .await
+            .ok()?
+            == 0.0)
+            .then_some(())
+    })
+    .await?;
+    // Many new streams through B keep working.
+    for _ in 0..20 {
+        echo_round_trip(
+            connect_ok(b.client_addr, &qualified("c1", echo)).await?,
+            10_000,
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drained_broker_shows_draining_then_removes_its_entry() -> anyhow::Result<()> {
+    let ha = Ha::start().await?;
+    ha.register("c1", true).await?;
+    let echo = echo_server().await?;
+    let mut a = ha.broker("a")?;
+    let agent = ha
+        .procs
+        .start_agent("c1", "c1", &[vec![a.agent_addr]], echo, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&a, "c1").await?;
+    wait_until_async(CP_TIMEOUT, "presence of a", || async {
+        ha.presence("a").await
+    })
+    .await?;
+    // An open stream keeps the drain going (drain_grace 10 s) so `draining` can be seen.
+    let mut open = connect_ok(a.client_addr, &qualified("c1", echo)).await?;
+    a.child.terminate();
+    wait_until_async(CP_TIMEOUT, "a shows draining", || async {
+        ha.presence("a").await.filter(|p| p.draining)
+    })
+    .await?;
+    let p = ha.presence("a").await.expect("entry while draining");
+    assert!(!p.is_serving(SystemTime::now()) && p.is_live(SystemTime::now()));
+    // The open stream still works during the drain; closing it lets the broker exit.
+    open.write_all(b"ping").await?;
+    let mut four = [0u8; 4];
+    open.read_exact(&mut four).await?;
+    assert_eq!(&four, b"ping");
+    drop(open);
+    a.child.wait_exit(CP_TIMEOUT)?;
+    assert!(
+        ha.presence("a").await.is_none(),
+        "presence key must be deleted on a clean exit"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_cluster_loses_its_tunnels_and_clients_get_unknown_cluster() -> anyhow::Result<()> {
+    let ha = Ha::start().await?;
+    ha.register("c1", true).await?;
+    ha.register("c3", false).await?;
+    let source = endless_source().await?;
+    let a = ha.broker("a")?;
+    let agent = ha
+        .procs
+        .start_agent("c1", "c1", &[vec![a.agent_addr]], source, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&a, "c1").await?;
+
+    // Agents of an unregistered or not accepted cluster are refused, with the reason.
+    let _c9 = ha
+        .procs
+        .start_agent("c9", "c9", &[vec![a.agent_addr]], source, "")?;
+    let _c3 = ha
+        .procs
+        .start_agent("c3", "c3", &[vec![a.agent_addr]], source, "")?;
+    wait_until_async(CP_TIMEOUT, "c9 and c3 refused", || async {
+        (metric(
+            a.admin_addr,
+            "tether_broker_tunnel_connects_total",
+            &[("result", "cluster_refused")],
+        )
+        .await
+        .ok()?
+            >= 2.0)
+            .then_some(())
+    })
+    .await?;
+    let log = ha.log("broker-a");
+    assert!(
+        log.contains("cluster c9 is not registered on the hub"),
+        "{log}"
+    );
+    assert!(
+        log.contains("cluster c3 is not accepted by the hub"),
+        "{log}"
+    );
+    let (_, tunnels) = admin_get(a.admin_addr, "/debug/tunnels").await?;
+    assert!(
+        !tunnels.contains("\"c9\"") && !tunnels.contains("\"c3\""),
+        "{tunnels}"
+    );
+
+    // A stream open while the cluster is deleted ends with an error.
+    let mut s = connect_ok(a.client_addr, "c1:443").await?;
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut got = 0;
+    while got < 500_000 {
+        got += s.read(&mut buf).await?;
+    }
+    ha.hub.tetherctl_ok(&["delete", "managedcluster", "c1"])?;
+    wait_until_async(CP_TIMEOUT, "c1's tunnel closed", || async {
+        let (_, body) = admin_get(a.admin_addr, "/debug/tunnels").await.ok()?;
+        (!body.contains("\"cluster\":\"c1\"")).then_some(())
+    })
+    .await?;
+    let end = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) => return Ok(()),
+                Ok(_) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    })
+    .await?;
+    end.expect_err("a stream of a deleted cluster must end with an error");
+    match connect(a.client_addr, "c1:443", Some(OPS_TOKEN)).await? {
+        Err((404, body)) => assert!(body.contains("unknown cluster c1"), "{body}"),
+        other => panic!("expected 404 unknown cluster, got {:?}", other.map(|_| ())),
+    }
+    assert!(
+        metric(
+            a.admin_addr,
+            "tether_broker_tunnels_closed_by_hub_total",
+            &[]
+        )
+        .await?
+            >= 1.0
+    );
+    // The agent keeps trying and is refused (with the reason); its tunnel never comes back.
+    let refused = metric(
+        a.admin_addr,
+        "tether_broker_tunnel_connects_total",
+        &[("result", "cluster_refused")],
+    )
+    .await?;
+    wait_until_async(CP_TIMEOUT, "c1's agent refused again", || async {
+        (metric(
+            a.admin_addr,
+            "tether_broker_tunnel_connects_total",
+            &[("result", "cluster_refused")],
+        )
+        .await
+        .ok()?
+            > refused)
+            .then_some(())
+    })
+    .await?;
+    let (_, body) = admin_get(a.admin_addr, "/debug/tunnels").await?;
+    assert!(!body.contains("\"cluster\":\"c1\""), "{body}");
+    Ok(())
+}
