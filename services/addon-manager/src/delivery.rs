@@ -651,3 +651,41 @@ pub async fn start(
     }));
     Ok(handles)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signs_with_the_addon_subject_only() {
+        let ca = tether_pki::HubCa::generate("hub", Duration::from_secs(600)).unwrap();
+        let kp = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let mut params = rcgen::CertificateParams::default();
+        let mut dn = rcgen::DistinguishedName::new();
+        dn.push(rcgen::DnType::CommonName, "something-else");
+        params.distinguished_name = dn;
+        let csr = params.serialize_request(&kp).unwrap().pem().unwrap();
+        let pem = sign_addon_csr(
+            &ca,
+            &csr,
+            "c1",
+            "cluster-proxy",
+            "a1",
+            Duration::from_secs(300),
+        )
+        .unwrap();
+        let info = tether_pki::CertInfo::from_pem(&pem).unwrap();
+        assert_eq!(
+            info.common_name,
+            "system:open-cluster-management:cluster:c1:addon:cluster-proxy:agent:a1"
+        );
+        assert_eq!(info.organizations.len(), 2);
+        assert_eq!(info.public_key_raw, kp.public_key_raw());
+        let der = tether_pki::pem_certificates(&pem).remove(0);
+        tether_pki::verify_issued_by(der.as_ref(), ca.cert_pem(), SystemTime::now()).unwrap();
+        assert_eq!(
+            tether_tls::Identity::from_certificate(&der).unwrap(),
+            tether_tls::Identity::tunnel_agent("c1", "a1")
+        );
+    }
+}

@@ -85,6 +85,23 @@ pub enum Phase {
     Degraded(String),
 }
 
+/// The hub connection add-on components use (published through a `watch`).
+#[derive(Debug, Clone)]
+pub enum HubSession {
+    /// Not joined yet, bootstrapping again, or shutting down: add-ons keep what runs.
+    Down,
+    /// Joined: a NATS client with the cluster's credentials, the hub endpoint (server, CA and
+    /// proxy-url the add-on credentials inherit) and the agent name.
+    Joined {
+        client: async_nats::Client,
+        endpoint: Box<HubEndpoint>,
+        agent: String,
+    },
+    /// The hub refused the cluster's credentials (denied, deleted, revoked): add-ons stop and
+    /// remove their credentials.
+    Revoked(String),
+}
+
 /// Why the joined phase ended.
 #[derive(Debug)]
 enum JoinedExit {
@@ -121,6 +138,7 @@ pub struct Agent<S: HubSecretStore> {
     started: Instant,
     /// Last bootstrap kubeconfig bytes seen, to notice changes.
     bootstrap_fingerprint: Option<Vec<u8>>,
+    session: watch::Sender<HubSession>,
 }
 
 impl<S: HubSecretStore> Agent<S> {
@@ -138,9 +156,15 @@ impl<S: HubSecretStore> Agent<S> {
                 phase: tx,
                 started: Instant::now(),
                 bootstrap_fingerprint: None,
+                session: watch::channel(HubSession::Down).0,
             },
             rx,
         )
+    }
+
+    /// The hub session add-on components follow.
+    pub fn session(&self) -> watch::Receiver<HubSession> {
+        self.session.subscribe()
     }
 
     fn set_phase(&self, p: Phase) {
@@ -225,14 +249,20 @@ impl<S: HubSecretStore> Agent<S> {
             match self.valid_credentials(&bootstrap, &secret, &agent_name) {
                 Ok((material, _info)) => {
                     bo.reset();
-                    match self.joined(&bootstrap, material, &agent_name, &stop).await {
-                        JoinedExit::Shutdown => return,
+                    let exit = self.joined(&bootstrap, material, &agent_name, &stop).await;
+                    match exit {
+                        JoinedExit::Shutdown => {
+                            self.session.send_replace(HubSession::Down);
+                            return;
+                        }
                         JoinedExit::BootstrapChanged => {
                             tracing::info!("bootstrap kubeconfig changed: bootstrapping again");
+                            self.session.send_replace(HubSession::Down);
                             self.drop_credentials(&agent_name).await;
                         }
                         JoinedExit::CredentialsInvalid(reason) => {
                             tracing::warn!(%reason, "hub credentials are no longer valid: bootstrapping again");
+                            self.session.send_replace(HubSession::Revoked(reason));
                             self.drop_credentials(&agent_name).await;
                         }
                     }
@@ -572,6 +602,11 @@ impl<S: HubSecretStore> Agent<S> {
                     continue;
                 }
             };
+            self.session.send_replace(HubSession::Joined {
+                client: conn.client.clone(),
+                endpoint: Box::new(bootstrap.endpoint.clone()),
+                agent: agent.to_string(),
+            });
             let mut notify = match conn
                 .client
                 .subscribe(subjects::cluster_notify(&cluster))

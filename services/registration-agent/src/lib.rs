@@ -8,9 +8,13 @@
 //! - [`secret`]: the narrow storage interface for the hub credentials (directory or Kubernetes
 //!   Secret).
 //! - [`supervisor`]: the actix actor that owns an agent's run loop and answers status queries.
+//! - [`addon`]: add-on agents started once joined (`--addon cluster-proxy`): desired config
+//!   from the hub, add-on credentials, the tunnel-agent through the [`addon::runtime::AddOnRuntime`]
+//!   interface, status report and add-on lease.
 //! - [`metrics`]: Prometheus metrics.
 #![forbid(unsafe_code)]
 
+pub mod addon;
 pub mod agent;
 pub mod metrics;
 pub mod secret;

@@ -7,8 +7,10 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
+use registration_agent::addon::runtime::{KubeRuntime, LocalRuntime};
+use registration_agent::addon::{AddOnAgent, AddOnSettings};
 use registration_agent::agent::{Agent, AgentConfig};
-use registration_agent::metrics::AgentMetrics;
+use registration_agent::metrics::{AddOnMetrics, AgentMetrics};
 use registration_agent::secret::{FileSecretStore, KubeSecretStore};
 use registration_agent::supervisor::AgentSupervisor;
 use tether_control::resources::ClusterClaim;
@@ -18,6 +20,14 @@ enum SecretStoreKind {
     /// A directory with one file per key (default; no Kubernetes needed).
     File,
     /// A Kubernetes Secret (in-cluster or $KUBECONFIG credentials).
+    Kube,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum AddOnRuntimeKind {
+    /// A supervised tunnel-agent child process (default; no Kubernetes needed).
+    Local,
+    /// A Deployment + Secret in the add-on's install namespace.
     Kube,
 }
 
@@ -61,6 +71,30 @@ struct Args {
     simulate: usize,
     #[arg(long, env = "TETHER_WORKER_THREADS")]
     worker_threads: Option<usize>,
+    /// Run this add-on's agent once joined (repeatable; `cluster-proxy` is the tunnel-agent).
+    #[arg(long = "addon")]
+    addons: Vec<String>,
+    /// Where add-on credentials (`<addon>-hub-kubeconfig/`) and agent configs
+    /// (`<addon>-agent/`) go; default: the parent of --hub-kubeconfig-dir.
+    #[arg(long)]
+    addon_dir: Option<PathBuf>,
+    #[arg(long, value_enum, default_value = "local")]
+    addon_runtime: AddOnRuntimeKind,
+    /// tunnel-agent binary for the local runtime (default: next to this binary).
+    #[arg(long, env = "TETHER_TUNNEL_AGENT_BIN")]
+    tunnel_agent_bin: Option<PathBuf>,
+    /// Image of the add-on agent for the kube runtime.
+    #[arg(long, default_value = "tether/tunnel-agent:latest")]
+    addon_image: String,
+    /// The cluster's API server as the add-on agent dials it (`<cluster>:443` goes there).
+    #[arg(long, default_value = "kubernetes.default.svc:443")]
+    addon_apiserver: String,
+    /// Add-on lease duration in seconds (Available=False after 5 × this without renewal).
+    #[arg(long, default_value_t = 60)]
+    addon_lease_seconds: u32,
+    /// Safety-net re-fetch of the add-on config (changes normally arrive as notifications).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    addon_resync: Duration,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -126,6 +160,12 @@ fn main() -> anyhow::Result<()> {
             tokio::spawn(server.serve(l, shutdown.child_token()));
         }
         let mut supervisors = Vec::new();
+        let mut addon_tasks = Vec::new();
+        let addon_metrics = if args.addons.is_empty() {
+            None
+        } else {
+            Some(AddOnMetrics::register(&registry)?)
+        };
         if args.simulate > 0 {
             for i in 0..args.simulate {
                 let name = format!("{}-{i}", args.cluster_name);
@@ -138,12 +178,14 @@ fn main() -> anyhow::Result<()> {
                 tokio::time::sleep(Duration::from_millis(rand::random_range(1..10))).await;
             }
         } else {
-            let (agent_phase_rx, sup) = match args.secret_store {
+            let (agent_phase_rx, session, sup) = match args.secret_store {
                 SecretStoreKind::File => {
                     let store = FileSecretStore::new(args.hub_kubeconfig_dir.clone());
                     let (agent, phase) = Agent::new(cfg.clone(), store, metrics.clone());
+                    let session = agent.session();
                     (
                         phase.clone(),
+                        session,
                         AgentSupervisor::start_agent(
                             agent,
                             phase,
@@ -159,8 +201,10 @@ fn main() -> anyhow::Result<()> {
                     let store =
                         KubeSecretStore::new(client, &args.secret_namespace, &args.secret_name);
                     let (agent, phase) = Agent::new(cfg.clone(), store, metrics.clone());
+                    let session = agent.session();
                     (
                         phase.clone(),
+                        session,
                         AgentSupervisor::start_agent(
                             agent,
                             phase,
@@ -171,6 +215,45 @@ fn main() -> anyhow::Result<()> {
                 }
             };
             supervisors.push(sup);
+            let base = args.addon_dir.clone().unwrap_or_else(|| {
+                args.hub_kubeconfig_dir
+                    .parent()
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .map(|p| p.to_path_buf())
+                    .unwrap_or_else(|| PathBuf::from("."))
+            });
+            for addon in &args.addons {
+                if !tether_pki::subject::is_dns_label(addon) {
+                    anyhow::bail!("--addon {addon:?} is not a DNS-1123 label");
+                }
+                let mut s = AddOnSettings::new(addon, &cfg.cluster_name, &base);
+                s.apiserver = args.addon_apiserver.clone();
+                s.lease_seconds = args.addon_lease_seconds.max(1);
+                s.resync = args.addon_resync;
+                let m = addon_metrics.clone().context("add-on metrics")?;
+                let stop = shutdown.child_token();
+                let rx = session.clone();
+                match args.addon_runtime {
+                    AddOnRuntimeKind::Local => {
+                        let rt = LocalRuntime::new(
+                            args.tunnel_agent_bin
+                                .clone()
+                                .unwrap_or_else(LocalRuntime::default_binary),
+                            s.runtime_dir.clone(),
+                            addon,
+                            m.agent_restarts_total.with_label_values(&[addon.as_str()]),
+                        );
+                        addon_tasks.push(tokio::spawn(AddOnAgent::new(s, rt, m).run(rx, stop)));
+                    }
+                    AddOnRuntimeKind::Kube => {
+                        let client = kube::Client::try_default().await.context(
+                            "connecting to the managed cluster's API server for --addon-runtime kube",
+                        )?;
+                        let rt = KubeRuntime::new(client, addon, &args.addon_image);
+                        addon_tasks.push(tokio::spawn(AddOnAgent::new(s, rt, m).run(rx, stop)));
+                    }
+                }
+            }
             let mut rx = agent_phase_rx;
             let ready = readiness.clone();
             tokio::spawn(async move {
@@ -185,6 +268,10 @@ fn main() -> anyhow::Result<()> {
         }
         shutdown.cancelled().await;
         tracing::info!("shutting down");
+        // Add-on agents stop their processes before we exit.
+        for t in addon_tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+        }
         drop(supervisors);
         Ok(())
     })

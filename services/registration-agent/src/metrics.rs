@@ -1,6 +1,8 @@
 //! Prometheus metrics of the registration agent (units in names).
 
-use prometheus::{Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry};
+use prometheus::{
+    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
 
 #[derive(Clone)]
 pub struct AgentMetrics {
@@ -63,5 +65,83 @@ impl AgentMetrics {
             )
             .expect("valid gauge"),
         }
+    }
+}
+
+/// Metrics of the add-on agents (label `addon`).
+#[derive(Clone)]
+pub struct AddOnMetrics {
+    /// Configs handed to the runtime, by result.
+    pub config_applies_total: IntCounterVec,
+    /// Add-on lease renewals, by result.
+    pub lease_renewals_total: IntCounterVec,
+    /// Add-on certificates obtained, by kind (new, rotation).
+    pub certificates_total: IntCounterVec,
+    /// Local tunnel-agent process restarts.
+    pub agent_restarts_total: IntCounterVec,
+    /// Brokers the add-on agent holds a tunnel to.
+    pub connected_brokers: IntGaugeVec,
+    /// Add-on removals (not installed any more, or the cluster's credentials revoked).
+    pub cleanups_total: IntCounterVec,
+}
+
+impl AddOnMetrics {
+    pub fn register(r: &Registry) -> Result<Self, prometheus::Error> {
+        let m = Self {
+            config_applies_total: IntCounterVec::new(
+                Opts::new(
+                    "tether_agent_addon_config_applies_total",
+                    "Add-on agent configs applied, by result",
+                ),
+                &["addon", "result"],
+            )?,
+            lease_renewals_total: IntCounterVec::new(
+                Opts::new(
+                    "tether_agent_addon_lease_renewals_total",
+                    "Add-on lease renewals, by result",
+                ),
+                &["addon", "result"],
+            )?,
+            certificates_total: IntCounterVec::new(
+                Opts::new(
+                    "tether_agent_addon_certificates_total",
+                    "Add-on client certificates obtained, by kind (new, rotation)",
+                ),
+                &["addon", "kind"],
+            )?,
+            agent_restarts_total: IntCounterVec::new(
+                Opts::new(
+                    "tether_agent_addon_process_restarts_total",
+                    "Restarts of the local add-on agent process",
+                ),
+                &["addon"],
+            )?,
+            connected_brokers: IntGaugeVec::new(
+                Opts::new(
+                    "tether_agent_addon_connected_brokers",
+                    "Brokers the add-on agent holds an established tunnel to",
+                ),
+                &["addon"],
+            )?,
+            cleanups_total: IntCounterVec::new(
+                Opts::new(
+                    "tether_agent_addon_cleanups_total",
+                    "Add-on agents stopped and their credentials removed",
+                ),
+                &["addon"],
+            )?,
+        };
+        tether_telemetry::register_all(
+            r,
+            [
+                Box::new(m.config_applies_total.clone()) as Box<dyn prometheus::core::Collector>,
+                Box::new(m.lease_renewals_total.clone()),
+                Box::new(m.certificates_total.clone()),
+                Box::new(m.agent_restarts_total.clone()),
+                Box::new(m.connected_brokers.clone()),
+                Box::new(m.cleanups_total.clone()),
+            ],
+        )?;
+        Ok(m)
     }
 }
