@@ -46,8 +46,20 @@ if [ -n "$SCRIPTS_DIR" ] && [ -x "$SCRIPTS_DIR/nats-server" ] && "$SCRIPTS_DIR/n
   fi
 fi
 
+# nats-py for the example automation (examples/automation, tests/tests/automation.rs).
+NATS_PY_VERSION="2.16.0"
+if ! python3 -c "import nats" >/dev/null 2>&1; then
+  PIP="$(command -v pip3 || command -v pip || true)"
+  if [ -n "$PIP" ]; then
+    "$PIP" install -q "nats-py==${NATS_PY_VERSION}"
+  else
+    echo "install-deps: pip not found; cannot install nats-py==${NATS_PY_VERSION}" >&2
+  fi
+fi
+
 # Report what the tests will find (tests look up nats-server on PATH, or TETHER_NATS_SERVER).
 echo "install-deps: nats-server $(nats-server --version 2>/dev/null || echo missing) at $(command -v nats-server || echo '?')"
 for b in squid tinyproxy stunnel4 iperf3 socat; do
   printf 'install-deps: %-10s %s\n' "$b" "$(command -v "$b" || ls /usr/sbin/$b 2>/dev/null || echo missing)"
 done
+printf 'install-deps: %-10s %s\n' nats-py "$(python3 -c 'import nats, importlib.metadata as m; print(m.version("nats-py"))' 2>/dev/null || echo missing)"
