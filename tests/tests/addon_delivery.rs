@@ -1,0 +1,472 @@
+//! Delivering the cluster-proxy add-on end to end: real nats-server, addon-manager, tetherctl,
+//! tunnel-broker, registration-agent (`--addon cluster-proxy`) supervising a real tunnel-agent,
+//! real tinyproxy forward proxies.
+//!
+//! - a cluster joins through a proxy and is accepted; the add-on is installed; its credentials
+//!   (`cluster-proxy-hub-kubeconfig/`) are written with server, CA and proxy-url inherited from
+//!   the hub kubeconfig and OCM's add-on subject;
+//! - the tunnel-agent runs, reaches the broker through the AddOnDeploymentConfig's proxy, and a
+//!   hub client reaches the cluster's API server through the broker;
+//! - the add-on is Available (a tunnel to every live broker) with its configs applied;
+//! - changing the AddOnDeploymentConfig's proxy: Progressing=True, then Available again with
+//!   the new hash applied, and the tunnels now go through the new proxy;
+//! - removing the add-on stops the tunnel-agent and removes its credentials; deleting the
+//!   cluster does the same, and clients get an error for it.
+//!
+//! Run: `cargo build -p addon-manager -p tetherctl -p registration-agent -p tunnel-agent -p tunnel-broker --bins && cargo test -p tether-e2e --test addon_delivery`.
+
+mod registration_support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use registration_support::*;
+use tether_control::brokers::BrokerPresence;
+use tether_control::connect::{self, ConnectConfig, Credentials};
+use tether_control::hub::{ADMIN_USER, HubDir};
+use tether_control::resources::rfc3339;
+use tether_control::store::{Bucket, HubStore};
+use tether_test_support::{Child, Pki, bin, wait_until};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn addons_yaml(adc_proxy: &str) -> String {
+    format!(
+        r#"
+apiVersion: addon.open-cluster-management.io/v1alpha1
+kind: ClusterManagementAddOn
+metadata:
+  name: cluster-proxy
+spec:
+  installStrategy:
+    type: All
+  defaultConfigs:
+    - group: addon.open-cluster-management.io
+      resource: addondeploymentconfigs
+      namespace: default
+      name: cluster-proxy-config
+    - group: proxy.open-cluster-management.io
+      resource: managedproxyconfigurations
+      name: cluster-proxy
+---
+apiVersion: addon.open-cluster-management.io/v1alpha1
+kind: AddOnDeploymentConfig
+metadata:
+  name: cluster-proxy-config
+  namespace: default
+spec:
+  proxyConfig:
+    httpsProxy: {adc_proxy}
+    noProxy: "10.0.0.0/8,.svc"
+---
+apiVersion: proxy.open-cluster-management.io/v1alpha1
+kind: ManagedProxyConfiguration
+metadata:
+  name: cluster-proxy
+spec:
+  authentication:
+    signer:
+      type: SelfSigned
+  proxyServer:
+    replicas: 1
+    entrypoints:
+      - host: broker-entrypoint.invalid
+  proxyAgent:
+    replicas: 1
+    keepalive: 5s
+"#
+    )
+}
+
+fn addon(hub: &Hub, cluster: &str) -> Option<serde_json::Value> {
+    let o = hub
+        .tetherctl(&["get", "addons", cluster, "cluster-proxy", "-o", "json"])
+        .ok()?;
+    if !o.status.success() {
+        return None;
+    }
+    serde_json::from_slice(&o.stdout).ok()
+}
+
+fn cond(m: &serde_json::Value, t: &str) -> Option<(String, String, String)> {
+    m["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == t)
+        .map(|c| {
+            (
+                c["status"].as_str().unwrap_or_default().to_string(),
+                c["reason"].as_str().unwrap_or_default().to_string(),
+                c["message"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+}
+
+fn status(m: &serde_json::Value, t: &str) -> String {
+    cond(m, t).map(|c| c.0).unwrap_or_default()
+}
+
+fn adc_hashes(m: &serde_json::Value) -> (String, String) {
+    let r = m["status"]["configReferences"]
+        .as_array()
+        .and_then(|a| a.iter().find(|r| r["resource"] == "addondeploymentconfigs"))
+        .cloned()
+        .unwrap_or_default();
+    (
+        r["desiredConfig"]["specHash"]
+            .as_str()
+            .unwrap_or_default()
+            .into(),
+        r["lastAppliedConfig"]["specHash"]
+            .as_str()
+            .unwrap_or_default()
+            .into(),
+    )
+}
+
+fn wait_addon(
+    hub: &Hub,
+    cluster: &str,
+    what: &str,
+    f: impl Fn(&serde_json::Value) -> bool,
+) -> anyhow::Result<serde_json::Value> {
+    wait_until(WAIT, what, || addon(hub, cluster).filter(|m| f(m))).with_context(|| {
+        format!(
+            "add-on now: {:#}\naddon-manager log:\n{}\nagent log:\n{}",
+            addon(hub, cluster).unwrap_or_default(),
+            tail(&read_log(&hub.logs, "addon-manager"), 15),
+            tail(&read_log(&hub.logs, "agent"), 25)
+        )
+    })
+}
+
+fn available(m: &serde_json::Value) -> bool {
+    status(m, "Available") == "True" && status(m, "Progressing") == "False"
+}
+
+async fn admin_store(hub: &Hub) -> anyhow::Result<HubStore> {
+    let dir = HubDir::load(&hub.hub_dir)?;
+    let password = dir.read(&dir.config.nats.admin_password_file)?;
+    let endpoint = dir.endpoint(Some(&hub.nats_url()))?;
+    let cfg = ConnectConfig::new(
+        endpoint,
+        Credentials::HubUser {
+            user: ADMIN_USER.into(),
+            password: password.trim().to_string(),
+        },
+        "test",
+    );
+    let conn = connect::connect(&cfg).await?;
+    Ok(HubStore::open(conn.client).await?)
+}
+
+/// Announces a broker in `tether-brokers` (what the broker's own presence does; a long lease so
+/// the test needs no renewal loop).
+async fn announce(store: &HubStore, b: &tether_e2e::Broker) -> anyhow::Result<()> {
+    let now = rfc3339(std::time::SystemTime::now());
+    let p = BrokerPresence {
+        id: b.id.clone(),
+        agent_addresses: vec![b.agent_addr.to_string()],
+        server_name: "tether-broker".into(),
+        client_addresses: vec![format!("http://{}", b.client_addr)],
+        started_at: now.clone(),
+        renew_time: now,
+        lease_duration_seconds: 3600,
+        ..Default::default()
+    };
+    store.put(Bucket::Brokers, &b.id, &p).await?;
+    Ok(())
+}
+
+/// The registration hub's CA as a test PKI, so brokers and the fake API server chain to the
+/// CA the add-on credentials are signed by.
+fn hub_pki(hub: &Hub) -> anyhow::Result<tether_e2e::Hub> {
+    let dir = tempfile::tempdir()?;
+    let pki_dir = dir.path().join("pki");
+    std::fs::create_dir_all(&pki_dir)?;
+    let cert = std::fs::read_to_string(hub.hub_dir.join("ca.crt"))?;
+    let key = std::fs::read_to_string(hub.hub_dir.join("ca.key"))?;
+    std::fs::write(pki_dir.join("ca.crt"), &cert)?;
+    let ca = tether_tls::pki::CertificateAuthority::from_pem(&cert, &key)?;
+    Ok(tether_e2e::Hub {
+        dir,
+        pki: Pki { dir: pki_dir, ca },
+        env: vec![],
+    })
+}
+
+fn start_registration_agent(
+    hub: &Hub,
+    cluster: &str,
+    boot: &Path,
+    creds: &Path,
+    apiserver: &str,
+) -> anyhow::Result<Child> {
+    let mut c = Command::new(bin("registration-agent")?);
+    c.args(["--cluster-name", cluster])
+        .arg("--bootstrap-kubeconfig")
+        .arg(boot)
+        .arg("--hub-kubeconfig-dir")
+        .arg(creds)
+        .args(["--check-interval", "200ms"])
+        .args(["--addon", "cluster-proxy"])
+        .args(["--addon-apiserver", apiserver])
+        .args(["--addon-lease-seconds", "2"])
+        .args(["--addon-resync", "10s"])
+        .env("RUST_LOG", "info,async_nats=warn");
+    Child::spawn("agent", c, &hub.logs)
+}
+
+fn pid_alive(pid: i32) -> bool {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| s.split_whitespace().nth(2) == Some("Z"))
+}
+
+fn tunnel_agent_pid(runtime_dir: &Path) -> Option<i32> {
+    std::fs::read_to_string(runtime_dir.join("tunnel-agent.pid"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Kills a tunnel-agent left behind if the test fails half-way.
+struct Reaper(PathBuf);
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        if let Some(pid) = tunnel_agent_pid(&self.0) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
+/// CONNECT `<cluster>:443` through the broker, TLS to the API server, `GET /livez`.
+async fn reach_apiserver(
+    broker: &tether_e2e::Broker,
+    cluster: &str,
+    ca: &Path,
+) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = match tether_e2e::connect(
+        broker.client_addr,
+        &format!("{cluster}:443"),
+        Some(tether_e2e::OPS_TOKEN),
+    )
+    .await?
+    {
+        Ok(s) => s,
+        Err((code, body)) => anyhow::bail!("CONNECT answered {code}: {body}"),
+    };
+    let cfg = tether_e2e::client_tls_config(ca, &[b"http/1.1"], None)?;
+    let name = rustls::pki_types::ServerName::try_from("kubernetes.default.svc")?;
+    let mut tls = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg)).connect(name, s),
+    )
+    .await??;
+    tls.write_all(b"GET /livez HTTP/1.1\r\nhost: kubernetes.default.svc\r\n\r\n")
+        .await?;
+    let mut buf = vec![0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(10), tls.read(&mut buf)).await??;
+    Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+}
+
+/// CONNECT lines a tinyproxy logged for `target`.
+fn proxy_connects(hub: &Hub, proxy: &str, target: &str) -> usize {
+    read_log(&hub.logs, proxy)
+        .lines()
+        .filter(|l| l.contains("CONNECT") && l.contains(target))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn addon_is_delivered_through_a_proxy_and_follows_its_config() -> anyhow::Result<()> {
+    let hub = Hub::start(HubOpts::default())?;
+    let tpki = hub_pki(&hub)?;
+    let broker = tpki.start_broker("b1", "")?;
+    let api = tether_e2e::apiserver::FakeApiServer::start(&tpki).await?;
+    let store = admin_store(&hub).await?;
+    announce(&store, &broker).await?;
+
+    // Three proxies: registration (bootstrap kubeconfig), then the ADC's first and second.
+    let reg_proxy = start_proxy(
+        &hub.logs,
+        "proxy-reg",
+        ProxyKind::Tinyproxy,
+        "127.0.0.1",
+        None,
+        &[],
+        None,
+    )?;
+    let p1 = start_proxy(
+        &hub.logs,
+        "proxy-1",
+        ProxyKind::Tinyproxy,
+        "127.0.0.1",
+        None,
+        &[],
+        None,
+    )?;
+    let p2 = start_proxy(
+        &hub.logs,
+        "proxy-2",
+        ProxyKind::Tinyproxy,
+        "127.0.0.1",
+        None,
+        &[],
+        None,
+    )?;
+    let f = hub.dir.join("addons.yaml");
+    std::fs::write(&f, addons_yaml(&p1.url()))?;
+    hub.tetherctl_ok(&["apply", "-f", &f.to_string_lossy()])?;
+
+    let boot = hub.dir.join("bootstrap.kubeconfig");
+    hub.join(
+        &boot,
+        &hub.server_url(),
+        &hub.token,
+        Some(&reg_proxy.url()),
+        None,
+    )?;
+    let base = hub.dir.join("edge");
+    let creds = base.join("hub-kubeconfig");
+    let addon_creds = base.join("cluster-proxy-hub-kubeconfig");
+    let runtime_dir = base.join("cluster-proxy-agent");
+    let _reaper = Reaper(runtime_dir.clone());
+    let agent = start_registration_agent(&hub, "edge-1", &boot, &creds, &api.addr.to_string())?;
+    wait_until(WAIT, "edge-1 to ask to join", || hub.cluster("edge-1"))?;
+
+    // Accept: from here to Available is the add-on's delivery time.
+    let accepted = Instant::now();
+    hub.tetherctl_ok(&["accept", "edge-1"])?;
+    let m = wait_addon(
+        &hub,
+        "edge-1",
+        "add-on Available with its configs applied",
+        available,
+    )?;
+    let to_available = accepted.elapsed();
+    eprintln!("accept -> add-on Available: {to_available:?}");
+    let (_, _, msg) = cond(&m, "Available").unwrap();
+    assert!(msg.contains("b1"), "{msg}");
+    let (desired, applied) = adc_hashes(&m);
+    assert_eq!(desired, applied);
+    assert_eq!(desired.len(), 64);
+
+    // Credentials: the four keys; the kubeconfig inherits server, CA and proxy-url.
+    for k in ["kubeconfig", "tls.crt", "tls.key", "cluster-name"] {
+        assert!(addon_creds.join(k).is_file(), "{k} missing");
+    }
+    assert_eq!(
+        std::fs::read_to_string(addon_creds.join("cluster-name"))?.trim(),
+        "edge-1"
+    );
+    let hub_ep = tether_control::kubeconfig::read_hub_endpoint(&creds.join("kubeconfig"))?;
+    let addon_ep = tether_control::kubeconfig::read_hub_endpoint(&addon_creds.join("kubeconfig"))?;
+    assert!(addon_ep.same_hub(&hub_ep), "{addon_ep:?} vs {hub_ep:?}");
+    assert!(addon_ep.proxy.is_some() && addon_ep.proxy == hub_ep.proxy);
+    let info =
+        tether_pki::CertInfo::from_pem(&std::fs::read_to_string(addon_creds.join("tls.crt"))?)?;
+    assert!(
+        info.common_name.starts_with(
+            "system:open-cluster-management:cluster:edge-1:addon:cluster-proxy:agent:"
+        ),
+        "{}",
+        info.common_name
+    );
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(addon_creds.join("tls.key"))?
+            .permissions()
+            .mode()
+            & 0o777,
+        0o600
+    );
+
+    // A hub client reaches the cluster's API server through the broker; the tunnel went
+    // through the ADC's proxy (not the registration proxy).
+    let body = reach_apiserver(&broker, "edge-1", &tpki.pki.dir.join("ca.crt")).await?;
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    let target = broker.agent_addr.to_string();
+    assert!(proxy_connects(&hub, "proxy-1", &target) >= 1);
+    assert_eq!(proxy_connects(&hub, "proxy-reg", &target), 0);
+    assert_eq!(proxy_connects(&hub, "proxy-2", &target), 0);
+    let pid = tunnel_agent_pid(&runtime_dir).context("tunnel-agent pid file")?;
+
+    // New proxy: Progressing until the agent applies it, then Available; new tunnels use it.
+    std::fs::write(&f, addons_yaml(&p2.url()))?;
+    hub.tetherctl_ok(&["apply", "-f", &f.to_string_lossy()])?;
+    let changed = Instant::now();
+    let m = wait_addon(&hub, "edge-1", "new ADC hash applied and Available", |m| {
+        let (d, a) = adc_hashes(m);
+        d != desired && d == a && available(m)
+    })?;
+    eprintln!(
+        "ADC change -> applied and Available: {:?}",
+        changed.elapsed()
+    );
+    assert_eq!(status(&m, "Available"), "True");
+    let events = hub.tetherctl_ok(&["get", "events", "edge-1.cluster-proxy"])?;
+    assert!(
+        events.contains("AddOnConfigChanged") && events.contains("Progressing=True"),
+        "{events}"
+    );
+    wait_until(WAIT, "a tunnel through the new proxy", || {
+        (proxy_connects(&hub, "proxy-2", &target) >= 1).then_some(())
+    })?;
+    let body = reach_apiserver(&broker, "edge-1", &tpki.pki.dir.join("ca.crt")).await?;
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    // The same process reloaded its config: no restart.
+    assert_eq!(tunnel_agent_pid(&runtime_dir), Some(pid));
+
+    // A second broker announces itself: the agent gets a tunnel to it too (notify → config →
+    // reload), and Available names both.
+    let broker2 = tpki.start_broker("b2", "")?;
+    announce(&store, &broker2).await?;
+    wait_addon(&hub, "edge-1", "Available through b1 and b2", |m| {
+        cond(m, "Available").is_some_and(|(s, _, msg)| s == "True" && msg.contains("b2"))
+    })?;
+    let body = reach_apiserver(&broker2, "edge-1", &tpki.pki.dir.join("ca.crt")).await?;
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    assert_eq!(tunnel_agent_pid(&runtime_dir), Some(pid));
+
+    // Removing the add-on (its ClusterManagementAddOn): agent stopped, credentials removed.
+    hub.tetherctl_ok(&["delete", "clustermanagementaddon", "cluster-proxy"])?;
+    wait_until(WAIT, "tunnel-agent stopped and credentials removed", || {
+        (!pid_alive(pid) && !addon_creds.exists() && !runtime_dir.exists()).then_some(())
+    })
+    .with_context(|| tail(&read_log(&hub.logs, "agent"), 20))?;
+
+    // Back again, then the cluster is deleted: the same clean-up, and clients get an error.
+    hub.tetherctl_ok(&["apply", "-f", &f.to_string_lossy()])?;
+    wait_addon(&hub, "edge-1", "add-on back and Available", available)?;
+    let pid = tunnel_agent_pid(&runtime_dir).context("tunnel-agent pid file")?;
+    hub.tetherctl_ok(&["delete", "cluster", "edge-1"])?;
+    wait_until(
+        WAIT,
+        "cluster deleted: tunnel-agent stopped, credentials removed",
+        || (!pid_alive(pid) && !addon_creds.exists()).then_some(()),
+    )
+    .with_context(|| tail(&read_log(&hub.logs, "agent"), 20))?;
+    let r = tether_e2e::connect(
+        broker.client_addr,
+        "edge-1:443",
+        Some(tether_e2e::OPS_TOKEN),
+    )
+    .await?;
+    match r {
+        Ok(_) => anyhow::bail!("CONNECT to a deleted cluster succeeded"),
+        Err((code, body)) => eprintln!(
+            "deleted cluster: {code} {}",
+            body.lines().next().unwrap_or("")
+        ),
+    }
+    drop(agent);
+    Ok(())
+}
