@@ -439,3 +439,143 @@ async fn deleted_cluster_loses_its_tunnels_and_clients_get_unknown_cluster() -> 
     assert!(!body.contains("\"cluster\":\"c1\""), "{body}");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hub_clients_are_issued_limited_and_revoked() -> anyhow::Result<()> {
+    let ha = Ha::start().await?;
+    ha.register("c1", true).await?;
+    // Brokers trust client certificates signed by the hub CA.
+    let hub_ca = std::fs::read_to_string(ha.hub.hub_dir.join("ca.crt"))?;
+    let mut bundle = std::fs::read_to_string(ha.procs.pki.ca_path())?;
+    bundle.push_str(&hub_ca);
+    std::fs::write(ha.procs.pki.ca_path(), bundle)?;
+    let echo = echo_server().await?;
+    let a = ha.broker("a")?;
+    let agent = ha
+        .procs
+        .start_agent("c1", "c1", &[vec![a.agent_addr]], echo, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&a, "c1").await?;
+    let echo_target = qualified("c1", echo);
+
+    // A token: shown once by tetherctl; the broker accepts it as soon as it sees the HubClient.
+    let token = ha
+        .hub
+        .tetherctl_ok(&["client", "create", "robot", "--token"])?
+        .trim()
+        .to_string();
+    assert!(token.starts_with("tether-client.robot."), "{token}");
+    wait_until_async(CP_TIMEOUT, "robot's token accepted", || async {
+        connect(a.client_addr, "c1:443", Some(&token))
+            .await
+            .ok()?
+            .ok()
+    })
+    .await?;
+    // No policy names it: the API server only.
+    match connect(a.client_addr, &echo_target, Some(&token)).await? {
+        Err((403, body)) => assert!(body.contains("robot"), "{body}"),
+        other => panic!("expected 403, got {:?}", other.map(|_| ())),
+    }
+
+    // A policy: invalid documents are refused naming the field, nothing is stored.
+    let bad = ha.procs.path().join("bad-policy.yaml");
+    std::fs::write(
+        &bad,
+        "apiVersion: proxy.tether.io/v1alpha1\nkind: ClientAccessPolicy\nmetadata: {name: robot-echo}\nspec:\n  clients: [robot]\n  rules:\n    - clusters: [c1]\n      targets: ['127.0.0.1:http']\n",
+    )?;
+    let o = ha.hub.tetherctl(&["apply", "-f", bad.to_str().unwrap()])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("spec.rules[0].targets[0]"),
+        "{err}"
+    );
+    let good = ha.procs.path().join("policy.yaml");
+    std::fs::write(
+        &good,
+        "apiVersion: proxy.tether.io/v1alpha1\nkind: ClientAccessPolicy\nmetadata: {name: robot-echo}\nspec:\n  clients: [robot]\n  rules:\n    - clusters: [c1]\n      targets: ['127.0.0.1:*']\n",
+    )?;
+    let out = ha
+        .hub
+        .tetherctl_ok(&["apply", "-f", good.to_str().unwrap()])?;
+    assert!(
+        out.contains("clientaccesspolicy/robot-echo created"),
+        "{out}"
+    );
+    let s = wait_until_async(
+        CP_TIMEOUT,
+        "policy lets robot reach the service",
+        || async {
+            connect(a.client_addr, &echo_target, Some(&token))
+                .await
+                .ok()?
+                .ok()
+        },
+    )
+    .await?;
+    echo_round_trip(s, 10_000).await?;
+    // Its rules replace the default: no API server any more.
+    match connect(a.client_addr, "c1:443", Some(&token)).await? {
+        Err((403, _)) => {}
+        other => panic!("expected 403, got {:?}", other.map(|_| ())),
+    }
+    let table = ha.hub.tetherctl_ok(&["get", "clients"])?;
+    assert!(
+        table.contains("robot") && table.contains("token") && table.contains("robot-echo"),
+        "{table}"
+    );
+
+    // Revocation: new streams are refused within seconds.
+    ha.hub.tetherctl_ok(&["client", "delete", "robot"])?;
+    let revoked = Instant::now();
+    wait_until_async(Duration::from_secs(5), "robot's token revoked", || async {
+        match connect(a.client_addr, &echo_target, Some(&token))
+            .await
+            .ok()?
+        {
+            Err((407, _)) => Some(()),
+            _ => None,
+        }
+    })
+    .await?;
+    eprintln!(
+        "token refused {:?} after tetherctl client delete",
+        revoked.elapsed()
+    );
+
+    // A certificate issued by the hub CA (CN tether:client:certbot) works the same way.
+    let dir = ha.procs.path().join("certbot");
+    ha.hub.tetherctl_ok(&[
+        "client",
+        "create",
+        "certbot",
+        "--cert-out",
+        dir.to_str().unwrap(),
+    ])?;
+    let leaf = tether_test_support::LeafFiles {
+        cert: dir.join("tls.crt"),
+        key: dir.join("tls.key"),
+        ca: dir.join("ca.crt"),
+    };
+    let cfg =
+        || tether_e2e::client_tls_config(&ha.procs.pki.ca_path(), &[b"http/1.1"], Some(&leaf));
+    wait_until_async(CP_TIMEOUT, "certbot's certificate accepted", || async {
+        tether_e2e::connect_tls(a.client_tls_addr, cfg().ok()?, "c1:443", None)
+            .await
+            .ok()?
+            .ok()
+    })
+    .await?;
+    ha.hub.tetherctl_ok(&["client", "delete", "certbot"])?;
+    wait_until_async(Duration::from_secs(5), "certbot revoked", || async {
+        match tether_e2e::connect_tls(a.client_tls_addr, cfg().ok()?, "c1:443", None)
+            .await
+            .ok()?
+        {
+            Err((403, body)) if body.contains("revoked") => Some(()),
+            _ => None,
+        }
+    })
+    .await?;
+    Ok(())
+}

@@ -13,6 +13,7 @@
 //! - [`delivery`]: what an add-on agent runs (`…addon.<a>.config`), its credentials
 //!   (`…addon.<a>.csr[.get]`), and `AddOnConfigChanged` notifications when the broker set changes.
 //! - [`callout`]: who may connect to NATS with what permissions.
+//! - [`clients`]: hub client credentials (`tether.v1.admin.client.create|delete`).
 //! - [`metrics`]: Prometheus metrics.
 //!
 //! [`run`] wires it together: connect as `tether-hub`, open the JetStream store, import
@@ -21,6 +22,7 @@
 
 pub mod addons;
 pub mod callout;
+pub mod clients;
 pub mod controller;
 pub mod delivery;
 pub mod hub;
@@ -184,6 +186,16 @@ pub async fn run(
         )
         .await?,
     );
+    // Hub client credentials (tether.v1.admin.client.create|delete).
+    let clients_ctx = Arc::new(clients::ClientsCtx {
+        store: ctx.store.clone(),
+        ca: Arc::new(tether_pki::HubCa::from_pem(
+            ctx.ca.cert_pem(),
+            &ctx.ca.key_pem(),
+        )?),
+    });
+    addon_tasks
+        .extend(clients::start(conn.client.clone(), clients_ctx, shutdown.child_token()).await?);
     readiness.set_ready();
     tracing::info!(admin = ?admin_addr, "addon-manager ready");
     if let Some(p) = &opts.ready_file {

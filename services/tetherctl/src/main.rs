@@ -14,11 +14,14 @@
 //!   the tunnel, TLS verified against the cluster CA).
 //! - `events [--watch] [--durable NAME]`: events as they arrive (JetStream consumer).
 //! - `completions <shell>`: shell completion script.
+//! - `client create|delete`, `get clients`: hub client credentials; `apply -f` also takes
+//!   ClientAccessPolicy documents (`delete clientaccesspolicy NAME`).
 //!
 //! Hub commands read `<hub dir>/hub.yaml` (`--hub-dir`, env `TETHER_HUB_DIR`) and connect as the
 //! `tether-admin` NATS user.
 
 mod addons;
+mod clients;
 mod events;
 mod init;
 mod ops;
@@ -126,6 +129,11 @@ enum Cmd {
         #[command(subcommand)]
         what: TokenCmd,
     },
+    /// Hub client credentials: `client create NAME --token | --cert-out DIR`, `client delete NAME`.
+    Client {
+        #[command(subcommand)]
+        what: clients::ClientCmd,
+    },
     /// Reach clusters: health table, port forward, kubectl through the tunnel.
     #[command(after_help = PROXY_EXAMPLES)]
     Proxy {
@@ -190,6 +198,14 @@ enum ProxyCmd {
 
 #[derive(Subcommand, Debug)]
 enum GetWhat {
+    /// HubClients and the ClientAccessPolicies naming them.
+    #[command(alias = "client", alias = "hubclients")]
+    Clients {
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: Output,
+        #[command(flatten)]
+        hub: HubArgs,
+    },
     /// ManagedClusters: NAME HUB ACCEPTED JOINED AVAILABLE AGE.
     #[command(alias = "managedclusters", alias = "cluster")]
     Clusters {
@@ -271,6 +287,7 @@ async fn main() {
         Cmd::Accept { cluster, hub } => ops::admin(&hub, &cluster, true).await,
         Cmd::Deny { cluster, hub } => ops::admin(&hub, &cluster, false).await,
         Cmd::Get { what } => match what {
+            GetWhat::Clients { output, hub } => clients::get_clients(&hub, output).await,
             GetWhat::Clusters { name, output, hub } => {
                 ops::get_clusters(&hub, name.as_deref(), output).await
             }
@@ -291,8 +308,9 @@ async fn main() {
                 addons::get_cmas(&hub, output).await
             }
         },
-        Cmd::Apply { file, hub } => addons::apply(&hub, &file).await,
-        Cmd::Delete { kind, name, hub } => addons::delete(&hub, &kind, &name).await,
+        Cmd::Apply { file, hub } => clients::apply(&hub, &file).await,
+        Cmd::Delete { kind, name, hub } => clients::delete(&hub, &kind, &name).await,
+        Cmd::Client { what } => clients::run(what).await,
         Cmd::Proxy { what } => match what {
             ProxyCmd::Health {
                 cluster,

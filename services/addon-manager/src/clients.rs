@@ -1,0 +1,286 @@
+//! Hub client credentials: `tether.v1.admin.client.create|delete` (queue group
+//! [`QUEUE_GROUP`], hub/admin users only — non-hub NATS users have no rights on `admin.*`).
+//!
+//! - create, `credential: token`: a fresh random token; the HubClient stores only its SHA-256
+//!   and the token goes back in the reply, once.
+//! - create, `credential: certificate`: a fresh ECDSA P-256 key and a certificate with CN
+//!   `tether:client:<name>` (client-auth usage, back-dated for clock skew) signed by the hub CA;
+//!   key and certificate go back in the reply, once; the HubClient keeps serial and expiry.
+//! - delete: removes the HubClient; brokers stop accepting it for new streams as soon as they
+//!   see the KV change.
+//!
+//! Every change is an event (`Created` / `Deleted` on kind HubClient).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use tether_control::clients::{
+    CLIENT_CN_PREFIX, ClientCreateReply, ClientCreateRequest, ClientDeleteReply,
+    ClientDeleteRequest, DEFAULT_CERT_LIFETIME_SECONDS, HubClient, HubClientSpec,
+    IssuedCertificate, new_token, token_sha256, validate_client_name,
+};
+use tether_control::connect::ERROR_HEADER;
+use tether_control::resources::{Event, rfc3339};
+use tether_control::store::{Bucket, HubStore};
+use tether_control::subjects;
+use tokio_util::sync::CancellationToken;
+
+/// Queue group of the client-credential subjects.
+pub const QUEUE_GROUP: &str = "tether-clients";
+/// Concurrent requests in flight per subject.
+pub const MAX_INFLIGHT_CLIENT_REQUESTS: usize = 16;
+/// Shortest certificate lifetime accepted.
+pub const MIN_CERT_LIFETIME: Duration = Duration::from_secs(60);
+
+/// What the handlers need.
+pub struct ClientsCtx {
+    pub store: HubStore,
+    pub ca: Arc<tether_pki::HubCa>,
+}
+
+/// Issues a client certificate: (cert PEM, key PEM, serial hex, notAfter).
+fn issue_cert(
+    ca: &tether_pki::HubCa,
+    name: &str,
+    lifetime: Duration,
+) -> Result<(String, String, String, String), String> {
+    use rcgen::{
+        CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, Issuer, KeyPair,
+        KeyUsagePurpose, SerialNumber,
+    };
+    let ca_key = KeyPair::from_pem(&ca.key_pem()).map_err(|e| format!("hub CA key: {e}"))?;
+    let issuer =
+        Issuer::from_ca_cert_pem(ca.cert_pem(), ca_key).map_err(|e| format!("hub CA: {e}"))?;
+    let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)
+        .map_err(|e| format!("key generation: {e}"))?;
+    let mut params = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(
+        DnType::CommonName,
+        format!("{CLIENT_CN_PREFIX}{name}").as_str(),
+    );
+    params.distinguished_name = dn;
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    let mut serial: [u8; 16] = rand::random();
+    serial[0] &= 0x7f;
+    params.serial_number = Some(SerialNumber::from_slice(&serial));
+    params.use_authority_key_identifier_extension = true;
+    let now = time::OffsetDateTime::now_utc();
+    let back = tether_pki::backdate_for(lifetime);
+    params.not_before = now - time::Duration::milliseconds(back.as_millis() as i64);
+    let not_after = now + time::Duration::seconds(lifetime.as_secs() as i64);
+    params.not_after = not_after;
+    let cert = params
+        .signed_by(&key, &issuer)
+        .map_err(|e| format!("signing the client certificate: {e}"))?;
+    let not_after = rfc3339(
+        std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(not_after.unix_timestamp() as u64),
+    );
+    Ok((
+        cert.pem(),
+        key.serialize_pem(),
+        hex_encode(&serial),
+        not_after,
+    ))
+}
+
+fn hex_encode(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+async fn event(store: &HubStore, reason: &str, name: &str, message: String) {
+    let ev = Event::new("HubClient", name, "Normal", reason, &message);
+    if let Err(e) = store.publish_event(&ev).await {
+        tracing::warn!(error = %e, reason, "cannot publish event");
+    }
+}
+
+/// Handles `tether.v1.admin.client.create`.
+pub async fn create(
+    ctx: &ClientsCtx,
+    req: ClientCreateRequest,
+) -> Result<ClientCreateReply, String> {
+    validate_client_name("name", &req.name).map_err(|e| e.to_string())?;
+    let name = req.name.clone();
+    let (spec, token, cert) = match req.credential.as_str() {
+        "token" => {
+            let t = new_token(&name);
+            (
+                HubClientSpec {
+                    token_sha256: Some(token_sha256(&t)),
+                    certificate: None,
+                },
+                Some(t),
+                None,
+            )
+        }
+        "certificate" => {
+            let lifetime = Duration::from_secs(
+                req.cert_lifetime_seconds
+                    .unwrap_or(DEFAULT_CERT_LIFETIME_SECONDS),
+            );
+            if lifetime < MIN_CERT_LIFETIME {
+                return Err(format!(
+                    "certLifetimeSeconds: must be at least {}",
+                    MIN_CERT_LIFETIME.as_secs()
+                ));
+            }
+            let (pem, key, serial, not_after) = issue_cert(&ctx.ca, &name, lifetime)?;
+            (
+                HubClientSpec {
+                    token_sha256: None,
+                    certificate: Some(IssuedCertificate {
+                        common_name: format!("{CLIENT_CN_PREFIX}{name}"),
+                        serial,
+                        not_after,
+                    }),
+                },
+                None,
+                Some((pem, key)),
+            )
+        }
+        other => {
+            return Err(format!(
+                "credential: {other:?} is not one of token, certificate"
+            ));
+        }
+    };
+    let client = HubClient::new(&name, spec);
+    match ctx.store.create(Bucket::HubClients, &name, &client).await {
+        Ok(Some(_)) => {}
+        Ok(None) => {
+            return Err(format!(
+                "hub client {name} already exists (delete it first to issue a new credential)"
+            ));
+        }
+        Err(e) => return Err(e.to_string()),
+    }
+    tracing::info!(client = %name, credential = %req.credential, "hub client created");
+    event(
+        &ctx.store,
+        "Created",
+        &name,
+        format!("hub client {name} created ({})", req.credential),
+    )
+    .await;
+    let (certificate, key) = match cert {
+        Some((c, k)) => (Some(c), Some(k)),
+        None => (None, None),
+    };
+    Ok(ClientCreateReply {
+        client,
+        token,
+        ca_bundle: certificate.as_ref().map(|_| ctx.ca.cert_pem().to_owned()),
+        certificate,
+        key,
+    })
+}
+
+/// Handles `tether.v1.admin.client.delete`.
+pub async fn delete(
+    ctx: &ClientsCtx,
+    req: ClientDeleteRequest,
+) -> Result<ClientDeleteReply, String> {
+    let exists = ctx
+        .store
+        .get::<HubClient>(Bucket::HubClients, &req.name)
+        .await
+        .map_err(|e| e.to_string())?
+        .is_some();
+    if !exists {
+        return Err(format!("hub client {} not found", req.name));
+    }
+    ctx.store
+        .delete(Bucket::HubClients, &req.name)
+        .await
+        .map_err(|e| e.to_string())?;
+    tracing::info!(client = %req.name, "hub client deleted");
+    event(
+        &ctx.store,
+        "Deleted",
+        &req.name,
+        format!("hub client {} deleted: its credential is revoked", req.name),
+    )
+    .await;
+    Ok(ClientDeleteReply { deleted: true })
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Create,
+    Delete,
+}
+
+async fn serve(ctx: &ClientsCtx, kind: Kind, payload: &[u8]) -> Result<Vec<u8>, String> {
+    let out = match kind {
+        Kind::Create => {
+            let req: ClientCreateRequest = serde_json::from_slice(payload)
+                .map_err(|e| format!("malformed client create body: {e}"))?;
+            serde_json::to_vec(&create(ctx, req).await?)
+        }
+        Kind::Delete => {
+            let req: ClientDeleteRequest = serde_json::from_slice(payload)
+                .map_err(|e| format!("malformed client delete body: {e}"))?;
+            serde_json::to_vec(&delete(ctx, req).await?)
+        }
+    };
+    out.map_err(|e| e.to_string())
+}
+
+/// Serves both subjects until `shutdown`. Returns the tasks.
+pub async fn start(
+    client: async_nats::Client,
+    ctx: Arc<ClientsCtx>,
+    shutdown: CancellationToken,
+) -> Result<Vec<tokio::task::JoinHandle<()>>, crate::ManagerError> {
+    let mut handles = Vec::new();
+    for (subject, kind) in [
+        (subjects::ADMIN_CLIENT_CREATE, Kind::Create),
+        (subjects::ADMIN_CLIENT_DELETE, Kind::Delete),
+    ] {
+        let sub = client
+            .queue_subscribe(subject, QUEUE_GROUP.to_string())
+            .await
+            .map_err(|e| crate::ManagerError::Subscribe {
+                subject: subject.into(),
+                reason: e.to_string(),
+            })?;
+        let stop = shutdown.clone();
+        let client = client.clone();
+        let ctx = ctx.clone();
+        handles.push(tokio::spawn(async move {
+            let work = sub.for_each_concurrent(MAX_INFLIGHT_CLIENT_REQUESTS, |msg| {
+                let client = client.clone();
+                let ctx = ctx.clone();
+                async move {
+                    let span = tracing::info_span!("clients.request", subject = %msg.subject);
+                    tether_control::trace::set_parent(&span, msg.headers.as_ref());
+                    let r =
+                        tracing::Instrument::instrument(serve(&ctx, kind, &msg.payload), span)
+                            .await;
+                    let Some(reply) = msg.reply else { return };
+                    let res = match r {
+                        Ok(body) => client.publish(reply, body.into()).await,
+                        Err(e) => {
+                            tracing::info!(subject = %msg.subject, error = %e, "client request refused");
+                            let mut h = async_nats::HeaderMap::new();
+                            h.insert(ERROR_HEADER, e.replace(['\r', '\n'], " ").as_str());
+                            let body = serde_json::json!({ "error": e }).to_string();
+                            client.publish_with_headers(reply, h, body.into()).await
+                        }
+                    };
+                    if let Err(e) = res {
+                        tracing::debug!(error = %e, "cannot publish reply");
+                    }
+                }
+            });
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = work => tracing::warn!(subject, "client subscription ended"),
+            }
+        }));
+    }
+    Ok(handles)
+}
