@@ -579,3 +579,66 @@ async fn hub_clients_are_issued_limited_and_revoked() -> anyhow::Result<()> {
     .await?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_plane_survives_a_nats_outage_and_presence_comes_back() -> anyhow::Result<()> {
+    let mut ha = Ha::start().await?;
+    ha.register("c1", true).await?;
+    let echo = echo_server().await?;
+    let a = ha.broker("a")?;
+    let b = ha.broker("b")?;
+    let agent = ha
+        .procs
+        .start_agent("c1", "c1", &[vec![b.agent_addr]], echo, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&b, "c1").await?;
+    let target = qualified("c1", echo);
+    echo_round_trip(wait_connect(&a, &target).await?, 10_000).await?;
+
+    ha.hub.stop_nats()?;
+    let down = Instant::now();
+    for br in [&a, &b] {
+        wait_until_async(CP_TIMEOUT, &format!("{} sees NATS down", br.id), || async {
+            (metric(br.admin_addr, "tether_broker_control_plane_connected", &[])
+                .await
+                .ok()?
+                == 0.0)
+                .then_some(())
+        })
+        .await?;
+        assert_eq!(admin_get(br.admin_addr, "/readyz").await?.0, 200);
+    }
+    // Streams keep flowing (relayed A → B) well past the time presence would go stale: the
+    // peer set is frozen while NATS is unreachable, and the cluster directory is kept.
+    let mut streams = 0;
+    while down.elapsed() < Duration::from_secs(8) {
+        echo_round_trip(connect_ok(a.client_addr, &target).await?, 10_000).await?;
+        streams += 1;
+    }
+    match connect(a.client_addr, "nowhere:443", Some(OPS_TOKEN)).await? {
+        Err((404, body)) => assert!(body.contains("unknown cluster"), "{body}"),
+        other => panic!("expected 404, got {:?}", other.map(|_| ())),
+    }
+    eprintln!("{streams} relayed streams during the NATS outage");
+
+    // NATS back (memory bucket lost): both re-announce and follow the hub again.
+    ha.hub.start_nats()?;
+    for br in [&a, &b] {
+        wait_until_async(CP_TIMEOUT, &format!("{} reconnects", br.id), || async {
+            (metric(br.admin_addr, "tether_broker_control_plane_connected", &[])
+                .await
+                .ok()?
+                == 1.0)
+                .then_some(())
+        })
+        .await?;
+        wait_until_async(CP_TIMEOUT, &format!("{} re-announced", br.id), || async {
+            ha.presence(&br.id)
+                .await
+                .filter(|p| p.is_serving(SystemTime::now()))
+        })
+        .await?;
+    }
+    echo_round_trip(connect_ok(a.client_addr, &target).await?, 10_000).await?;
+    Ok(())
+}
