@@ -705,6 +705,9 @@ pub fn rate(bytes_per_sec: f64) -> String {
     format!("{:.1} MiB/s", bytes_per_sec / (1 << 20) as f64)
 }
 
+/// Hub control plane (nats-server + addon-manager) for the demo.
+pub mod control_plane;
+
 #[cfg(test)]
 mod tests {
     use super::*;
