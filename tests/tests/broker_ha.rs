@@ -120,6 +120,44 @@ async fn echo_round_trip(mut s: tokio::net::TcpStream, n: usize) -> anyhow::Resu
     Ok(())
 }
 
+/// One konnectivity DIAL_REQ through `broker`'s client TLS port; returns DIAL_RSP's error.
+async fn konnectivity_dial(ha: &Ha, broker: &Broker, address: &str) -> anyhow::Result<String> {
+    use futures::SinkExt as _;
+    use tether_proto::konnectivity as k;
+    let ca = std::fs::read_to_string(ha.procs.pki.ca_path())?;
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+        .domain_name("localhost");
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("https://{}", broker.client_tls_addr))?
+            .tls_config(tls)?
+            .connect_timeout(Duration::from_secs(10))
+            .connect()
+            .await?;
+    let mut client = k::proxy_service_client::ProxyServiceClient::new(channel);
+    let (mut tx, rx) = futures::channel::mpsc::channel(4);
+    let mut req = tonic::Request::new(rx);
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer {OPS_TOKEN}").parse()?);
+    tx.send(k::Packet {
+        r#type: k::PacketType::DialReq as i32,
+        payload: Some(k::packet::Payload::DialRequest(k::DialRequest {
+            protocol: "tcp".into(),
+            address: address.into(),
+            random: 1,
+        })),
+    })
+    .await?;
+    let mut inbound = client.proxy(req).await?.into_inner();
+    let rsp = tokio::time::timeout(Duration::from_secs(10), inbound.message())
+        .await??
+        .ok_or_else(|| anyhow::anyhow!("no DIAL_RSP"))?;
+    match rsp.payload {
+        Some(k::packet::Payload::DialResponse(d)) => Ok(d.error),
+        other => anyhow::bail!("expected DIAL_RSP, got {other:?}"),
+    }
+}
+
 /// A target that writes forever, so a client is mid-read when something breaks.
 async fn endless_source() -> anyhow::Result<std::net::SocketAddr> {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -193,6 +231,29 @@ async fn brokers_announce_and_relay_without_static_peers() -> anyhow::Result<()>
         ),
         other => panic!("expected 404, got {:?}", other.map(|_| ())),
     }
+    // The same answer on the native gRPC API and the konnectivity API.
+    let d = tether_client::Dialer::connect(tether_client::DialerConfig {
+        endpoint: format!("https://{}", a.client_tls_addr),
+        server_name: "localhost".into(),
+        ca_pem: std::fs::read_to_string(ha.procs.pki.ca_path())?,
+        client_cert: None,
+        token: Some(tether_client::Token(OPS_TOKEN.into())),
+        connect_timeout: Duration::from_secs(5),
+    })
+    .await?;
+    match d.dial("nowhere", "", 0).await {
+        Err(tether_client::ClientError::Dial { code, message }) => {
+            assert_eq!(
+                code,
+                tether_proto::tunnel::v1::DialErrorCode::UnknownCluster,
+                "{message}"
+            );
+            assert!(message.contains("unknown cluster nowhere"), "{message}");
+        }
+        other => panic!("expected UnknownCluster, got {:?}", other.map(|_| ())),
+    }
+    let rsp = konnectivity_dial(&ha, &a, "nowhere:443").await?;
+    assert!(rsp.contains("unknown cluster nowhere"), "{rsp}");
     // A known cluster without an agent: still no_tunnel (502), after asking the peer.
     match connect(a.client_addr, "c2:443", Some(OPS_TOKEN)).await? {
         Err((502, body)) => assert!(body.contains("no_tunnel"), "{body}"),
