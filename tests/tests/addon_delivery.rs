@@ -470,3 +470,239 @@ async fn addon_is_delivered_through_a_proxy_and_follows_its_config() -> anyhow::
     drop(agent);
     Ok(())
 }
+
+/// `/debug/agent` of a tunnel-agent.
+async fn debug_agent(admin: std::net::SocketAddr) -> Option<serde_json::Value> {
+    let (code, body) = tether_e2e::admin_get(admin, "/debug/agent").await.ok()?;
+    (code == 200).then(|| serde_json::from_str(&body).ok())?
+}
+
+fn connected(v: &serde_json::Value) -> Vec<String> {
+    v["connectedBrokers"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|x| x.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The tunnel-agent's config reload on its own: brokers added and removed without touching
+/// the others, an invalid file refused with the field named while the old config keeps running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnel_agent_reloads_brokers_and_refuses_an_invalid_config() -> anyhow::Result<()> {
+    let procs = tether_e2e::Hub::new()?;
+    let b1 = procs.start_broker("b1", "")?;
+    let b2 = procs.start_broker("b2", "")?;
+    let echo = tether_e2e::echo_server().await?;
+    let tls = procs.pki.issue(
+        "reload-agent",
+        tether_tls::Identity::tunnel_agent("c1", "agent-0"),
+        &[],
+    )?;
+    let render = |brokers: &[&tether_e2e::Broker]| {
+        let mut s = format!(
+            "cluster: c1\nagent: agent-0\ntls:\n  cert: {}\n  key: {}\n  ca: {}\napiserver: '{echo}'\nadmin_listen: 127.0.0.1:0\nbackoff:\n  initial: 50ms\n  max: 1s\n  reset_after: 5s\nproxy: {{}}\nbrokers:\n",
+            tls.cert.display(),
+            tls.key.display(),
+            tls.ca.display()
+        );
+        for b in brokers {
+            s.push_str(&format!(
+                "  - name: {}\n    addresses: ['{}']\n    server_name: tether-broker\n",
+                b.id, b.agent_addr
+            ));
+        }
+        if brokers.is_empty() {
+            s.push_str("  []\n");
+        }
+        s
+    };
+    let cfg = procs.path().join("reload-agent.yaml");
+    let ready = procs.path().join("reload-agent.ready");
+    std::fs::write(&cfg, render(&[&b1]))?;
+    let mut cmd = Command::new(bin("tunnel-agent")?);
+    cmd.arg("--config")
+        .arg(&cfg)
+        .arg("--ready-file")
+        .arg(&ready);
+    let _agent = Child::spawn("reload-agent", cmd, procs.path())?;
+    let r = tether_test_support::read_ready_file(&ready, START_TIMEOUT)?;
+    let admin: std::net::SocketAddr = r["admin"].as_str().context("admin")?.parse()?;
+    let wait_for = |what: &'static str, f: fn(&serde_json::Value) -> bool| async move {
+        tether_test_support::wait_until_async(WAIT, what, || async {
+            debug_agent(admin).await.filter(f)
+        })
+        .await
+    };
+    wait_for("tunnel to b1", |v| connected(v) == ["b1"]).await?;
+    let connects = |ep: &'static str| async move {
+        tether_e2e::metric(
+            admin,
+            "tether_agent_tunnel_connects_total",
+            &[("endpoint", ep), ("result", "ok")],
+        )
+        .await
+    };
+    assert_eq!(connects("b1").await?, 1.0);
+
+    // b2 added: a second tunnel; b1's is untouched.
+    std::fs::write(&cfg, render(&[&b1, &b2]))?;
+    let v = wait_for("tunnels to b1 and b2", |v| connected(v) == ["b1", "b2"]).await?;
+    assert_eq!(v["configGeneration"], 2);
+    assert_eq!(connects("b1").await?, 1.0);
+
+    // Invalid: refused, the field named, both tunnels still up.
+    std::fs::write(&cfg, render(&[]))?;
+    let v = wait_for("the invalid config refused", |v| {
+        v["configError"]
+            .as_str()
+            .is_some_and(|e| e.contains("brokers"))
+    })
+    .await?;
+    assert_eq!(connected(&v), ["b1", "b2"]);
+    assert_eq!(
+        tether_e2e::metric(admin, "tether_agent_config_invalid", &[]).await?,
+        1.0
+    );
+
+    // b1 removed: its tunnel goes, b2's is untouched.
+    std::fs::write(&cfg, render(&[&b2]))?;
+    let v = wait_for("only b2", |v| {
+        connected(v) == ["b2"] && v["configError"].is_null()
+    })
+    .await?;
+    assert_eq!(v["configGeneration"], 3);
+    assert_eq!(connects("b2").await?, 1.0);
+    tether_e2e::wait_tunnel(&b2, "c1").await?;
+    let s = tether_e2e::connect(b1.client_addr, "c1:443", Some(tether_e2e::OPS_TOKEN)).await?;
+    assert!(s.is_err(), "b1 still has a tunnel for c1");
+    Ok(())
+}
+
+/// The add-on certificate rotates before it expires (a new key and CSR at 20–25 % of its life
+/// left); the tunnel-agent reloads the files: same process, no new tunnel, a stream open
+/// across the rotation keeps working, and the add-on stays Available.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn addon_certificate_rotates_without_dropping_tunnels() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let hub = Hub::start(HubOpts {
+        auto_accept: vec!["*".into()],
+        cert_lifetime: "30s".into(),
+        ..Default::default()
+    })?;
+    let tpki = hub_pki(&hub)?;
+    let broker = tpki.start_broker("b1", "")?;
+    let api = tether_e2e::apiserver::FakeApiServer::start(&tpki).await?;
+    let store = admin_store(&hub).await?;
+    announce(&store, &broker).await?;
+    let p = start_proxy(
+        &hub.logs,
+        "proxy-1",
+        ProxyKind::Tinyproxy,
+        "127.0.0.1",
+        None,
+        &[],
+        None,
+    )?;
+    let f = hub.dir.join("addons.yaml");
+    std::fs::write(&f, addons_yaml(&p.url()))?;
+    hub.tetherctl_ok(&["apply", "-f", &f.to_string_lossy()])?;
+    let boot = hub.dir.join("bootstrap.kubeconfig");
+    hub.join(&boot, &hub.server_url(), &hub.token, None, None)?;
+    let base = hub.dir.join("edge");
+    let addon_creds = base.join("cluster-proxy-hub-kubeconfig");
+    let runtime_dir = base.join("cluster-proxy-agent");
+    let _reaper = Reaper(runtime_dir.clone());
+    let _agent = start_registration_agent(
+        &hub,
+        "edge-1",
+        &boot,
+        &base.join("hub-kubeconfig"),
+        &api.addr.to_string(),
+    )?;
+    wait_addon(&hub, "edge-1", "add-on Available", available)?;
+    let serial = || -> Option<String> {
+        let pem = std::fs::read_to_string(addon_creds.join("tls.crt")).ok()?;
+        tether_pki::CertInfo::from_pem(&pem)
+            .ok()
+            .map(|i| i.serial_hex)
+    };
+    let first = serial().context("add-on certificate")?;
+    let pid = tunnel_agent_pid(&runtime_dir).context("tunnel-agent pid")?;
+    let ready: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(runtime_dir.join("ready.json"))?)?;
+    let admin: std::net::SocketAddr = ready["admin"].as_str().context("admin")?.parse()?;
+    let connects = || async {
+        tether_e2e::metric(
+            admin,
+            "tether_agent_tunnel_connects_total",
+            &[("endpoint", "b1"), ("result", "ok")],
+        )
+        .await
+    };
+    let before = connects().await?;
+
+    // A stream through the tunnel, kept open across the rotation.
+    let s = tether_e2e::connect(
+        broker.client_addr,
+        "edge-1:443",
+        Some(tether_e2e::OPS_TOKEN),
+    )
+    .await?
+    .map_err(|(c, b)| anyhow::anyhow!("CONNECT {c}: {b}"))?;
+    let cfg = tether_e2e::client_tls_config(&tpki.pki.dir.join("ca.crt"), &[b"http/1.1"], None)?;
+    let mut tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg))
+        .connect(
+            rustls::pki_types::ServerName::try_from("kubernetes.default.svc")?,
+            s,
+        )
+        .await?;
+    let get = async |tls: &mut tokio_rustls::client::TlsStream<tokio::net::TcpStream>| {
+        tls.write_all(b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await?;
+        let mut buf = vec![0u8; 512];
+        let n = tokio::time::timeout(Duration::from_secs(10), tls.read(&mut buf)).await??;
+        anyhow::Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+    };
+    assert!(get(&mut tls).await?.starts_with("HTTP/1.1 200"));
+
+    let rotated = wait_until(
+        Duration::from_secs(45),
+        "add-on certificate rotated",
+        || serial().filter(|s| *s != first),
+    )?;
+    assert_ne!(rotated, first);
+    // The agent picks the new files up (tls_reload_interval 2 s).
+    tether_test_support::wait_until_async(
+        WAIT,
+        "tunnel-agent reloaded its certificate",
+        || async {
+            let n = tether_e2e::metric(admin, "tether_tls_reloads_total", &[])
+                .await
+                .ok()?;
+            (n >= 1.0).then_some(())
+        },
+    )
+    .await?;
+    assert_eq!(
+        tunnel_agent_pid(&runtime_dir),
+        Some(pid),
+        "tunnel-agent restarted"
+    );
+    assert_eq!(connects().await?, before, "the tunnel was re-established");
+    assert!(
+        get(&mut tls).await?.starts_with("HTTP/1.1 200"),
+        "stream broken by the rotation"
+    );
+    let m = addon(&hub, "edge-1").context("add-on")?;
+    assert_eq!(status(&m, "Available"), "True");
+    let log = read_log(&hub.logs, "agent");
+    assert!(
+        log.contains("add-on certificate rotated"),
+        "{}",
+        tail(&log, 20)
+    );
+    Ok(())
+}
