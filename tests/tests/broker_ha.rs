@@ -407,33 +407,42 @@ async fn deleted_cluster_loses_its_tunnels_and_clients_get_unknown_cluster() -> 
     wait_tunnel(&a, "c1").await?;
 
     // Agents of an unregistered or not accepted cluster are refused, with the reason.
+    wait_until_async(CP_TIMEOUT, "a has read the hub's clusters", || async {
+        (metric(a.admin_addr, "tether_broker_known_clusters", &[])
+            .await
+            .ok()?
+            == 2.0)
+            .then_some(())
+    })
+    .await?;
     let _c9 = ha
         .procs
         .start_agent("c9", "c9", &[vec![a.agent_addr]], source, "")?;
     let _c3 = ha
         .procs
         .start_agent("c3", "c3", &[vec![a.agent_addr]], source, "")?;
-    wait_until_async(CP_TIMEOUT, "c9 and c3 refused", || async {
-        (metric(
+    let refused = || async {
+        metric(
             a.admin_addr,
             "tether_broker_tunnel_connects_total",
             &[("result", "cluster_refused")],
         )
         .await
-        .ok()?
-            >= 2.0)
-            .then_some(())
-    })
-    .await?;
-    let log = ha.log("broker-a");
-    assert!(
-        log.contains("cluster c9 is not registered on the hub"),
-        "{log}"
-    );
-    assert!(
-        log.contains("cluster c3 is not accepted by the hub"),
-        "{log}"
-    );
+        .unwrap_or(0.0)
+    };
+    wait_until_async(
+        CP_TIMEOUT,
+        "c9 and c3 refused with their reasons",
+        || async {
+            let log = ha.log("broker-a");
+            (log.contains("cluster c9 is not registered on the hub")
+                && log.contains("cluster c3 is not accepted by the hub")
+                && refused().await >= 2.0)
+                .then_some(())
+        },
+    )
+    .await
+    .inspect_err(|_| eprintln!("== broker-a\n{}", ha.log("broker-a")))?;
     let (_, tunnels) = admin_get(a.admin_addr, "/debug/tunnels").await?;
     assert!(
         !tunnels.contains("\"c9\"") && !tunnels.contains("\"c3\""),
