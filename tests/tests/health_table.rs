@@ -214,6 +214,43 @@ async fn proxy_health_table_healthy_target_down_and_agent_stopped() -> anyhow::R
         "proxy health took {answered_in:?}"
     );
 
+    // `tetherctl events --watch` on the health subjects, started before the failure.
+    let mut watch = std::process::Command::new(tether_test_support::bin("tetherctl")?)
+        .args([
+            "events",
+            "--watch",
+            "--limit",
+            "0",
+            "--subject",
+            "tether.v1.events.health.>",
+            "-o",
+            "json",
+        ])
+        .arg("--hub-dir")
+        .arg(&hub.hub_dir)
+        .args(["--nats-url", &hub.nats_url()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
+    for pipe in [
+        Box::new(watch.stdout.take().expect("stdout")) as Box<dyn std::io::Read + Send>,
+        Box::new(watch.stderr.take().expect("stderr")),
+    ] {
+        let tx = lines_tx.clone();
+        std::thread::spawn(move || {
+            use std::io::BufRead as _;
+            for line in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+    }
+    let watching = lines.recv_timeout(WAIT)?;
+    assert!(
+        watching.starts_with("watching tether.v1.events.health.>"),
+        "{watching}"
+    );
+
     // Stop one cluster's agent (and so its add-on lease renewals).
     alive.lock().unwrap().remove("stopped");
     stopped.child.kill();
@@ -241,6 +278,21 @@ async fn proxy_health_table_healthy_target_down_and_agent_stopped() -> anyhow::R
     assert_eq!(row(&last, "stopped").unwrap()["reason"], "NoTunnel");
     assert!(is(row(&last, "ok"), true, "True", "True"), "{last:?}");
     println!("{}", proxy_health(&hub, &["-o", "wide"])?);
+
+    // The watch printed the transition as it happened (one JSON object per line).
+    let deadline = Instant::now() + WAIT;
+    let seen = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = lines.recv_timeout(left)?;
+        if let Ok(ev) = serde_json::from_str::<serde_json::Value>(&line)
+            && ev["involvedObject"]["name"] == "stopped"
+        {
+            break ev;
+        }
+    };
+    assert_eq!(seen["reason"], "ClusterProbeFailed", "{seen}");
+    let _ = watch.kill();
+    let _ = watch.wait();
 
     // Results are in KV, the transition is an event, the prober answers requests directly.
     let js = async_nats::jetstream::new(admin.client.clone());

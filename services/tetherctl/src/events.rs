@@ -139,6 +139,14 @@ pub async fn events(a: &EventsArgs) -> anyhow::Result<()> {
         .messages()
         .await
         .context("consuming events")?;
+    eprintln!(
+        "watching {} ({}; Ctrl-C to stop)",
+        a.subject,
+        match &a.durable {
+            Some(d) => format!("durable consumer {d}"),
+            None => "new events".to_string(),
+        }
+    );
     loop {
         let next = tokio::select! {
             m = messages.next() => m,
