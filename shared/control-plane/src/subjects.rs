@@ -160,18 +160,3 @@ mod tests {
         assert_eq!(super::cluster_of("tether.v1.events.x.y"), None);
     }
 }
-
-// ---- health-prober (issue 5) ----
-
-/// Request/reply: the prober's latest results ([`crate::health::HealthGetRequest`] →
-/// [`crate::health::HealthGetReply`]), answered from memory by every prober (queue group
-/// [`HEALTH_QUEUE_GROUP`]).
-pub const HEALTH_GET: &str = "tether.v1.health.get";
-/// Queue group of the probers answering [`HEALTH_GET`].
-pub const HEALTH_QUEUE_GROUP: &str = "tether-health";
-/// KV bucket of per-cluster probe results (key `<cluster>`, [`crate::health::HealthRecord`]).
-pub const BUCKET_HEALTH: &str = "tether-health";
-/// Health transitions on the events stream: `tether.v1.events.health.<cluster>`.
-pub fn health_event(cluster: &str) -> String {
-    format!("{ROOT}.events.health.{cluster}")
-}
