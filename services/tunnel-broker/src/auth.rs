@@ -301,6 +301,93 @@ mod tests {
     }
 
     #[test]
+    fn hub_clients_and_policies_merge_and_revoke() {
+        use tether_control::clients::{
+            AccessRule, ClientAccessPolicySpec, ClusterSelector, HubClientSpec,
+        };
+        use tether_control::resources::ObjectMeta;
+        let a = auth();
+        let robot = HubClient::new(
+            "robot",
+            HubClientSpec {
+                token_sha256: Some(token_sha256("r0b0t")),
+                certificate: None,
+            },
+        );
+        a.set_hub(std::slice::from_ref(&robot), &[]);
+        let id = a.from_token("r0b0t").unwrap();
+        assert_eq!(id.name, "robot");
+        assert!(a.authorize(&id, &Target::api_server("c1")).is_ok());
+        assert!(
+            a.authorize(&id, &Target::host_port("c1", "db", 5432))
+                .is_err()
+        );
+        // A policy by labels: the cluster directory supplies them.
+        let policy = ClientAccessPolicy {
+            api_version: tether_control::clients::CLIENT_API_VERSION.into(),
+            kind: ClientAccessPolicy::KIND.into(),
+            metadata: ObjectMeta::new("p"),
+            spec: ClientAccessPolicySpec {
+                clients: vec!["robot".into(), "ops".into()],
+                rules: vec![AccessRule {
+                    clusters: vec![],
+                    cluster_selector: Some(ClusterSelector {
+                        match_labels: [("env".to_string(), "dev".to_string())].into(),
+                    }),
+                    targets: vec!["db:5432".into()],
+                }],
+            },
+        };
+        a.set_hub(std::slice::from_ref(&robot), std::slice::from_ref(&policy));
+        a.clusters().set(HashMap::from([
+            (
+                "dev-1".to_string(),
+                crate::clusters::ClusterInfo {
+                    accepted: true,
+                    labels: [("env".to_string(), "dev".to_string())].into(),
+                },
+            ),
+            (
+                "c1".to_string(),
+                crate::clusters::ClusterInfo {
+                    accepted: true,
+                    labels: BTreeMap::new(),
+                },
+            ),
+        ]));
+        assert!(
+            a.authorize(&id, &Target::host_port("dev-1", "db", 5432))
+                .is_ok()
+        );
+        assert!(
+            a.authorize(&id, &Target::host_port("c1", "db", 5432))
+                .is_err()
+        );
+        assert!(a.authorize(&id, &Target::api_server("dev-1")).is_err());
+        // Unknown cluster: only after the policy let the client through.
+        let web = a.from_token("w3b").unwrap();
+        assert_eq!(
+            a.authorize(&web, &Target::host_port("prod-ghost", "x.svc", 8080))
+                .unwrap_err()
+                .kind,
+            DialErrorKind::UnknownCluster
+        );
+        // A policy naming a static client adds to its rules (ops had none: API servers only).
+        let ops = a.from_token("s3cret").unwrap();
+        assert!(
+            a.authorize(&ops, &Target::host_port("dev-1", "db", 5432))
+                .is_ok()
+        );
+        assert!(a.authorize(&ops, &Target::api_server("c1")).is_err());
+        // Revocation.
+        a.set_hub(&[], std::slice::from_ref(&policy));
+        assert_eq!(
+            a.from_token("r0b0t").unwrap_err().kind,
+            DialErrorKind::Unauthenticated
+        );
+    }
+
+    #[test]
     fn default_policy_is_apiserver_only() {
         let a = auth();
         let ops = a.from_token("s3cret").unwrap();
