@@ -10,6 +10,11 @@
 //! (in a deployment `registration-agent --addon cluster-proxy` supervises the tunnel-agent and
 //! renews it; `tests/tests/addon_delivery.rs` runs that chain).
 //!
+//! As root (with `ip`), the demo builds network namespaces — hub ↔ proxy ↔ edge-a / edge-b, no
+//! forwarding in the proxy namespace — and runs itself again inside the hub namespace; each
+//! cluster's agent, API server stand-in and web service run in that cluster's namespace, reaching
+//! the hub only through tinyproxy. Otherwise (or with `--loopback`) everything is on loopback.
+//!
 //! Kubernetes cannot run here: each cluster's "API server" is a real TLS server on loopback
 //! (`tether_e2e::apiserver`), its "service" a small HTTP server.
 
@@ -89,8 +94,335 @@ async fn wait_table(
     .await
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+// ---------------------------------------------------------------- network namespaces (root)
+
+/// Namespaces of the demo: hub ↔ proxy ↔ edge-a / edge-b; the proxy namespace does not forward,
+/// so the clusters reach the hub only through tinyproxy and the hub cannot reach them at all.
+const NETNS_ENV: &str = "TETHER_DEMO_NETNS";
+const HUB_IP: &str = "10.78.2.2";
+const PROXY_PORT: u16 = 3128;
+/// (cluster, edge address, proxy address on that link, subnet)
+const EDGES: [(&str, &str, &str, &str); 2] = [
+    ("edge-a", "10.78.1.1", "10.78.1.2", "10.78.1.0/24"),
+    ("edge-b", "10.78.3.1", "10.78.3.2", "10.78.3.0/24"),
+];
+/// Ports inside each edge namespace (each has its own loopback).
+const EDGE_API_PORT: u16 = 6443;
+const EDGE_WEB_PORT: u16 = 8080;
+
+/// Names of the namespaces (`<tag>h`, `<tag>p`, `<tag>a`, `<tag>b`).
+#[derive(Clone, Debug)]
+struct Netns {
+    hub: String,
+    proxy: String,
+    edges: [String; 2],
+}
+
+impl Netns {
+    fn from_tag(tag: &str) -> Self {
+        Self {
+            hub: format!("{tag}h"),
+            proxy: format!("{tag}p"),
+            edges: [format!("{tag}a"), format!("{tag}b")],
+        }
+    }
+
+    fn all(&self) -> Vec<&String> {
+        vec![&self.hub, &self.proxy, &self.edges[0], &self.edges[1]]
+    }
+}
+
+fn ip(args: &[&str]) -> anyhow::Result<()> {
+    let o = std::process::Command::new("ip").args(args).output()?;
+    anyhow::ensure!(
+        o.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Ok(())
+}
+
+/// Creates the namespaces and links (addresses only inside them).
+fn create_netns(n: &Netns, tag: &str) -> anyhow::Result<()> {
+    for ns in n.all() {
+        ip(&["netns", "add", ns])?;
+        ip(&["-n", ns, "link", "set", "lo", "up"])?;
+    }
+    let link = |a_ns: &str, a_if: &str, a_ip: &str, b_ns: &str, b_if: &str, b_ip: &str| {
+        ip(&[
+            "-n", a_ns, "link", "add", a_if, "type", "veth", "peer", "name", b_if, "netns", b_ns,
+        ])?;
+        ip(&[
+            "-n",
+            a_ns,
+            "addr",
+            "add",
+            &format!("{a_ip}/24"),
+            "dev",
+            a_if,
+        ])?;
+        ip(&[
+            "-n",
+            b_ns,
+            "addr",
+            "add",
+            &format!("{b_ip}/24"),
+            "dev",
+            b_if,
+        ])?;
+        ip(&["-n", a_ns, "link", "set", a_if, "up"])?;
+        ip(&["-n", b_ns, "link", "set", b_if, "up"])
+    };
+    link(
+        &n.proxy,
+        &format!("{tag}ph"),
+        "10.78.2.1",
+        &n.hub,
+        &format!("{tag}hp"),
+        HUB_IP,
+    )?;
+    for (i, (_, edge_ip, proxy_ip, subnet)) in EDGES.iter().enumerate() {
+        link(
+            &n.edges[i],
+            &format!("{tag}e{i}"),
+            edge_ip,
+            &n.proxy,
+            &format!("{tag}p{i}"),
+            proxy_ip,
+        )?;
+        // Routes towards the hub exist, but the proxy namespace does not forward.
+        ip(&[
+            "-n",
+            &n.edges[i],
+            "route",
+            "add",
+            "10.78.2.0/24",
+            "via",
+            proxy_ip,
+        ])?;
+        ip(&["-n", &n.hub, "route", "add", subnet, "via", "10.78.2.1"])?;
+    }
+    ip(&[
+        "netns",
+        "exec",
+        &n.proxy,
+        "sysctl",
+        "-qw",
+        "net.ipv4.ip_forward=0",
+    ])
+}
+
+fn delete_netns(n: &Netns) {
+    for ns in n.all() {
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", ns])
+            .status();
+    }
+}
+
+/// As root with `ip`: builds the namespaces and runs this demo again inside the hub namespace.
+/// Returns None when namespaces are not usable (then the demo runs on loopback).
+fn run_in_netns() -> Option<anyhow::Result<()>> {
+    if std::env::var_os(NETNS_ENV).is_some() || std::env::args().any(|a| a == "--loopback") {
+        return None;
+    }
+    let root = std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
+    if !root || std::process::Command::new("ip").arg("-V").output().is_err() {
+        println!(
+            "(not root: everything runs on loopback; as root the clusters get network namespaces)"
+        );
+        return None;
+    }
+    let tag = format!("td{}", std::process::id() % 100_000);
+    let n = Netns::from_tag(&tag);
+    if let Err(e) = create_netns(&n, &tag) {
+        delete_netns(&n);
+        println!("(network namespaces unavailable: {e:#}; running on loopback)");
+        return None;
+    }
+    println!(
+        "== network namespaces: hub {} ({HUB_IP}) ↔ proxy {} (no forwarding) ↔ clusters {} / {}",
+        n.hub, n.proxy, n.edges[0], n.edges[1]
+    );
+    let r = (|| -> anyhow::Result<()> {
+        let status = std::process::Command::new("ip")
+            .args(["netns", "exec", &n.hub])
+            .arg(std::env::current_exe()?)
+            .env(NETNS_ENV, &tag)
+            .status()?;
+        anyhow::ensure!(
+            status.success(),
+            "demo in the hub namespace failed: {status}"
+        );
+        Ok(())
+    })();
+    delete_netns(&n);
+    Some(r)
+}
+
+/// The cluster-side API server stand-in when it must run inside a namespace (a process).
+const APISERVER_PY: &str = r#"
+import http.server, json, ssl, sys
+cert, key, port, token = sys.argv[1:5]
+VERSION = {"major": "1", "minor": "32", "gitVersion": "v1.32.0-tether-test", "gitCommit": "",
+           "gitTreeState": "", "buildDate": "", "goVersion": "", "compiler": "", "platform": "linux/amd64"}
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        if self.path in ("/livez", "/healthz", "/readyz"):
+            code, body = 200, b"ok"
+        elif self.path == "/version" and self.headers.get("Authorization") == "Bearer " + token:
+            code, body = 200, json.dumps(VERSION).encode()
+        elif self.path == "/version":
+            code, body = 401, b'{"kind":"Status","code":401}'
+        else:
+            code, body = 404, b'{"kind":"Status","code":404}'
+        self.send_response(code)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+srv = http.server.ThreadingHTTPServer(("127.0.0.1", int(port)), H)
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(cert, key)
+ctx.set_alpn_protocols(["http/1.1"])
+srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+srv.serve_forever()
+"#;
+
+/// One simulated cluster's API server and web service.
+struct ClusterSide {
+    /// Where the tunnel-agent sends `<cluster>:443`, as seen from the agent.
+    api: SocketAddr,
+    web: SocketAddr,
+    _api_server: Option<FakeApiServer>,
+    _procs: Vec<tether_test_support::Child>,
+}
+
+async fn cluster_side(
+    hub: &Hub,
+    cluster: &'static str,
+    netns: Option<&str>,
+) -> anyhow::Result<ClusterSide> {
+    let Some(ns) = netns else {
+        let api = FakeApiServer::start(hub).await?;
+        return Ok(ClusterSide {
+            api: api.addr,
+            web: web_service(cluster).await?,
+            _api_server: Some(api),
+            _procs: Vec::new(),
+        });
+    };
+    let leaf = hub.pki.issue(
+        &format!("apiserver-{cluster}"),
+        tether_tls::Identity::Hub {
+            component: "kube-apiserver".into(),
+        },
+        &["kubernetes.default.svc", "localhost"],
+    )?;
+    let script = hub.path().join("apiserver.py");
+    std::fs::write(&script, APISERVER_PY)?;
+    let mut api = tether_e2e::command_in(Some(ns), "python3");
+    api.arg(&script)
+        .arg(&leaf.cert)
+        .arg(&leaf.key)
+        .arg(EDGE_API_PORT.to_string())
+        .arg(KUBE_TOKEN);
+    let site = hub.path().join(format!("site-{cluster}"));
+    std::fs::create_dir_all(&site)?;
+    std::fs::write(
+        site.join("index.html"),
+        format!("hello from the web service inside cluster {cluster} (network namespace {ns})\n"),
+    )?;
+    let mut web = tether_e2e::command_in(Some(ns), "python3");
+    web.args([
+        "-m",
+        "http.server",
+        "--bind",
+        "127.0.0.1",
+        &EDGE_WEB_PORT.to_string(),
+        "--directory",
+    ])
+    .arg(&site);
+    let procs = vec![
+        tether_test_support::Child::spawn(&format!("apiserver-{cluster}"), api, hub.path())?,
+        tether_test_support::Child::spawn(&format!("web-{cluster}"), web, hub.path())?,
+    ];
+    for port in [EDGE_API_PORT, EDGE_WEB_PORT] {
+        tether_test_support::wait_until(
+            Duration::from_secs(20),
+            &format!("{cluster}: 127.0.0.1:{port} listening in {ns}"),
+            || {
+                tether_e2e::command_in(Some(ns), "bash")
+                    .arg("-c")
+                    .arg(format!("exec 3<>/dev/tcp/127.0.0.1/{port}"))
+                    .stderr(std::process::Stdio::null())
+                    .status()
+                    .ok()
+                    .filter(|s| s.success())
+            },
+        )?;
+    }
+    Ok(ClusterSide {
+        api: SocketAddr::from(([127, 0, 0, 1], EDGE_API_PORT)),
+        web: SocketAddr::from(([127, 0, 0, 1], EDGE_WEB_PORT)),
+        _api_server: None,
+        _procs: procs,
+    })
+}
+
+/// tinyproxy inside the proxy namespace, listening on every link of it.
+fn netns_tinyproxy(
+    hub: &Hub,
+    ns: &str,
+) -> anyhow::Result<(tether_test_support::Child, std::path::PathBuf)> {
+    let conf = hub.path().join("corporate-proxy.conf");
+    let log = hub.path().join("corporate-proxy.log");
+    std::fs::write(
+        &conf,
+        format!(
+            "Port {PROXY_PORT}\nTimeout 600\nMaxClients 1000\nLogLevel Info\nLogFile \"{}\"\nDisableViaHeader Yes\n",
+            log.display()
+        ),
+    )?;
+    let program = ["/usr/bin/tinyproxy", "/usr/sbin/tinyproxy"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())
+        .unwrap_or("tinyproxy");
+    let mut c = tether_e2e::command_in(Some(ns), program);
+    c.args(["-d", "-c"]).arg(&conf);
+    Ok((
+        tether_test_support::Child::spawn("corporate-proxy", c, hub.path())?,
+        log,
+    ))
+}
+
+fn proxy_connects(log: &std::path::Path) -> Vec<String> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_once("Request ").map(|(_, r)| r.trim().to_owned()))
+        .filter(|r| r.contains("CONNECT "))
+        .collect()
+}
+
+fn main() -> anyhow::Result<()> {
+    if let Some(r) = run_in_netns() {
+        return r;
+    }
+    let netns = std::env::var(NETNS_ENV).ok().map(|t| Netns::from_tag(&t));
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(demo(netns))
+}
+
+async fn demo(netns: Option<Netns>) -> anyhow::Result<()> {
     let hub = Hub::new()?;
     let cp = ControlPlane::start(hub.path()).context("hub control plane")?;
     println!(
@@ -117,34 +449,63 @@ async fn main() -> anyhow::Result<()> {
         "== hub data plane: brokers b1 and b2 (relaying for each other), CA in {}",
         hub.pki.dir.display()
     );
-    let b1 = hub.start_broker("b1", "")?;
-    let b2 = hub.start_broker("b2", &peers_yaml(&b1))?;
-    let proxy = Tinyproxy::start(hub.path(), "corporate-proxy").context("tinyproxy")?;
+    let listen_ip = if netns.is_some() { HUB_IP } else { "127.0.0.1" };
+    let b1 = hub.start_broker_at("b1", "", None, listen_ip)?;
+    let b2 = hub.start_broker_at("b2", &peers_yaml(&b1), None, listen_ip)?;
+    // The forward proxy: on loopback, or in its own namespace between the clusters and the hub.
+    let (_proxy, proxy_log, proxy_urls): (Box<dyn std::any::Any>, std::path::PathBuf, [String; 2]) =
+        match &netns {
+            None => {
+                let p = Tinyproxy::start(hub.path(), "corporate-proxy").context("tinyproxy")?;
+                let (log, url) = (p.log.clone(), p.url());
+                (Box::new(p), log, [url.clone(), url])
+            }
+            Some(n) => {
+                let (c, log) = netns_tinyproxy(&hub, &n.proxy).context("tinyproxy")?;
+                (
+                    Box::new(c),
+                    log,
+                    EDGES.map(|(_, _, proxy_ip, _)| format!("http://{proxy_ip}:{PROXY_PORT}")),
+                )
+            }
+        };
     println!(
         "== forward proxy (tinyproxy) at {} — the clusters' only way out",
-        proxy.url()
+        proxy_urls[0]
     );
 
     let mut agents = Vec::new();
-    for cluster in ["edge-a", "edge-b"] {
-        let api = FakeApiServer::start(&hub).await?;
-        let web = web_service(cluster).await?;
+    for (i, cluster) in ["edge-a", "edge-b"].into_iter().enumerate() {
+        let ns = netns.as_ref().map(|n| n.edges[i].as_str());
+        let side = cluster_side(&hub, cluster, ns).await?;
+        let web = side.web;
         let extra = format!(
             "proxy:\n  https_proxy: '{}'\npolicy:\n  allow: ['web.svc:{}', '127.0.0.1:{}']\n",
-            proxy.url(),
+            proxy_urls[i],
             web.port(),
             web.port()
         );
-        let agent = hub.start_agent(cluster, cluster, &[vec![b1.agent_addr]], api.addr, &extra)?;
-        wait_agent_ready(&agent).await?;
+        let agent = hub.start_agent_at(
+            cluster,
+            cluster,
+            &[vec![b1.agent_addr]],
+            side.api,
+            &extra,
+            ns,
+        )?;
+        if ns.is_none() {
+            wait_agent_ready(&agent).await?;
+        }
         wait_tunnel(&b1, cluster).await?;
         println!(
-            "== cluster {cluster}: tunnel-agent connected to b1 through the proxy; API server {} , web service {web}",
-            api.addr
+            "== cluster {cluster}{}: tunnel-agent connected to b1 ({}) through the proxy; API server {} , web service {web}",
+            ns.map(|n| format!(" (namespace {n})")).unwrap_or_default(),
+            b1.agent_addr,
+            side.api
         );
-        agents.push((cluster, agent, api, web));
+        agents.push((cluster, agent, side, web));
     }
-    for l in proxy.connects() {
+    for l in proxy_connects(&proxy_log) {
         println!("   proxy log: {l}");
     }
     let alive = Arc::new(Mutex::new(
