@@ -339,7 +339,7 @@ async fn addon_is_delivered_through_a_proxy_and_follows_its_config() -> anyhow::
     let addon_creds = base.join("cluster-proxy-hub-kubeconfig");
     let runtime_dir = base.join("cluster-proxy-agent");
     let _reaper = Reaper(runtime_dir.clone());
-    let agent = start_registration_agent(&hub, "edge-1", &boot, &creds, &api.addr.to_string())?;
+    let mut agent = start_registration_agent(&hub, "edge-1", &boot, &creds, &api.addr.to_string())?;
     wait_until(WAIT, "edge-1 to ask to join", || hub.cluster("edge-1"))?;
 
     // Accept: from here to Available is the add-on's delivery time.
@@ -398,6 +398,38 @@ async fn addon_is_delivered_through_a_proxy_and_follows_its_config() -> anyhow::
     assert_eq!(proxy_connects(&hub, "proxy-reg", &target), 0);
     assert_eq!(proxy_connects(&hub, "proxy-2", &target), 0);
     let pid = tunnel_agent_pid(&runtime_dir).context("tunnel-agent pid file")?;
+
+    // The registration-agent restarts: its tunnel-agent stops with it and comes back with the
+    // same credentials (kept across restarts, no new CSR).
+    let serial = || {
+        std::fs::read_to_string(addon_creds.join("tls.crt"))
+            .ok()
+            .and_then(|p| tether_pki::CertInfo::from_pem(&p).ok())
+            .map(|i| i.serial_hex)
+    };
+    let serial0 = serial().context("add-on certificate")?;
+    agent.terminate();
+    agent.wait_exit(Duration::from_secs(10))?;
+    assert!(
+        !pid_alive(pid),
+        "tunnel-agent outlived its registration-agent"
+    );
+    let agent = start_registration_agent(&hub, "edge-1", &boot, &creds, &api.addr.to_string())?;
+    let pid = wait_until(WAIT, "tunnel-agent back after the restart", || {
+        tunnel_agent_pid(&runtime_dir).filter(|p| *p != pid && pid_alive(*p))
+    })?;
+    tether_test_support::wait_until_async(WAIT, "API server reachable again", || async {
+        reach_apiserver(&broker, "edge-1", &tpki.pki.dir.join("ca.crt"))
+            .await
+            .ok()
+            .filter(|b| b.starts_with("HTTP/1.1 200"))
+    })
+    .await?;
+    assert_eq!(
+        serial(),
+        Some(serial0),
+        "new add-on certificate after a restart"
+    );
 
     // New proxy: Progressing until the agent applies it, then Available; new tunnels use it.
     std::fs::write(&f, addons_yaml(&p2.url()))?;

@@ -630,6 +630,7 @@ pub async fn start(
                 continue;
             }
             let first = last.is_none();
+            ctx.metrics.serving_brokers.set(now.len() as i64);
             let ids: Vec<&str> = now.iter().map(|b| b.id.as_str()).collect();
             tracing::info!(brokers = ?ids, "serving broker set changed");
             last = Some(now);
@@ -642,6 +643,7 @@ pub async fn start(
                     for k in keys {
                         if let Some((cluster, addon)) = k.split_once('.') {
                             notify_config_changed(&client, cluster, addon).await;
+                            ctx.metrics.addon_notifications_total.inc();
                         }
                     }
                 }

@@ -1,7 +1,8 @@
 //! Prometheus metrics of the registration controller (units in names).
 
 use prometheus::{
-    GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+    GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry,
 };
 
 #[derive(Clone)]
@@ -15,6 +16,10 @@ pub struct Metrics {
     pub auth_callout_total: IntCounterVec,
     pub auth_callout_duration_seconds: HistogramVec,
     pub requests_total: IntCounterVec,
+    /// Live, non-draining brokers in `tether-brokers` (what add-on agents must connect to).
+    pub serving_brokers: IntGauge,
+    /// `AddOnConfigChanged` notifications sent because the serving broker set changed.
+    pub addon_notifications_total: IntCounter,
 }
 
 impl Metrics {
@@ -69,6 +74,14 @@ impl Metrics {
                 Opts::new("tether_hub_requests_total", "Control-plane requests served"),
                 &["subject", "result"],
             )?,
+            serving_brokers: IntGauge::new(
+                "tether_hub_serving_brokers",
+                "Live, non-draining brokers announced in tether-brokers",
+            )?,
+            addon_notifications_total: IntCounter::new(
+                "tether_hub_addon_notifications_total",
+                "AddOnConfigChanged notifications published because the serving broker set changed",
+            )?,
         };
         r.register(Box::new(m.registration_duration_seconds.clone()))?;
         r.register(Box::new(m.csrs_signed_total.clone()))?;
@@ -78,6 +91,8 @@ impl Metrics {
         r.register(Box::new(m.auth_callout_total.clone()))?;
         r.register(Box::new(m.auth_callout_duration_seconds.clone()))?;
         r.register(Box::new(m.requests_total.clone()))?;
+        r.register(Box::new(m.serving_brokers.clone()))?;
+        r.register(Box::new(m.addon_notifications_total.clone()))?;
         Ok(m)
     }
 }

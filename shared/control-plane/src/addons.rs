@@ -299,7 +299,8 @@ pub fn addon_key(cluster: &str, addon: &str) -> String {
 
 // ---- AddOnDeploymentConfig ----
 
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+/// `Debug` masks passwords in the proxy URLs and abbreviates the CA bundle.
+#[derive(Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ProxyConfig {
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -312,6 +313,23 @@ pub struct ProxyConfig {
     /// PEM CA bundle of the proxy (for https:// proxies).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub ca_bundle: String,
+}
+
+impl std::fmt::Debug for ProxyConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyConfig")
+            .field(
+                "http_proxy",
+                &tether_proxy::mask_url_password(&self.http_proxy),
+            )
+            .field(
+                "https_proxy",
+                &tether_proxy::mask_url_password(&self.https_proxy),
+            )
+            .field("no_proxy", &self.no_proxy)
+            .field("ca_bundle_bytes", &self.ca_bundle.len())
+            .finish()
+    }
 }
 
 impl ProxyConfig {
@@ -1002,6 +1020,16 @@ mod tests {
                 ("no_proxy".to_string(), "10.0.0.0/8,.svc".to_string())
             ]
         );
+    }
+
+    #[test]
+    fn proxy_passwords_are_masked_in_debug() {
+        let p = ProxyConfig {
+            https_proxy: "https://user:s3cret@proxy:3129".into(),
+            ..Default::default()
+        };
+        let d = format!("{p:?}");
+        assert!(!d.contains("s3cret") && d.contains("proxy:3129"), "{d}");
     }
 
     #[test]

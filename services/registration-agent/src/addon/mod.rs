@@ -43,6 +43,8 @@ use runtime::AddOnRuntime;
 /// How often the add-on loop looks at the running agent (applied hash, connected brokers,
 /// certificate age).
 pub const TICK: Duration = Duration::from_millis(500);
+/// Up to this random delay between an `AddOnConfigChanged` notification and the fetch.
+pub const NOTIFY_SPREAD: Duration = Duration::from_millis(250);
 /// Rotation starts when less than a random fraction in this range of the certificate's life
 /// is left (as the cluster's own certificate).
 pub const ROTATION_FRACTION: (f64, f64) = (0.20, 0.25);
@@ -212,7 +214,10 @@ impl<R: AddOnRuntime> AddOnAgent<R> {
                         && n.addon == self.s.addon
                     {
                         tracing::debug!("hub notified a config change");
-                        fetch_due = Instant::now();
+                        // A broker-set change notifies every cluster at once: spread the fetches.
+                        fetch_due = fetch_due.min(
+                            Instant::now() + NOTIFY_SPREAD.mul_f64(rand::random::<f64>()),
+                        );
                     }
                 }
                 _ = tick.tick() => {}

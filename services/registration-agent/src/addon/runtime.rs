@@ -117,6 +117,7 @@ impl LocalRuntime {
         {
             return;
         }
+        reap_stale(&self.dir, &self.addon);
         let stop = CancellationToken::new();
         let task = tokio::spawn(supervise(
             self.binary.clone(),
@@ -128,6 +129,33 @@ impl LocalRuntime {
         ));
         self.supervisor = Some((stop, task));
     }
+}
+
+/// A tunnel-agent left running by a registration-agent that was killed (SIGKILL cannot stop
+/// its children): the PID file names it; it is stopped if it still runs our config.
+fn reap_stale(dir: &Path, addon: &str) {
+    let Some(pid) = std::fs::read_to_string(dir.join(PID_FILE))
+        .ok()
+        .and_then(|s| s.trim().parse::<i32>().ok())
+    else {
+        return;
+    };
+    let config = dir.join(CONFIG_FILE);
+    let ours = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| {
+            String::from_utf8_lossy(&c)
+                .split('\0')
+                .any(|a| Path::new(a) == config)
+        })
+        .unwrap_or(false);
+    if ours {
+        tracing::warn!(%addon, pid, "stopping a tunnel-agent left over from a previous run");
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    let _ = std::fs::remove_file(dir.join(PID_FILE));
 }
 
 async fn supervise(
