@@ -204,6 +204,42 @@ mod tests {
     }
 
     #[test]
+    fn published_record_names_the_reason_and_splits_latency() {
+        let t = HealthTable::default();
+        let d = Damping {
+            failure_threshold: 1,
+            success_threshold: 1,
+        };
+        let (ok, _) = t.record("c", &outcome(true), d, true);
+        let r = ok.to_record("p1");
+        assert_eq!((r.reason.as_str(), r.healthy), ("ProbeSucceeded", true));
+        assert_eq!(r.latency.tunnel_ms, Some(1.0));
+        assert_eq!(r.latency.target_ms, Some(2.0));
+        assert_eq!(r.prober, "p1");
+        assert!(r.probed_at.ends_with('Z'), "{}", r.probed_at);
+        let mut o = outcome(false);
+        for (err, reason) in [
+            (
+                "broker refused the dial (NoTunnel): no tunnel is connected",
+                "NoTunnel",
+            ),
+            ("probe timed out after 5s", "Timeout"),
+            ("dial 127.0.0.1:1: Connection refused", "TargetUnreachable"),
+            ("TLS to target: invalid certificate", "TlsFailed"),
+            ("something else", "ProbeFailed"),
+        ] {
+            o.status = None;
+            o.error = Some(err.into());
+            let (rec, _) = t.record("c", &o, d, true);
+            assert_eq!(rec.reason(), reason, "{err}");
+            assert_eq!(rec.to_record("p").message, err);
+        }
+        o.status = Some(503);
+        o.error = Some("/livez answered HTTP 503".into());
+        assert_eq!(t.record("c", &o, d, true).0.reason(), "HttpStatus");
+    }
+
+    #[test]
     fn damping_needs_consecutive_failures() {
         let t = HealthTable::default();
         let d = Damping {

@@ -401,3 +401,38 @@ async fn answer_health_get(
     }
     drop(conn);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transition_events_name_cluster_and_cause() {
+        let mut r = HealthRecord {
+            cluster: "edge-1".into(),
+            healthy: false,
+            reason: "NoTunnel".into(),
+            message: "no tunnel".into(),
+            consecutive_failures: 2,
+            ..Default::default()
+        };
+        let ev = health_event(&r);
+        assert_eq!(
+            (ev.type_.as_str(), ev.reason.as_str()),
+            ("Warning", REASON_UNHEALTHY)
+        );
+        assert_eq!(ev.involved_object.name, "edge-1");
+        assert!(ev.message.contains("2 consecutive") && ev.message.contains("NoTunnel"));
+        r.healthy = true;
+        r.path = "/livez".into();
+        let ev = health_event(&r);
+        assert_eq!(
+            (ev.type_.as_str(), ev.reason.as_str()),
+            ("Normal", REASON_HEALTHY)
+        );
+        assert_eq!(
+            subjects::health_event("edge-1"),
+            "tether.v1.events.health.edge-1"
+        );
+    }
+}
