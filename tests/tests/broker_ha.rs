@@ -9,6 +9,7 @@ mod registration_support;
 
 use std::time::{Duration, Instant, SystemTime};
 
+use anyhow::Context as _;
 use tether_control::brokers::BrokerPresence;
 use tether_control::connect::{self, ConnectConfig, Credentials};
 use tether_control::hub::{ADMIN_USER, HubDir};
@@ -710,5 +711,234 @@ async fn data_plane_survives_a_nats_outage_and_presence_comes_back() -> anyhow::
         .await?;
     }
     echo_round_trip(connect_ok(a.client_addr, &target).await?, 10_000).await?;
+    Ok(())
+}
+
+// ---- the whole add-on: kill a broker, the add-on stays or returns Available ----
+
+const ADDONS_YAML: &str = r#"
+apiVersion: addon.open-cluster-management.io/v1alpha1
+kind: ClusterManagementAddOn
+metadata:
+  name: cluster-proxy
+spec:
+  installStrategy:
+    type: All
+  defaultConfigs:
+    - group: addon.open-cluster-management.io
+      resource: addondeploymentconfigs
+      namespace: default
+      name: cluster-proxy-config
+    - group: proxy.open-cluster-management.io
+      resource: managedproxyconfigurations
+      name: cluster-proxy
+---
+apiVersion: addon.open-cluster-management.io/v1alpha1
+kind: AddOnDeploymentConfig
+metadata:
+  name: cluster-proxy-config
+  namespace: default
+spec:
+  proxyConfig:
+    noProxy: "10.0.0.0/8,.svc"
+---
+apiVersion: proxy.open-cluster-management.io/v1alpha1
+kind: ManagedProxyConfiguration
+metadata:
+  name: cluster-proxy
+spec:
+  authentication:
+    signer:
+      type: SelfSigned
+  proxyServer:
+    replicas: 2
+    entrypoints:
+      - host: broker-entrypoint.invalid
+  proxyAgent:
+    replicas: 1
+    keepalive: 5s
+"#;
+
+/// The add-on of `cluster` as JSON.
+fn addon(hub: &ControlHub, cluster: &str) -> Option<serde_json::Value> {
+    let o = hub
+        .tetherctl(&["get", "addons", cluster, "cluster-proxy", "-o", "json"])
+        .ok()?;
+    o.status
+        .success()
+        .then(|| serde_json::from_slice(&o.stdout).ok())
+        .flatten()
+}
+
+/// (status, message) of condition `t`.
+fn condition(m: &serde_json::Value, t: &str) -> (String, String) {
+    m["status"]["conditions"]
+        .as_array()
+        .and_then(|a| a.iter().find(|c| c["type"] == t))
+        .map(|c| {
+            (
+                c["status"].as_str().unwrap_or_default().to_string(),
+                c["message"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .unwrap_or_default()
+}
+
+/// CONNECT `<cluster>:443` through `broker`, TLS to the API server stand-in, `GET /livez`.
+async fn reach_apiserver(
+    broker: &Broker,
+    cluster: &str,
+    ca: &std::path::Path,
+) -> anyhow::Result<()> {
+    let s = connect_ok(broker.client_addr, &format!("{cluster}:443")).await?;
+    let cfg = tether_e2e::client_tls_config(ca, &[b"http/1.1"], None)?;
+    let name = rustls::pki_types::ServerName::try_from("kubernetes.default.svc")?;
+    let mut tls = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg)).connect(name, s),
+    )
+    .await??;
+    tls.write_all(b"GET /livez HTTP/1.1\r\nhost: kubernetes.default.svc\r\n\r\n")
+        .await?;
+    let mut buf = vec![0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(5), tls.read(&mut buf)).await??;
+    let head = String::from_utf8_lossy(&buf[..n]);
+    anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "{head}");
+    Ok(())
+}
+
+/// Kills the tunnel-agent the registration-agent supervises if the test fails half-way.
+struct Reaper(std::path::PathBuf);
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        if let Ok(pid) = std::fs::read_to_string(self.0.join("tunnel-agent.pid")) {
+            let _ = std::process::Command::new("kill")
+                .args(["-9", pid.trim()])
+                .status();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_a_broker_keeps_the_addon_available() -> anyhow::Result<()> {
+    use tether_test_support::wait_until;
+    let hub = ControlHub::start(HubOpts::default())?;
+    // Brokers and the API server stand-in chain to the hub CA, like the add-on credentials.
+    let tmp = tempfile::tempdir()?;
+    let pki_dir = tmp.path().join("pki");
+    std::fs::create_dir_all(&pki_dir)?;
+    let ca_pem = std::fs::read_to_string(hub.hub_dir.join("ca.crt"))?;
+    let ca_key = std::fs::read_to_string(hub.hub_dir.join("ca.key"))?;
+    std::fs::write(pki_dir.join("ca.crt"), &ca_pem)?;
+    let procs = Procs {
+        dir: tmp,
+        pki: tether_test_support::Pki {
+            dir: pki_dir.clone(),
+            ca: tether_tls::pki::CertificateAuthority::from_pem(&ca_pem, &ca_key)?,
+        },
+        env: vec![],
+    };
+    let dir = HubDir::load(&hub.hub_dir)?;
+    let conn = connect::connect(&ConnectConfig::new(
+        dir.endpoint(Some(&hub.nats_url()))?,
+        Credentials::HubUser {
+            user: ADMIN_USER.into(),
+            password: dir
+                .read(&dir.config.nats.admin_password_file)?
+                .trim()
+                .into(),
+        },
+        "tetherctl",
+    ))
+    .await?;
+    let store = HubStore::open(conn.client.clone()).await?;
+    let ha = Ha {
+        procs,
+        hub,
+        store,
+        _conn: conn,
+    };
+    let mut b1 = ha.broker("b1")?;
+    let b2 = ha.broker("b2")?;
+    let api = tether_e2e::apiserver::FakeApiServer::start(&ha.procs).await?;
+    let f = ha.hub.dir.join("addons.yaml");
+    std::fs::write(&f, ADDONS_YAML)?;
+    ha.hub
+        .tetherctl_ok(&["apply", "-f", &f.to_string_lossy()])?;
+
+    let boot = ha.hub.dir.join("bootstrap.kubeconfig");
+    ha.hub
+        .join(&boot, &ha.hub.server_url(), &ha.hub.token, None, None)?;
+    let base = ha.hub.dir.join("edge");
+    let _reaper = Reaper(base.join("cluster-proxy-agent"));
+    let mut c = std::process::Command::new(tether_test_support::bin("registration-agent")?);
+    c.args(["--cluster-name", "edge-1"])
+        .arg("--bootstrap-kubeconfig")
+        .arg(&boot)
+        .arg("--hub-kubeconfig-dir")
+        .arg(base.join("hub-kubeconfig"))
+        .args(["--check-interval", "200ms"])
+        .args(["--addon", "cluster-proxy"])
+        .args(["--addon-apiserver", &api.addr.to_string()])
+        .args(["--addon-lease-seconds", "2"])
+        .args(["--addon-resync", "10s"])
+        .env("RUST_LOG", "info,async_nats=warn");
+    let _agent = tether_test_support::Child::spawn("agent", c, &ha.hub.logs)?;
+    wait_until(CP_TIMEOUT, "edge-1 asks to join", || {
+        ha.hub.cluster("edge-1")
+    })?;
+    ha.hub.tetherctl_ok(&["accept", "edge-1"])?;
+
+    let wait_available = |what: &str| {
+        wait_until(Duration::from_secs(30), what, || {
+            addon(&ha.hub, "edge-1").filter(|m| condition(m, "Available").0 == "True")
+        })
+        .with_context(|| {
+            format!(
+                "add-on: {:#}\nagent log:\n{}",
+                addon(&ha.hub, "edge-1").unwrap_or_default(),
+                registration_support::tail(
+                    &registration_support::read_log(&ha.hub.logs, "agent"),
+                    25
+                )
+            )
+        })
+    };
+    let m = wait_available("add-on Available through both brokers")?;
+    let (_, msg) = condition(&m, "Available");
+    eprintln!("Available: {msg}");
+    let ca = ha.procs.pki.ca_path();
+    wait_tunnel(&b1, "edge-1").await?;
+    wait_tunnel(&b2, "edge-1").await?;
+    reach_apiserver(&b1, "edge-1", &ca).await?;
+    reach_apiserver(&b2, "edge-1", &ca).await?;
+
+    // SIGKILL b1: new streams through b2 within 5 s; the add-on stays or returns Available.
+    let killed = Instant::now();
+    b1.child.kill();
+    wait_until_async(Duration::from_secs(5), "API server through b2", || async {
+        reach_apiserver(&b2, "edge-1", &ca).await.ok()
+    })
+    .await?;
+    let first_ok = killed.elapsed();
+    let mut seen = Vec::new();
+    let m = wait_until(
+        Duration::from_secs(30),
+        "add-on Available without b1",
+        || {
+            let m = addon(&ha.hub, "edge-1")?;
+            let (status, msg) = condition(&m, "Available");
+            if seen.last() != Some(&status) {
+                seen.push(status.clone());
+            }
+            (status == "True" && !msg.contains("b1")).then_some(m)
+        },
+    )?;
+    eprintln!(
+        "after SIGKILL of b1: first stream through b2 after {first_ok:?}; Available statuses seen {seen:?}; back to Available (b2 only) after {:?}: {}",
+        killed.elapsed(),
+        condition(&m, "Available").1
+    );
+    assert!(first_ok < Duration::from_secs(5));
     Ok(())
 }
