@@ -298,3 +298,45 @@ impl Validate for BrokerConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = "id: b1\ntls: {cert: c, key: k, ca: a}\nagent_listen: 127.0.0.1:0\nclient_listen: 127.0.0.1:0\n";
+
+    fn parse(extra: &str) -> Result<BrokerConfig, ConfigError> {
+        tether_config::from_str(
+            &format!("{BASE}{extra}"),
+            std::path::Path::new("broker.yaml"),
+        )
+    }
+
+    #[test]
+    fn control_plane_is_optional_and_validated() {
+        assert!(parse("").unwrap().control_plane.is_none());
+        let cp = parse(
+            "control_plane:\n  nats_url: tls://hub:4222\n  ca: ca.crt\n  password_file: pw\n",
+        )
+        .unwrap()
+        .control_plane
+        .unwrap();
+        assert_eq!(cp.user, "tether-hub");
+        assert!(cp.enforce_clusters && cp.discover_peers);
+        let e =
+            parse("control_plane:\n  nats_url: nats://hub\n  ca: ca.crt\n  password_file: pw\n")
+                .unwrap_err()
+                .to_string();
+        assert!(e.contains("control_plane.nats_url"), "{e}");
+        let e = tether_config::from_str::<BrokerConfig>(
+            &format!(
+                "{}control_plane:\n  nats_url: tls://hub:4222\n  ca: ca.crt\n  password_file: pw\n",
+                BASE.replace("agent_listen: 127.0.0.1:0", "agent_listen: 0.0.0.0:8091")
+            ),
+            std::path::Path::new("broker.yaml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("control_plane.advertise.agent_addresses"), "{e}");
+    }
+}
