@@ -336,6 +336,74 @@ mod m {
         pub trace_id: Option<String>,
     }
 
+    #[derive(Serialize, Deserialize, JsonSchema)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct IssuedCertificate {
+        pub common_name: String,
+        #[serde(default)]
+        pub serial: String,
+        #[serde(default)]
+        pub not_after: String,
+    }
+
+    #[derive(Serialize, Deserialize, JsonSchema)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct HubClientSpec {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub token_sha256: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub certificate: Option<IssuedCertificate>,
+    }
+
+    /// `proxy.tether.io/v1alpha1` HubClient (KV `tether-hubclients`).
+    #[derive(Serialize, Deserialize, JsonSchema)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct HubClient {
+        pub api_version: String,
+        pub kind: String,
+        pub metadata: ObjectMeta,
+        pub spec: HubClientSpec,
+    }
+
+    /// `tether.v1.admin.client.create` request.
+    #[derive(Serialize, Deserialize, JsonSchema)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct ClientCreateRequest {
+        pub name: String,
+        /// `token` or `certificate`.
+        pub credential: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub cert_lifetime_seconds: Option<u64>,
+    }
+
+    /// Reply to `tether.v1.admin.client.create`: the secret is returned once.
+    #[derive(Serialize, Deserialize, JsonSchema)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct ClientCreateReply {
+        pub client: HubClient,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub token: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub certificate: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub key: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub ca_bundle: Option<String>,
+    }
+
+    /// `tether.v1.admin.client.delete` request.
+    #[derive(Serialize, Deserialize, JsonSchema)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct ClientDeleteRequest {
+        pub name: String,
+    }
+
+    #[derive(Serialize, Deserialize, JsonSchema)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct ClientDeleteReply {
+        pub deleted: bool,
+    }
+
     /// `tether.v1.health.get` request.
     #[derive(Serialize, Deserialize, JsonSchema)]
     #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -420,6 +488,10 @@ fn generated() -> BTreeMap<&'static str, serde_json::Value> {
         HealthGetRequest,
         HealthGetReply,
         HealthRecord,
+        ClientCreateRequest,
+        ClientCreateReply,
+        ClientDeleteRequest,
+        ClientDeleteReply,
     )
 }
 
@@ -474,6 +546,16 @@ const SUBJECTS: &[(&str, &str, Option<&str>)] = &[
         "tether.v1.health.get",
         "HealthGetRequest",
         Some("HealthGetReply"),
+    ),
+    (
+        "tether.v1.admin.client.create",
+        "ClientCreateRequest",
+        Some("ClientCreateReply"),
+    ),
+    (
+        "tether.v1.admin.client.delete",
+        "ClientDeleteRequest",
+        Some("ClientDeleteReply"),
     ),
     ("tether.v1.events.>", "Event", None),
 ];
@@ -603,6 +685,15 @@ fn mirrors_agree_with_real_types() {
     same::<addons::AddOnAgentConfigReply, m::AddOnAgentConfigReply>(
         json!({"installed":true,"message":"m","config":{"cluster":"c","addon":"a","installNamespace":"n","brokers":[{"id":"b","addresses":["h:1"],"serverName":"s"}],"proxy":{"httpsProxy":"https://p:1","noProxy":".svc"},"hubCaBundle":"pem","replicas":1,"keepalive":"10s","customizedVariables":[{"name":"A","value":"B"}],"configHashes":[{"group":"g","resource":"r","name":"x","specHash":"h"}]}}),
     );
+    use tether_control::clients;
+    same::<clients::ClientCreateRequest, m::ClientCreateRequest>(
+        json!({"name":"ops","credential":"certificate","certLifetimeSeconds":3600}),
+    );
+    same::<clients::ClientCreateReply, m::ClientCreateReply>(
+        json!({"client":{"apiVersion":"proxy.tether.io/v1alpha1","kind":"HubClient","metadata":{"name":"ops","uid":"u","creationTimestamp":"t"},"spec":{"tokenSha256":"ab","certificate":{"commonName":"tether:client:ops","serial":"1","notAfter":"t"}}},"token":"x","certificate":"c","key":"k","caBundle":"ca"}),
+    );
+    same::<clients::ClientDeleteRequest, m::ClientDeleteRequest>(json!({"name":"ops"}));
+    same::<clients::ClientDeleteReply, m::ClientDeleteReply>(json!({"deleted":true}));
     same::<health::HealthGetRequest, m::HealthGetRequest>(json!({"cluster":"c"}));
     same::<health::HealthGetReply, m::HealthGetReply>(
         json!({"prober":"p","intervalSeconds":30.0,"clusters":[{"cluster":"c","healthy":false,"reason":"NoTunnel","message":"m","lastProbeOk":false,"latency":{"totalMs":1.5,"tunnelMs":0.5,"targetMs":1.0},"probedAt":"t","consecutiveFailures":2,"consecutiveSuccesses":0,"path":"/livez","status":503,"tlsVerified":true,"probes":9,"prober":"p"}]}),
@@ -758,6 +849,17 @@ async fn live_traffic_validates_against_schemas() -> anyhow::Result<()> {
         bad.headers
             .is_some_and(|h| h.get(connect::ERROR_HEADER).is_some())
     );
+    // Hub clients: a token and a certificate credential, then one revoked.
+    hub.tetherctl_ok(&["client", "create", "ops", "--token"])?;
+    let certs = hub.dir.join("ops2-cert");
+    hub.tetherctl_ok(&[
+        "client",
+        "create",
+        "ops2",
+        "--cert-out",
+        certs.to_str().unwrap(),
+    ])?;
+    hub.tetherctl_ok(&["client", "delete", "ops"])?;
     // Deny: the agent is notified.
     hub.tetherctl_ok(&["deny", "edge-1"])?;
     wait_until_async(Duration::from_secs(10), "notify captured", || async {
@@ -841,6 +943,10 @@ async fn live_traffic_validates_against_schemas() -> anyhow::Result<()> {
         "ErrorReply",
         "Event",
         "Notify",
+        "ClientCreateRequest",
+        "ClientCreateReply",
+        "ClientDeleteRequest",
+        "ClientDeleteReply",
     ] {
         assert!(
             seen.contains_key(must),
