@@ -282,6 +282,8 @@ impl ControlPlane {
         let mut renew = tokio::time::interval(PRESENCE_RENEW);
         renew.tick().await;
         let mut prune = tokio::time::interval(PRUNE_INTERVAL);
+        // The sender lives as long as the broker runs; once it is gone, stop polling it.
+        let mut draining_open = true;
         loop {
             tokio::select! {
                 _ = exit.cancelled() => return SessionEnd::Exit(Box::new(store)),
@@ -290,8 +292,10 @@ impl ControlPlane {
                         return SessionEnd::Lost(e);
                     }
                 }
-                r = self.draining.changed() => {
-                    if r.is_ok() && let Err(e) = self.announce(&store).await {
+                r = self.draining.changed(), if draining_open => {
+                    if r.is_err() {
+                        draining_open = false;
+                    } else if let Err(e) = self.announce(&store).await {
                         return SessionEnd::Lost(e);
                     }
                 }
