@@ -13,9 +13,12 @@
 //!   Unknown whenever the cluster itself is Unknown;
 //! - Degraded=True when a referenced config does not exist.
 //!
-//! The actor coalesces changes: KV watches on every input bucket send [`Changed`], and one full
-//! reconcile runs at a time (another follows if something changed meanwhile). The next add-on
-//! lease expiry is scheduled for its deadline; a slow resync covers anything missed.
+//! The actor coalesces changes: KV watches on every input bucket send [`ChangedKey`] (or
+//! [`Changed`] for everything), and one reconcile runs at a time (another follows if something
+//! changed meanwhile). A change of a cluster, one of its add-ons or an add-on lease reconciles
+//! only that cluster's add-ons ([`Scope::Clusters`]); a change of a ClusterManagementAddOn, a
+//! config or the broker set reconciles everything. The next add-on lease expiry is scheduled
+//! for its deadline (a full pass); a slow resync covers anything missed.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, SystemTime};
@@ -51,10 +54,56 @@ const DEADLINE_SLACK: Duration = Duration::from_millis(50);
 pub const MAILBOX_CAPACITY: usize = 64;
 pub const QUEUE_GROUP: &str = "tether-addons";
 
-/// Something an input bucket changed: reconcile.
+/// Something changed that may affect every add-on: reconcile everything.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct Changed;
+
+/// One key of an input bucket changed.
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct ChangedKey {
+    pub bucket: Bucket,
+    pub key: String,
+}
+
+/// What a reconcile pass looks at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    All,
+    /// Only the add-ons of these clusters (their install/removal, configs, conditions).
+    Clusters(std::collections::BTreeSet<String>),
+}
+
+impl Scope {
+    fn none() -> Self {
+        Scope::Clusters(Default::default())
+    }
+
+    fn is_empty(&self) -> bool {
+        matches!(self, Scope::Clusters(c) if c.is_empty())
+    }
+
+    fn merge(&mut self, other: Scope) {
+        match (&mut *self, other) {
+            (Scope::All, _) => {}
+            (_, Scope::All) => *self = Scope::All,
+            (Scope::Clusters(a), Scope::Clusters(b)) => a.extend(b),
+        }
+    }
+
+    /// The scope a change of `key` in `bucket` needs.
+    pub fn for_key(bucket: Bucket, key: &str) -> Self {
+        match bucket {
+            Bucket::Clusters => Scope::Clusters([key.to_string()].into()),
+            Bucket::ManagedClusterAddOns | Bucket::AddOnLeases => match key.split_once('.') {
+                Some((cluster, _)) => Scope::Clusters([cluster.to_string()].into()),
+                None => Scope::All,
+            },
+            _ => Scope::All,
+        }
+    }
+}
 
 /// An agent's report of what it applied.
 #[derive(Debug)]
@@ -81,9 +130,10 @@ pub struct AddOnController {
     /// Publishes `AddOnConfigChanged` on `tether.v1.cluster.<c>.notify` (None in unit tests).
     notify: Option<async_nats::Client>,
     running: bool,
-    dirty: bool,
-    /// The pending re-evaluation at the next add-on lease deadline.
-    deadline: Option<SpawnHandle>,
+    /// What changed since the running pass started.
+    dirty: Scope,
+    /// The pending re-evaluation at the next add-on lease deadline, and when it fires.
+    deadline: Option<(SpawnHandle, std::time::Instant)>,
 }
 
 impl AddOnController {
@@ -94,41 +144,59 @@ impl AddOnController {
                 store,
                 notify,
                 running: false,
-                dirty: false,
+                dirty: Scope::none(),
                 deadline: None,
             }
         })
     }
 
     fn kick(&mut self, ctx: &mut Context<Self>) {
-        self.dirty = true;
-        if self.running {
+        self.kick_scope(ctx, Scope::All);
+    }
+
+    fn kick_scope(&mut self, ctx: &mut Context<Self>, scope: Scope) {
+        self.dirty.merge(scope);
+        if self.running || self.dirty.is_empty() {
             return;
         }
         self.running = true;
-        self.dirty = false;
+        let scope = std::mem::replace(&mut self.dirty, Scope::none());
+        let full = scope == Scope::All;
         let store = self.store.clone();
         let notify = self.notify.clone();
         ctx.spawn(
-            async move { reconcile_all(&store, notify.as_ref()).await }
+            async move { reconcile(&store, notify.as_ref(), &scope).await }
                 .into_actor(self)
-                .map(|r, act, ctx| {
+                .map(move |r, act, ctx| {
                     match r {
-                        Err(e) => tracing::warn!(error = %e, "add-on reconcile failed"),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "add-on reconcile failed");
+                            act.dirty.merge(Scope::All);
+                        }
                         Ok((_, next)) => {
-                            if let Some(h) = act.deadline.take() {
-                                ctx.cancel_future(h);
-                            }
-                            if let Some(d) = next {
-                                act.deadline = Some(
-                                    ctx.run_later(d + DEADLINE_SLACK, |act, ctx| act.kick(ctx)),
-                                );
+                            let at = next.map(|d| std::time::Instant::now() + d);
+                            // A partial pass only knows its own leases: it may bring the
+                            // deadline forward, never push it back.
+                            let keep = !full
+                                && act
+                                    .deadline
+                                    .as_ref()
+                                    .is_some_and(|(_, t)| at.is_none_or(|a| *t <= a));
+                            if !keep {
+                                if let Some((h, _)) = act.deadline.take() {
+                                    ctx.cancel_future(h);
+                                }
+                                if let (Some(d), Some(t)) = (next, at) {
+                                    let h =
+                                        ctx.run_later(d + DEADLINE_SLACK, |act, ctx| act.kick(ctx));
+                                    act.deadline = Some((h, t));
+                                }
                             }
                         }
                     }
                     act.running = false;
-                    if act.dirty {
-                        act.kick(ctx);
+                    if !act.dirty.is_empty() {
+                        act.kick_scope(ctx, Scope::none());
                     }
                 }),
         );
@@ -148,6 +216,13 @@ impl Handler<Changed> for AddOnController {
     type Result = ();
     fn handle(&mut self, _: Changed, ctx: &mut Self::Context) {
         self.kick(ctx);
+    }
+}
+
+impl Handler<ChangedKey> for AddOnController {
+    type Result = ();
+    fn handle(&mut self, m: ChangedKey, ctx: &mut Self::Context) {
+        self.kick_scope(ctx, Scope::for_key(m.bucket, &m.key));
     }
 }
 
@@ -343,17 +418,70 @@ pub async fn reconcile_all(
     store: &HubStore,
     notify: Option<&async_nats::Client>,
 ) -> Result<(usize, Option<Duration>), ControlError> {
-    let clusters: HashMap<String, (ManagedCluster, u64)> =
-        list_map(store, Bucket::Clusters).await?;
+    reconcile(store, notify, &Scope::All).await
+}
+
+/// Reads `keys` of bucket `b` (missing ones are skipped).
+async fn get_map<T: serde::de::DeserializeOwned>(
+    store: &HubStore,
+    b: Bucket,
+    keys: impl IntoIterator<Item = String>,
+) -> Result<HashMap<String, (T, u64)>, ControlError> {
+    let mut out = HashMap::new();
+    for k in keys {
+        if let Some(v) = store.get::<T>(b, &k).await? {
+            out.insert(k, v);
+        }
+    }
+    Ok(out)
+}
+
+/// One pass over the add-ons in `scope`; returns how many objects it wrote and when the next
+/// add-on lease (of those it looked at) expires.
+pub async fn reconcile(
+    store: &HubStore,
+    notify: Option<&async_nats::Client>,
+    scope: &Scope,
+) -> Result<(usize, Option<Duration>), ControlError> {
     let cmas: HashMap<String, (ClusterManagementAddOn, u64)> =
         list_map(store, Bucket::ClusterManagementAddOns).await?;
     let adcs: HashMap<String, (AddOnDeploymentConfig, u64)> =
         list_map(store, Bucket::AddOnDeploymentConfigs).await?;
     let mpcs: HashMap<String, (ManagedProxyConfiguration, u64)> =
         list_map(store, Bucket::ProxyConfigurations).await?;
-    let leases: HashMap<String, (Lease, u64)> = list_map(store, Bucket::AddOnLeases).await?;
-    let mut mcas: HashMap<String, (ManagedClusterAddOn, u64)> =
-        list_map(store, Bucket::ManagedClusterAddOns).await?;
+    type Inputs = (
+        HashMap<String, (ManagedCluster, u64)>,
+        HashMap<String, (Lease, u64)>,
+        HashMap<String, (ManagedClusterAddOn, u64)>,
+    );
+    let (clusters, leases, mut mcas): Inputs = match scope {
+        Scope::All => (
+            list_map(store, Bucket::Clusters).await?,
+            list_map(store, Bucket::AddOnLeases).await?,
+            list_map(store, Bucket::ManagedClusterAddOns).await?,
+        ),
+        Scope::Clusters(names) => {
+            let in_scope = |k: &String| k.split_once('.').is_some_and(|(c, _)| names.contains(c));
+            let mca_keys: Vec<String> = store
+                .keys(Bucket::ManagedClusterAddOns)
+                .await?
+                .into_iter()
+                .filter(in_scope)
+                .collect();
+            let lease_keys: Vec<String> = names
+                .iter()
+                .flat_map(|c| cmas.keys().map(move |a| addon_key(c, a)))
+                .chain(mca_keys.iter().cloned())
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            (
+                get_map(store, Bucket::Clusters, names.iter().cloned()).await?,
+                get_map(store, Bucket::AddOnLeases, lease_keys).await?,
+                get_map(store, Bucket::ManagedClusterAddOns, mca_keys).await?,
+            )
+        }
+    };
     let now = SystemTime::now();
     let serving = crate::delivery::serving_brokers(store, now).await?;
     let serving_ids: Vec<String> = serving.iter().map(|b| b.id.clone()).collect();
@@ -740,7 +868,7 @@ pub async fn start(
                         tokio::select! {
                             _ = stop.cancelled() => return,
                             ev = watch.next() => match ev {
-                                Some(_) => { let _ = addr.send(Changed).await; }
+                                Some((key, _)) => { let _ = addr.send(ChangedKey { bucket: b, key }).await; }
                                 None => break,
                             }
                         }
@@ -810,4 +938,36 @@ pub async fn start(
         }));
     }
     Ok(handles)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scopes_follow_the_changed_key() {
+        assert_eq!(
+            Scope::for_key(Bucket::AddOnLeases, "c1.cluster-proxy"),
+            Scope::Clusters(["c1".to_string()].into())
+        );
+        assert_eq!(
+            Scope::for_key(Bucket::Clusters, "c2"),
+            Scope::Clusters(["c2".to_string()].into())
+        );
+        assert_eq!(
+            Scope::for_key(Bucket::AddOnDeploymentConfigs, "default.x"),
+            Scope::All
+        );
+        let mut s = Scope::none();
+        assert!(s.is_empty());
+        s.merge(Scope::for_key(Bucket::Clusters, "c1"));
+        s.merge(Scope::for_key(Bucket::ManagedClusterAddOns, "c2.a"));
+        assert_eq!(
+            s,
+            Scope::Clusters(["c1".to_string(), "c2".to_string()].into())
+        );
+        s.merge(Scope::All);
+        s.merge(Scope::for_key(Bucket::Clusters, "c3"));
+        assert_eq!(s, Scope::All);
+    }
 }
