@@ -66,6 +66,51 @@ fn renew_addon_leases(client: async_nats::Client, alive: Arc<Mutex<BTreeSet<Stri
     });
 }
 
+/// Runs `tetherctl events --watch --durable table-test -o json` until an event satisfies
+/// `until`; returns the events it printed (JSON lines).
+fn durable_watch(
+    hub: &NatsHub,
+    until: impl Fn(&serde_json::Value) -> bool,
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    use std::io::BufRead as _;
+    let mut child = std::process::Command::new(tether_test_support::bin("tetherctl")?)
+        .args(["events", "--watch", "--durable", "table-test", "-o", "json"])
+        .arg("--hub-dir")
+        .arg(&hub.hub_dir)
+        .args(["--nats-url", &hub.nats_url()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + WAIT;
+    let mut seen = Vec::new();
+    let result = loop {
+        let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) else {
+            break Err(anyhow::anyhow!(
+                "durable watch: no matching event; got {seen:?}"
+            ));
+        };
+        let ev: serde_json::Value = serde_json::from_str(&line)?;
+        let done = until(&ev);
+        seen.push(ev);
+        if done {
+            break Ok(seen);
+        }
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    result
+}
+
 fn proxy_health(hub: &NatsHub, extra: &[&str]) -> anyhow::Result<String> {
     let mut args = vec!["proxy", "health"];
     args.extend_from_slice(extra);
@@ -293,6 +338,23 @@ async fn proxy_health_table_healthy_target_down_and_agent_stopped() -> anyhow::R
     assert_eq!(seen["reason"], "ClusterProbeFailed", "{seen}");
     let _ = watch.kill();
     let _ = watch.wait();
+
+    // A durable consumer resumes where it stopped: the first run reads the history up to the
+    // health event, the second starts after what the first acknowledged.
+    let first_run = durable_watch(&hub, |ev| {
+        ev["involvedObject"]["name"] == "stopped" && ev["reason"] == "ClusterProbeFailed"
+    })?;
+    hub.tetherctl_ok(&["accept", "brand-new"])?;
+    let second_run = durable_watch(&hub, |ev| ev["involvedObject"]["name"] == "brand-new")?;
+    let first_event = &first_run[0];
+    assert!(
+        !second_run[..second_run.len() - 1].contains(first_event) || first_run.len() == 1,
+        "the durable consumer started over:\nfirst run: {first_run:?}\nsecond run: {second_run:?}"
+    );
+    assert!(
+        second_run.len() < first_run.len(),
+        "second run re-read the history: {second_run:?}"
+    );
 
     // Results are in KV, the transition is an event, the prober answers requests directly.
     let js = async_nats::jetstream::new(admin.client.clone());
