@@ -380,6 +380,14 @@ async fn drained_broker_shows_draining_then_removes_its_entry() -> anyhow::Resul
     .await?;
     let p = ha.presence("a").await.expect("entry while draining");
     assert!(!p.is_serving(SystemTime::now()) && p.is_live(SystemTime::now()));
+    let table = ha.hub.tetherctl_ok(&["get", "brokers"])?;
+    let row: Vec<&str> = table
+        .lines()
+        .find(|l| l.starts_with("a "))
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    assert_eq!(row.get(1..3), Some(&["true", "true"][..]), "{table}");
     // The open stream still works during the drain; closing it lets the broker exit.
     open.write_all(b"ping").await?;
     let mut four = [0u8; 4];

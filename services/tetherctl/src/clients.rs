@@ -328,3 +328,62 @@ pub async fn delete(hub: &HubArgs, kind: &str, name: &str) -> anyhow::Result<()>
         _ => crate::addons::delete(hub, kind, name).await,
     }
 }
+
+/// `tetherctl get brokers`: the brokers' presence entries — where hub clients connect
+/// (`clientAddresses`), whether each is live or draining, and its load.
+pub async fn get_brokers(hub: &HubArgs, output: Output) -> anyhow::Result<()> {
+    use tether_control::brokers::BrokerPresence;
+    let (_, conn) = connect_admin(hub).await?;
+    let store = HubStore::open(conn.client.clone()).await?;
+    let mut brokers: Vec<BrokerPresence> = store
+        .list::<BrokerPresence>(Bucket::Brokers)
+        .await?
+        .into_iter()
+        .map(|(_, b, _)| b)
+        .collect();
+    brokers.sort_by(|a, b| a.id.cmp(&b.id));
+    match output {
+        Output::Json => println!("{}", serde_json::to_string_pretty(&brokers)?),
+        Output::Yaml => print!(
+            "{}",
+            serde_saphyr::to_string(&brokers).map_err(|e| anyhow::anyhow!("{e}"))?
+        ),
+        Output::Table | Output::Wide => {
+            let now = SystemTime::now();
+            let mut head = vec![
+                "NAME".to_string(),
+                "LIVE".into(),
+                "DRAINING".into(),
+                "TUNNELS".into(),
+                "STREAMS".into(),
+                "CLIENT ADDRESSES".into(),
+                "RENEWED".into(),
+                "AGE".into(),
+            ];
+            if output == Output::Wide {
+                head.push("AGENT ADDRESSES".into());
+                head.push("RELAY".into());
+            }
+            let mut rows = vec![head];
+            for b in &brokers {
+                let mut row = vec![
+                    b.id.clone(),
+                    b.is_live(now).to_string(),
+                    b.draining.to_string(),
+                    b.tunnels.to_string(),
+                    b.streams.to_string(),
+                    b.client_addresses.join(","),
+                    format!("{} ago", age(&b.renew_time, now)),
+                    age(&b.started_at, now),
+                ];
+                if output == Output::Wide {
+                    row.push(b.agent_addresses.join(","));
+                    row.push(b.relay_address.clone());
+                }
+                rows.push(row);
+            }
+            print_table(&rows);
+        }
+    }
+    Ok(())
+}

@@ -14,6 +14,7 @@
 //!   the tunnel, TLS verified against the cluster CA).
 //! - `events [--watch] [--durable NAME]`: events as they arrive (JetStream consumer).
 //! - `completions <shell>`: shell completion script.
+//! - `get brokers`: broker presence (live, draining, load, client addresses).
 //! - `client create|delete`, `get clients`: hub client credentials; `apply -f` also takes
 //!   ClientAccessPolicy documents (`delete clientaccesspolicy NAME`).
 //!
@@ -198,6 +199,14 @@ enum ProxyCmd {
 
 #[derive(Subcommand, Debug)]
 enum GetWhat {
+    /// Brokers from their presence: live, draining, load, client addresses.
+    #[command(alias = "broker")]
+    Brokers {
+        #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+        output: Output,
+        #[command(flatten)]
+        hub: HubArgs,
+    },
     /// HubClients and the ClientAccessPolicies naming them.
     #[command(alias = "client", alias = "hubclients")]
     Clients {
@@ -288,6 +297,7 @@ async fn main() {
         Cmd::Deny { cluster, hub } => ops::admin(&hub, &cluster, false).await,
         Cmd::Get { what } => match what {
             GetWhat::Clients { output, hub } => clients::get_clients(&hub, output).await,
+            GetWhat::Brokers { output, hub } => clients::get_brokers(&hub, output).await,
             GetWhat::Clusters { name, output, hub } => {
                 ops::get_clusters(&hub, name.as_deref(), output).await
             }
