@@ -467,6 +467,23 @@ async fn addon_is_delivered_through_a_proxy_and_follows_its_config() -> anyhow::
     let body = reach_apiserver(&broker2, "edge-1", &tpki.pki.dir.join("ca.crt")).await?;
     assert!(body.starts_with("HTTP/1.1 200"), "{body}");
     assert_eq!(tunnel_agent_pid(&runtime_dir), Some(pid));
+    // The ManagedProxyConfiguration counts the live brokers.
+    let mpc_cond = || -> Option<(String, String)> {
+        let v: serde_json::Value =
+            serde_json::from_str(&hub.tetherctl_ok(&["get", "configs", "-o", "json"]).ok()?)
+                .ok()?;
+        let mpc = v["items"]
+            .as_array()?
+            .iter()
+            .find(|i| i["kind"] == "ManagedProxyConfiguration")?
+            .clone();
+        cond(&mpc, "BrokersAvailable").map(|(s, _, m)| (s, m))
+    };
+    let (st, msg) = wait_until(WAIT, "BrokersAvailable with 2 brokers", || {
+        mpc_cond().filter(|(_, m)| m.starts_with("2 live"))
+    })?;
+    assert_eq!(st, "True");
+    assert!(msg.contains("b1, b2"), "{msg}");
 
     // Removing the add-on (its ClusterManagementAddOn): agent stopped, credentials removed.
     hub.tetherctl_ok(&["delete", "clustermanagementaddon", "cluster-proxy"])?;
