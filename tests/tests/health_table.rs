@@ -392,6 +392,84 @@ async fn proxy_health_table_healthy_target_down_and_agent_stopped() -> anyhow::R
     Ok(())
 }
 
+/// After a NATS restart the prober re-creates its (memory) bucket, keeps answering, and picks up
+/// clusters accepted afterwards (its KV watch is re-opened).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prober_recovers_after_nats_restart() -> anyhow::Result<()> {
+    let mut hub = NatsHub::start(HubOpts::default())?;
+    hub.tetherctl_ok(&["accept", "ok"])?;
+    let th = TunnelHub::new()?;
+    let api = FakeApiServer::start(&th).await?;
+    let broker = th.start_broker("b1", "")?;
+    let ok = th.start_agent("ok", "ok", &[vec![broker.agent_addr]], api.addr, "")?;
+    wait_agent_ready(&ok).await?;
+    wait_tunnel(&broker, "ok").await?;
+    let _prober = th.start_prober(
+        &broker,
+        &[],
+        &format!(
+            "interval: 500ms\ntimeout: 400ms\nnats:\n  hub_dir: {}\n  url: {}\n",
+            hub.hub_dir.display(),
+            hub.nats_url()
+        ),
+    )?;
+    let kv_has = |hub: &NatsHub, cluster: &'static str| {
+        let url = hub.nats_url();
+        let dir = hub.hub_dir.clone();
+        async move {
+            let d = HubDir::load(&dir).ok()?;
+            let password = d.read(&d.config.nats.admin_password_file).ok()?;
+            let conn = connect::connect(&ConnectConfig::new(
+                d.endpoint(Some(&url)).ok()?,
+                Credentials::HubUser {
+                    user: ADMIN_USER.into(),
+                    password: password.trim().to_string(),
+                },
+                "test",
+            ))
+            .await
+            .ok()?;
+            let js = async_nats::jetstream::new(conn.client.clone());
+            let kv = js.get_key_value(subjects::BUCKET_HEALTH).await.ok()?;
+            kv.get(cluster).await.ok()?.map(|_| ())
+        }
+    };
+    wait_until_async(WAIT, "ok probed healthy and in KV", || async {
+        let r = rows(&hub)?;
+        (row(&r, "ok")?["probedHealth"] == "True").then_some(())?;
+        kv_has(&hub, "ok").await
+    })
+    .await?;
+
+    hub.stop_nats()?;
+    hub.start_nats()?;
+    wait_until_async(
+        WAIT,
+        "health record back in KV after the restart",
+        || async { kv_has(&hub, "ok").await },
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}\n{}", tail(&read_log(th.path(), "health-prober"), 20)))?;
+    assert!(
+        read_log(th.path(), "health-prober").contains("re-created the tether-health bucket"),
+        "{}",
+        tail(&read_log(th.path(), "health-prober"), 20)
+    );
+    hub.tetherctl_ok(&["accept", "late"])?;
+    wait_until_async(
+        WAIT,
+        "cluster accepted after the restart is probed",
+        || async {
+            let r = rows(&hub)?;
+            (row(&r, "ok")?["probedHealth"] == "True"
+                && row(&r, "late")?["probedHealth"] == "False")
+                .then_some(())
+        },
+    )
+    .await?;
+    Ok(())
+}
+
 /// CPU seconds (user + system) of a process so far.
 fn cpu_secs(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();

@@ -109,24 +109,28 @@ pub struct NatsSide {
     pub health_kv: kv::Store,
 }
 
+/// Creates (or opens) the `tether-health` bucket: memory storage, since results are soft state
+/// that the next round rebuilds; after a NATS restart it is created again.
+pub async fn health_bucket(js: &jetstream::Context) -> Result<kv::Store, ProberError> {
+    js.create_or_update_key_value(kv::Config {
+        bucket: subjects::BUCKET_HEALTH.to_string(),
+        description: "health-prober results, key = cluster".into(),
+        history: 1,
+        storage: jetstream::stream::StorageType::Memory,
+        ..Default::default()
+    })
+    .await
+    .map_err(nats_err)
+}
+
 impl NatsSide {
-    /// Opens the hub buckets and the `tether-health` bucket (memory storage: results are soft
-    /// state, rebuilt by the next round after a NATS restart).
+    /// Opens the hub buckets and the `tether-health` bucket.
     pub async fn open(conn: NatsConnection) -> Result<Self, ProberError> {
         let store = HubStore::open(conn.client.clone())
             .await
             .map_err(nats_err)?;
         let js = jetstream::new(conn.client.clone());
-        let health_kv = js
-            .create_or_update_key_value(kv::Config {
-                bucket: subjects::BUCKET_HEALTH.to_string(),
-                description: "health-prober results, key = cluster".into(),
-                history: 1,
-                storage: jetstream::stream::StorageType::Memory,
-                ..Default::default()
-            })
-            .await
-            .map_err(nats_err)?;
+        let health_kv = health_bucket(&js).await?;
         Ok(Self {
             conn,
             store,
@@ -234,6 +238,8 @@ async fn publish_results(
     shutdown: CancellationToken,
 ) {
     let mut seen: BTreeSet<String> = BTreeSet::new();
+    let mut health_kv = health_kv;
+    let mut last_reopen: Option<std::time::Instant> = None;
     loop {
         let p = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -251,10 +257,25 @@ async fn publish_results(
         };
         let put = tokio::time::timeout(
             PUBLISH_TIMEOUT,
-            health_kv.put(record.cluster.as_str(), bytes.into()),
+            health_kv.put(record.cluster.as_str(), bytes.clone().into()),
         )
         .await;
-        let ok = matches!(put, Ok(Ok(_)));
+        let mut ok = matches!(put, Ok(Ok(_)));
+        // The memory bucket is gone after a NATS restart: create it again (at most once per
+        // REWATCH_DELAY) and retry once.
+        if !ok && last_reopen.is_none_or(|t| t.elapsed() >= REWATCH_DELAY) {
+            last_reopen = Some(std::time::Instant::now());
+            if let Ok(Ok(kv)) = tokio::time::timeout(PUBLISH_TIMEOUT, health_bucket(&js)).await {
+                tracing::info!("re-created the {} bucket", subjects::BUCKET_HEALTH);
+                health_kv = kv;
+                let retry = tokio::time::timeout(
+                    PUBLISH_TIMEOUT,
+                    health_kv.put(record.cluster.as_str(), bytes.into()),
+                )
+                .await;
+                ok = matches!(retry, Ok(Ok(_)));
+            }
+        }
         metrics
             .published
             .with_label_values(&["kv", if ok { "ok" } else { "error" }])
