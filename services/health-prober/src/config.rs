@@ -229,3 +229,47 @@ impl Validate for ProberConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str =
+        "broker:\n  endpoint: https://b:8443\n  server_name: b\n  ca: ca.crt\n  token_file: t\n";
+
+    fn parse(extra: &str) -> Result<ProberConfig, ConfigError> {
+        tether_config::from_str(
+            &format!("{BASE}{extra}"),
+            std::path::Path::new("prober.yaml"),
+        )
+    }
+
+    #[test]
+    fn nats_section_needs_a_hub_dir_or_url_ca_and_password() {
+        let c = parse("nats:\n  hub_dir: hub\n").unwrap();
+        assert_eq!(c.nats.unwrap().user, "tether-hub");
+        let e = parse("nats:\n  url: tls://h:4222\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("nats") && e.contains("password_file"), "{e}");
+        let e = parse("nats:\n  url: nats://h:4222\n  ca: c\n  password_file: p\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("nats.url"), "{e}");
+        let e = parse("nats:\n  hub_dir: h\n  password: x\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("password"), "unknown fields are refused: {e}");
+        let c = parse("nats:\n  url: tls://h:4222\n  ca: c\n  password_file: p\n").unwrap();
+        assert!(!format!("{:?}", c.nats).contains("secret"));
+    }
+
+    #[test]
+    fn targets_may_dial_through_another_cluster() {
+        let c = parse(
+            "targets:\n  sim-1: {host: localhost, port: 6443, tls: true, via_cluster: agent-0}\n",
+        )
+        .unwrap();
+        assert_eq!(c.targets["sim-1"].via_cluster.as_deref(), Some("agent-0"));
+    }
+}
