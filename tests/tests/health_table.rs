@@ -470,6 +470,72 @@ async fn prober_recovers_after_nats_restart() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Starts a health-prober named `id` on NATS (own config, log and ready file).
+fn start_named_prober(
+    th: &TunnelHub,
+    broker: &tether_e2e::Broker,
+    hub: &NatsHub,
+    id: &str,
+) -> anyhow::Result<tether_test_support::Child> {
+    let token = th.path().join(format!("{id}.token"));
+    std::fs::write(&token, tether_e2e::OPS_TOKEN)?;
+    let cfg = th.path().join(format!("{id}.yaml"));
+    std::fs::write(
+        &cfg,
+        format!(
+            "broker:\n  endpoint: https://{}\n  server_name: localhost\n  ca: {ca}\n  token_file: {}\napiserver_ca: {ca}\ninterval: 500ms\ntimeout: 400ms\nprober_id: {id}\nnats:\n  hub_dir: {}\n  url: {}\n",
+            broker.client_tls_addr,
+            token.display(),
+            hub.hub_dir.display(),
+            hub.nats_url(),
+            ca = th.pki.ca_path().display(),
+        ),
+    )?;
+    let ready = th.path().join(format!("{id}.ready"));
+    let mut c = std::process::Command::new(tether_test_support::bin("health-prober")?);
+    c.arg("--config").arg(&cfg).arg("--ready-file").arg(&ready);
+    let child = tether_test_support::Child::spawn(id, c, th.path())?;
+    tether_test_support::read_ready_file(&ready, WAIT)?;
+    Ok(child)
+}
+
+/// Several probers answer `tether.v1.health.get` as one queue group: each request gets one
+/// answer, and both probers take requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probers_share_health_requests_as_a_queue_group() -> anyhow::Result<()> {
+    let hub = NatsHub::start(HubOpts::default())?;
+    hub.tetherctl_ok(&["accept", "c1"])?;
+    let th = TunnelHub::new()?;
+    let broker = th.start_broker("b1", "")?;
+    let _p1 = start_named_prober(&th, &broker, &hub, "prober-1")?;
+    let _p2 = start_named_prober(&th, &broker, &hub, "prober-2")?;
+    let admin = admin_connection(&hub).await?;
+    let answers = wait_until_async(WAIT, "answers from both probers", || async {
+        let mut ids = BTreeSet::new();
+        for _ in 0..40 {
+            let r: serde_json::Value = connect::request_json(
+                &admin.client,
+                subjects::HEALTH_GET.into(),
+                &serde_json::json!({"cluster": "c1"}),
+            )
+            .await
+            .ok()?;
+            // Each answer carries its prober's own (probed) record of c1.
+            if r["clusters"][0]["cluster"] != "c1" {
+                return None;
+            }
+            ids.insert(r["prober"].as_str()?.to_string());
+        }
+        (ids.len() == 2).then_some(ids)
+    })
+    .await?;
+    assert_eq!(
+        answers.into_iter().collect::<Vec<_>>(),
+        ["prober-1", "prober-2"]
+    );
+    Ok(())
+}
+
 /// CPU seconds (user + system) of a process so far.
 fn cpu_secs(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
