@@ -431,6 +431,22 @@ async fn addon_is_delivered_through_a_proxy_and_follows_its_config() -> anyhow::
         "new add-on certificate after a restart"
     );
 
+    // The tunnel-agent crashes: its supervisor starts it again (jittered backoff).
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    let pid = wait_until(WAIT, "tunnel-agent restarted after a crash", || {
+        tunnel_agent_pid(&runtime_dir).filter(|p| *p != pid && pid_alive(*p))
+    })?;
+    tether_test_support::wait_until_async(WAIT, "API server reachable after the crash", || async {
+        reach_apiserver(&broker, "edge-1", &tpki.pki.dir.join("ca.crt"))
+            .await
+            .ok()
+            .filter(|b| b.starts_with("HTTP/1.1 200"))
+    })
+    .await?;
+
     // New proxy: Progressing until the agent applies it, then Available; new tunnels use it.
     std::fs::write(&f, addons_yaml(&p2.url()))?;
     hub.tetherctl_ok(&["apply", "-f", &f.to_string_lossy()])?;
