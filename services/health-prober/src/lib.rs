@@ -120,6 +120,12 @@ pub async fn run(
     // On NATS, connect first (a hub that is down is a start-up error with its reason).
     let nats_side = match &cfg.nats {
         Some(access) => {
+            if !cfg.clusters.is_empty() {
+                tracing::warn!(
+                    ignored = cfg.clusters.len(),
+                    "`clusters` is ignored with `nats`: the hub's accepted clusters are probed"
+                );
+            }
             let conn = nats::connect_hub(access).await?;
             Some(nats::NatsSide::open(conn).await?)
         }
