@@ -291,7 +291,7 @@ async fn killing_a_broker_leaves_the_other_serving() -> anyhow::Result<()> {
     })
     .await?;
 
-    // Two streams on A, mid-transfer: over TLS (CONNECT) and plain TCP.
+    // Two streams on A, mid-transfer: CONNECT over TLS and over plain TCP.
     let cfg = tether_e2e::client_tls_config(&ha.procs.pki.ca_path(), &[b"http/1.1"], None)?;
     let mut on_a_tls =
         match tether_e2e::connect_tls(a.client_tls_addr, cfg, "c1:443", Some(OPS_TOKEN)).await? {
@@ -302,6 +302,11 @@ async fn killing_a_broker_leaves_the_other_serving() -> anyhow::Result<()> {
     let mut got = 0;
     while got < 1_000_000 {
         got += on_a_tls.read(&mut buf).await?;
+    }
+    let mut on_a_plain = connect_ok(a.client_addr, "c1:443").await?;
+    let mut got = 0;
+    while got < 1_000_000 {
+        got += on_a_plain.read(&mut buf).await?;
     }
 
     let killed = Instant::now();
@@ -328,7 +333,19 @@ async fn killing_a_broker_leaves_the_other_serving() -> anyhow::Result<()> {
     })
     .await?;
     let err = end.expect_err("a stream on the killed broker must end with an error, not EOF");
-    eprintln!("stream on the killed broker ended with: {err}");
+    eprintln!("TLS stream on the killed broker ended with: {err}");
+    let end = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match on_a_plain.read(&mut buf).await {
+                Ok(0) => return Ok(()),
+                Ok(_) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    })
+    .await?;
+    let err = end.expect_err("a plain CONNECT stream on the killed broker must end with a reset");
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset, "{err}");
 
     // A's presence goes stale (it could not delete it) and B drops it as a peer.
     wait_until_async(CP_TIMEOUT, "A's presence goes stale", || async {

@@ -198,6 +198,8 @@ pub async fn serve_plain(broker: Arc<Broker>, mut tcp: TcpStream) {
             broker.finish(&stream.ticket, &Ok(Default::default()));
             return;
         }
+        // If the broker dies mid-stream the client must see a reset, not a clean EOF.
+        let crash_reset = crate::linger::CrashReset::arm(&tcp);
         let (rd, wr) = tcp.into_split();
         let crate::dial::OpenStream { send, recv, ticket } = stream;
         let r = splice(
@@ -209,6 +211,11 @@ pub async fn serve_plain(broker: Arc<Broker>, mut tcp: TcpStream) {
             &broker.counters,
         )
         .await;
+        if r.is_ok()
+            && let Some(g) = crash_reset
+        {
+            g.disarm();
+        }
         broker.finish(&ticket, &r);
     }
     .instrument(span(stream_id))

@@ -14,6 +14,7 @@
 //! - [`presence`]: this broker's `tether-brokers` entry and the relay peers discovered from
 //!   the others'.
 //! - [`clusters`]: the clusters the hub knows (tunnel admission, "unknown cluster" answers).
+//! - [`linger`]: plain CONNECT clients of a killed broker see a reset, not a clean EOF.
 //! - [`metrics`]: Prometheus metrics.
 //!
 //! [`run`] is what `main` calls, and what tests may call in-process.
@@ -27,6 +28,7 @@ pub mod connect;
 pub mod control;
 pub mod dial;
 pub mod grpc;
+pub mod linger;
 pub mod metrics;
 pub mod peers;
 pub mod presence;
