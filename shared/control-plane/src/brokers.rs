@@ -64,8 +64,8 @@ impl BrokerPresence {
         let Some(renewed) = parse_rfc3339(&self.renew_time) else {
             return false;
         };
-        let grace = Duration::from_secs(u64::from(self.lease_duration_seconds.max(1)))
-            * PRESENCE_MISSES;
+        let grace =
+            Duration::from_secs(u64::from(self.lease_duration_seconds.max(1))) * PRESENCE_MISSES;
         renewed + grace > now
     }
 

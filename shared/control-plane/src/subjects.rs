@@ -76,7 +76,15 @@ pub const CLUSTER_ADDON_CSR_GET_ALL: &str = "tether.v1.cluster.*.addon.*.csr.get
 pub fn addon_of(subject: &str) -> Option<&str> {
     let parts: Vec<&str> = subject.split('.').collect();
     match parts.as_slice() {
-        ["tether", "v1", "cluster", _, "addon", a, "status" | "lease" | "config" | "csr"]
+        [
+            "tether",
+            "v1",
+            "cluster",
+            _,
+            "addon",
+            a,
+            "status" | "lease" | "config" | "csr",
+        ]
         | ["tether", "v1", "cluster", _, "addon", a, "csr", "get"] => Some(a),
         _ => None,
     }
