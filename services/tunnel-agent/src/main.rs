@@ -23,9 +23,21 @@ struct Args {
     /// Write the bound admin address here as JSON once listening (for scripts and tests).
     #[arg(long)]
     ready_file: Option<PathBuf>,
-    /// Tokio worker threads (default: number of CPUs).
+    /// Tokio worker threads (default: half the CPUs, at least one).
     #[arg(long, env = "TETHER_WORKER_THREADS")]
     worker_threads: Option<usize>,
+}
+
+/// Default tokio worker threads: half the CPUs, at least one.
+///
+/// Every tunnelled byte crosses two tasks of this process (the stream's pump and the HTTP/2
+/// connection task), and the kernel's TCP work of its sockets needs CPU too. With one worker
+/// per CPU, socket events also unpark idle sibling workers that mostly find nothing to do
+/// (a futex wake and two context switches): on 2 CPUs one worker instead of two took about
+/// 25 % less broker+agent CPU per GB of one-stream upload and half the context switches per
+/// request/response round trip (docs/benchmarks.md, tuning log).
+fn default_workers() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
 }
 
 fn main() -> anyhow::Result<()> {
@@ -33,7 +45,8 @@ fn main() -> anyhow::Result<()> {
     tether_tls::install_default_crypto();
     let cfg: tunnel_agent::config::AgentConfig =
         tether_config::load(&args.config).context("invalid tunnel-agent configuration")?;
-    tether_runtime::actix_system(args.worker_threads).block_on(async move {
+    let workers = args.worker_threads.unwrap_or_else(default_workers);
+    tether_runtime::actix_system(Some(workers)).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("tunnel-agent");
         let shutdown = tether_runtime::shutdown_token();
         let admin = tokio::net::TcpListener::bind(cfg.admin_listen)
