@@ -9,7 +9,8 @@
 //! (`--addon cluster-proxy`), whose ManagedClusterAddOn names a per-cluster
 //! AddOnDeploymentConfig with that proxy. From a client in the hub namespace, both services are
 //! reached by cluster name through either broker, and both add-ons are Available (a tunnel to
-//! b1 and b2) with their configs applied.
+//! b1 and b2) with their configs applied. Deleting edge-1 then stops its add-on agent, removes
+//! its credentials, and both brokers answer "unknown cluster" (404) for it.
 //!
 //! Needs root (network namespaces); skipped with a message otherwise.
 //! Run: `cargo build -p addon-manager -p tetherctl -p registration-agent -p tunnel-agent -p tunnel-broker --bins && cargo test -p tether-e2e --test addon_netns`.
@@ -325,7 +326,6 @@ fn addons_available_through_http_and_https_auth_proxies_reached_via_either_broke
     }
     let topo = Topo::create()?;
     let hub = Hub::start(HubOpts {
-        auto_accept: vec!["edge-*".into()],
         netns: Some(topo.hub.clone()),
         nats_listen: "0.0.0.0:4222".into(),
         ..Default::default()
@@ -489,6 +489,10 @@ spec:
     }
     let _reaper = Reaper(runtime_dirs);
     for name in ["edge-1", "edge-2"] {
+        wait_until(WAIT, &format!("{name} asks to join"), || hub.cluster(name))?;
+        hub.tetherctl_ok(&["accept", name])?;
+    }
+    for name in ["edge-1", "edge-2"] {
         hub.wait_condition(name, "ManagedClusterConditionAvailable", "True", WAIT)?;
     }
     hub.tetherctl_ok(&["apply", "-f", &f.to_string_lossy()])?;
@@ -563,6 +567,54 @@ spec:
         }
     }
     let _ = (&sq1_dir, &sq2_dir);
+
+    // Deleting edge-1: its add-on, credentials and tunnel-agent go; clients get "unknown
+    // cluster" from either broker; edge-2 is untouched.
+    let e1_pid: i32 =
+        std::fs::read_to_string(hub.dir.join("edge-1/cluster-proxy-agent/tunnel-agent.pid"))?
+            .trim()
+            .parse()?;
+    hub.tetherctl_ok(&["delete", "cluster", "edge-1"])?;
+    wait_until(
+        WAIT,
+        "edge-1's add-on agent stopped and its credentials removed",
+        || {
+            let alive = std::fs::read_to_string(format!("/proc/{e1_pid}/stat"))
+                .is_ok_and(|s| s.split_whitespace().nth(2) != Some("Z"));
+            (!alive && !hub.dir.join("edge-1/cluster-proxy-hub-kubeconfig").exists()).then_some(())
+        },
+    )
+    .with_context(|| tail(&read_log(&hub.logs, "edge-1"), 20))?;
+    for b in [&b1, &b2] {
+        let body = wait_until(WAIT, "unknown cluster answer", || {
+            let out = command_in(Some(&topo.hub), "curl")
+                .args(["-s", "--max-time", "5", "-p", "--proxy"])
+                .arg(format!("http://{}", b.client_addr))
+                .args([
+                    "--proxy-header",
+                    &format!("Proxy-Authorization: Bearer {OPS_TOKEN}"),
+                    "-w",
+                    "%{http_connect}",
+                    "http://edge-1:443/",
+                ])
+                .output()
+                .ok()?;
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            text.contains("404").then_some(text)
+        })?;
+        eprintln!("edge-1 deleted, via {}: {body}", b.id);
+        let (ok, body) = curl_via(
+            &topo.hub,
+            &b.client_addr.to_string(),
+            &format!("http://127.0.0.1.edge-2.tether:{port2}/"),
+        );
+        assert!(
+            ok && body.contains("hello from edge-2"),
+            "edge-2 via {}: {body}",
+            b.id
+        );
+    }
+    assert!(addon(&hub, "edge-2").is_some());
     drop(agents);
     Ok(())
 }
