@@ -565,7 +565,8 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         if setup.quick { " --quick" } else { "" },
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         load_average(),
-        std::env::var("TETHER_WORKER_THREADS").unwrap_or_else(|_| "default (CPUs)".into()),
+        std::env::var("TETHER_WORKER_THREADS")
+            .unwrap_or_else(|_| "default (half the CPUs, at least 1)".into()),
         args.tunnel.as_deref().unwrap_or("defaults"),
     );
 
