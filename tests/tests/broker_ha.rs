@@ -441,7 +441,7 @@ async fn deleted_cluster_loses_its_tunnels_and_clients_get_unknown_cluster() -> 
             .then_some(())
     })
     .await?;
-    let _c9 = ha
+    let c9 = ha
         .procs
         .start_agent("c9", "c9", &[vec![a.agent_addr]], source, "")?;
     let _c3 = ha
@@ -467,6 +467,19 @@ async fn deleted_cluster_loses_its_tunnels_and_clients_get_unknown_cluster() -> 
                 .then_some(())
         },
     )
+    .await?;
+    // The agent hears the refusal as such (not as an unknown request or a lost connection).
+    wait_until_async(CP_TIMEOUT, "c9's agent counts a refusal", || async {
+        (metric(
+            c9.admin_addr,
+            "tether_agent_tunnel_connects_total",
+            &[("result", "refused")],
+        )
+        .await
+        .ok()?
+            >= 1.0)
+            .then_some(())
+    })
     .await
     .inspect_err(|_| eprintln!("== broker-a\n{}", ha.log("broker-a")))?;
     let (_, tunnels) = admin_get(a.admin_addr, "/debug/tunnels").await?;

@@ -62,22 +62,6 @@ pub enum AgentError {
     Proxy(tether_config::ConfigError),
 }
 
-/// The config file `main` loaded: `--config`/`-c` on the command line, else
-/// `TETHER_AGENT_CONFIG`. None when neither is present (in-process tests): no reload then.
-pub fn config_path_from_process() -> Option<PathBuf> {
-    let mut args = std::env::args_os().skip(1);
-    while let Some(a) = args.next() {
-        let s = a.to_string_lossy();
-        if s == "--config" || s == "-c" {
-            return args.next().map(PathBuf::from);
-        }
-        if let Some(p) = s.strip_prefix("--config=") {
-            return Some(PathBuf::from(p));
-        }
-    }
-    std::env::var_os("TETHER_AGENT_CONFIG").map(PathBuf::from)
-}
-
 /// What `/debug/agent` shows about the config.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -298,17 +282,17 @@ impl Running {
     }
 }
 
-/// Runs the agent until `shutdown`; must be called inside an actix `System` on a tokio runtime.
-/// Watches the config file named on the command line (see [`config_path_from_process`]).
+/// Runs the agent until `shutdown` with a fixed config (no file to watch); must be called inside
+/// an actix `System` on a tokio runtime.
 pub async fn run(
     cfg: AgentConfig,
     admin: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), AgentError> {
-    run_with_reload(cfg, config_path_from_process(), admin, shutdown).await
+    run_with_reload(cfg, None, admin, shutdown).await
 }
 
-/// [`run`] with an explicit config file to watch (None: no reload).
+/// [`run`], watching `config_path` (the file `cfg` came from) and applying its changes.
 pub async fn run_with_reload(
     cfg: AgentConfig,
     config_path: Option<PathBuf>,

@@ -57,7 +57,7 @@ fn main() -> anyhow::Result<()> {
             tether_runtime::write_ready_file(path, &info)
                 .with_context(|| format!("write ready file {}", path.display()))?;
         }
-        tunnel_agent::run(cfg, admin, shutdown).await?;
+        tunnel_agent::run_with_reload(cfg, Some(args.config.clone()), admin, shutdown).await?;
         anyhow::Ok(())
     })
 }

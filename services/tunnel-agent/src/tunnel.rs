@@ -67,6 +67,10 @@ pub enum TunnelError {
     H2 { addr: String, reason: String },
     #[error("broker identifies us as {seen}, but this agent is configured as {configured}")]
     IdentityMismatch { seen: String, configured: String },
+    /// The hub does not accept this cluster (not registered, not accepted, or deleted); the
+    /// connector keeps retrying with its growing backoff, so acceptance takes effect by itself.
+    #[error("broker refused the tunnel: {0}")]
+    Refused(String),
     #[error("connection lost: {0}")]
     Lost(String),
     #[error("broker did not answer keepalive: {0}")]
@@ -81,6 +85,7 @@ impl TunnelError {
             Self::Tls { .. } => "tls_error",
             Self::H2 { .. } => "h2_error",
             Self::IdentityMismatch { .. } => "identity_mismatch",
+            Self::Refused(_) => "refused",
             Self::Lost(_) => "lost",
             Self::Keepalive(_) => "keepalive_timeout",
         }
@@ -270,6 +275,17 @@ async fn handle_request(
                 .expect("valid response");
             let _ = respond.send_response(resp, true);
             let _ = events.send(TunnelEvent::Established { broker }).await;
+        }
+        wire::PATH_REFUSED => {
+            let reason = req
+                .headers()
+                .get(wire::HEADER_ERROR_MESSAGE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("no reason given")
+                .to_owned();
+            tracing::error!(cluster = %shared.cluster, %reason, "broker refused this cluster's tunnel");
+            let _ = respond.send_response(Response::new(()), true);
+            let _ = mismatch.send(TunnelError::Refused(reason)).await;
         }
         wire::PATH_DRAIN => {
             let _ = respond.send_response(Response::new(()), true);
