@@ -1,5 +1,11 @@
 //! A hub control plane for the demo: `tetherctl init`, a real nats-server (2.10+, JetStream,
 //! TLS, auth callout) on a random port and the real addon-manager. Processes stop on drop.
+//!
+//! Also the pieces of the real add-on chain the demo and `tests/tests/health_table.rs` share:
+//! a tunnel PKI on the hub CA ([`tunnel_hub_from_ca`]), a broker's `control_plane` section
+//! ([`broker_control_plane_yaml`]), the cluster-proxy add-on resources
+//! ([`cluster_proxy_resources`]), `tetherctl join` ([`join`]) and a registration-agent run
+//! with `--addon cluster-proxy` ([`AddonAgent`]), which supervises the cluster's tunnel-agent.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -8,6 +14,9 @@ use anyhow::{Context as _, bail};
 use tether_test_support::{Child, bin, read_ready_file, wait_until};
 
 use crate::START_TIMEOUT;
+
+/// Host name in the hub NATS certificate (and `--tls-server-name` of `tetherctl join`).
+pub const HUB_HOST: &str = "hub.tether.test";
 
 /// nats-server ≥ 2.10: `$TETHER_NATS_SERVER`, `/usr/local/bin/nats-server` (install-deps.sh
 /// links PyPI's 2.15 there), then `PATH`.
@@ -46,22 +55,31 @@ pub struct ControlPlane {
     pub hub_dir: PathBuf,
     pub logs: PathBuf,
     pub nats_url: String,
+    /// The port NATS listens on (on every address of `nats_listen`).
+    pub nats_port: u16,
     pub nats: Child,
     pub manager: Child,
 }
 
 impl ControlPlane {
-    /// Initialises `<dir>/hub` and starts NATS and the addon-manager (logs in `dir`).
+    /// Initialises `<dir>/hub` and starts NATS (on 127.0.0.1) and the addon-manager (logs in
+    /// `dir`).
     pub fn start(dir: &Path) -> anyhow::Result<Self> {
+        Self::start_on(dir, "127.0.0.1")
+    }
+
+    /// [`ControlPlane::start`] with NATS listening on `listen_ip` (random port); the hub's own
+    /// processes use 127.0.0.1.
+    pub fn start_on(dir: &Path, listen_ip: &str) -> anyhow::Result<Self> {
         let hub_dir = dir.join("hub");
         let o = Command::new(bin("tetherctl")?)
             .args(["init", "--dir"])
             .arg(&hub_dir)
             .args([
                 "--hub-host",
-                "hub.tether.test",
+                HUB_HOST,
                 "--nats-listen",
-                "127.0.0.1:-1",
+                &format!("{listen_ip}:-1"),
             ])
             .arg("--ports-file-dir")
             .arg(dir)
@@ -100,6 +118,7 @@ impl ControlPlane {
             hub_dir,
             logs: dir.to_path_buf(),
             nats_url,
+            nats_port: port,
             nats,
             manager,
         })
@@ -142,5 +161,210 @@ impl ControlPlane {
             self.hub_dir.display(),
             self.nats_url
         )
+    }
+}
+
+/// A tunnel PKI ([`crate::Hub`], own temp dir) whose CA is the hub CA of `hub_dir`
+/// (`ca.crt`, `ca.key`): brokers and API-server stand-ins get certificates the add-on agents
+/// (which trust the hub CA bundle) accept, and brokers accept the add-on certificates.
+pub fn tunnel_hub_from_ca(hub_dir: &Path) -> anyhow::Result<crate::Hub> {
+    tether_tls::install_default_crypto();
+    let dir = tempfile::tempdir()?;
+    let pki_dir = dir.path().join("pki");
+    std::fs::create_dir_all(&pki_dir)?;
+    let cert = std::fs::read_to_string(hub_dir.join("ca.crt"))?;
+    let key = std::fs::read_to_string(hub_dir.join("ca.key"))?;
+    std::fs::write(pki_dir.join("ca.crt"), &cert)?;
+    let ca = tether_tls::pki::CertificateAuthority::from_pem(&cert, &key)?;
+    Ok(crate::Hub {
+        dir,
+        pki: tether_test_support::Pki { dir: pki_dir, ca },
+        env: Vec::new(),
+    })
+}
+
+/// A broker's `control_plane` section (append to `start_broker`'s `extra`): NATS of the hub at
+/// `nats_url` (certificate name `server_name`) as the hub user; the broker announces itself in
+/// `tether-brokers` (agent address = its agent listener, certificate name `tether-broker`), so
+/// the add-on config delivered to agents lists it, and discovers the other brokers as relay
+/// peers.
+pub fn broker_control_plane_yaml(hub_dir: &Path, nats_url: &str, server_name: &str) -> String {
+    format!(
+        "control_plane:\n  nats_url: {nats_url}\n  server_name: {server_name}\n  ca: {}\n  password_file: {}\n  advertise:\n    server_name: tether-broker\n",
+        hub_dir.join("ca.crt").display(),
+        hub_dir.join("hub-user.password").display(),
+    )
+}
+
+/// `tetherctl apply -f` input: ClusterManagementAddOn `cluster-proxy` (installed on every
+/// accepted cluster, default configs below), AddOnDeploymentConfig `cluster-proxy-config`
+/// (the agents' proxy: `https_proxy`) and ManagedProxyConfiguration `cluster-proxy`
+/// (`entrypoint` = where agents go while no broker has announced itself).
+pub fn cluster_proxy_resources(https_proxy: &str, entrypoint: std::net::SocketAddr) -> String {
+    format!(
+        r#"apiVersion: addon.open-cluster-management.io/v1alpha1
+kind: ClusterManagementAddOn
+metadata: {{name: cluster-proxy}}
+spec:
+  installStrategy: {{type: All}}
+  defaultConfigs:
+    - {{group: addon.open-cluster-management.io, resource: addondeploymentconfigs, namespace: default, name: cluster-proxy-config}}
+    - {{group: proxy.open-cluster-management.io, resource: managedproxyconfigurations, name: cluster-proxy}}
+---
+apiVersion: addon.open-cluster-management.io/v1alpha1
+kind: AddOnDeploymentConfig
+metadata: {{name: cluster-proxy-config, namespace: default}}
+spec:
+  proxyConfig:
+    httpsProxy: "{https_proxy}"
+---
+apiVersion: proxy.open-cluster-management.io/v1alpha1
+kind: ManagedProxyConfiguration
+metadata: {{name: cluster-proxy}}
+spec:
+  authentication: {{signer: {{type: SelfSigned}}}}
+  proxyServer:
+    replicas: 2
+    entrypoints: [{{host: "{}", port: {}}}]
+  proxyAgent: {{replicas: 1, keepalive: 5s}}
+"#,
+        entrypoint.ip(),
+        entrypoint.port()
+    )
+}
+
+/// `tetherctl join`: writes a bootstrap kubeconfig for `server` (`tls://host:port`, certificate
+/// name [`HUB_HOST`]) with the hub's bootstrap token and CA, through `proxy_url` when given.
+pub fn join(
+    hub_dir: &Path,
+    out: &Path,
+    server: &str,
+    proxy_url: Option<&str>,
+) -> anyhow::Result<()> {
+    let token = std::fs::read_to_string(hub_dir.join("bootstrap.token"))?;
+    let mut c = Command::new(bin("tetherctl")?);
+    c.args(["join", "--hub-server", server, "--token", token.trim()])
+        .args(["--tls-server-name", HUB_HOST])
+        .arg("--hub-ca")
+        .arg(hub_dir.join("ca.crt"))
+        .arg("--out")
+        .arg(out);
+    if let Some(p) = proxy_url {
+        c.args(["--proxy-url", p]);
+    }
+    let o = c.output()?;
+    if !o.status.success() {
+        bail!("tetherctl join: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    Ok(())
+}
+
+/// How to run a cluster's registration-agent with the cluster-proxy add-on.
+pub struct AddonAgentSpec<'a> {
+    pub cluster: &'a str,
+    /// Bootstrap kubeconfig from [`join`].
+    pub bootstrap: &'a Path,
+    /// Hub credentials go to `<base>/hub-kubeconfig`, the add-on's to
+    /// `<base>/cluster-proxy-hub-kubeconfig` and `<base>/cluster-proxy-agent`.
+    pub base: &'a Path,
+    /// Where the tunnel-agent sends `<cluster>:443` (`--addon-apiserver`).
+    pub apiserver: &'a str,
+    /// `--addon-lease-seconds` (the add-on is Available until 5 × this after the last renewal).
+    pub lease_seconds: u32,
+    /// Network namespace to run in (the tunnel-agent runs there too).
+    pub netns: Option<&'a str>,
+    /// Log directory (`<cluster>.log`).
+    pub logs: &'a Path,
+}
+
+/// A running `registration-agent --addon cluster-proxy`; it supervises the cluster's
+/// tunnel-agent. Dropped: SIGTERM by PID (it stops its tunnel-agent), SIGKILL after 3 s, and
+/// a tunnel-agent still alive then is killed by the PID in its runtime directory.
+pub struct AddonAgent {
+    pub cluster: String,
+    pub child: Child,
+    /// `<base>/cluster-proxy-agent`: rendered config, ready and PID files of the tunnel-agent.
+    pub runtime_dir: PathBuf,
+    pub log: PathBuf,
+}
+
+impl AddonAgent {
+    pub fn start(spec: &AddonAgentSpec<'_>) -> anyhow::Result<Self> {
+        let mut c = crate::command_in(spec.netns, bin("registration-agent")?);
+        c.args(["--cluster-name", spec.cluster])
+            .arg("--bootstrap-kubeconfig")
+            .arg(spec.bootstrap)
+            .arg("--hub-kubeconfig-dir")
+            .arg(spec.base.join("hub-kubeconfig"))
+            .arg("--addon-dir")
+            .arg(spec.base)
+            .args(["--check-interval", "200ms", "--addon", "cluster-proxy"])
+            .args(["--addon-apiserver", spec.apiserver])
+            .args([
+                "--addon-lease-seconds",
+                &spec.lease_seconds.to_string(),
+                "--addon-resync",
+                "10s",
+            ])
+            .env("RUST_LOG", "info,async_nats=warn");
+        Ok(Self {
+            cluster: spec.cluster.to_string(),
+            child: Child::spawn(spec.cluster, c, spec.logs)?,
+            runtime_dir: spec.base.join("cluster-proxy-agent"),
+            log: spec.logs.join(format!("{}.log", spec.cluster)),
+        })
+    }
+
+    /// PID of the supervised tunnel-agent, while it runs.
+    pub fn tunnel_agent_pid(&self) -> Option<i32> {
+        let pid: i32 = std::fs::read_to_string(self.runtime_dir.join("tunnel-agent.pid"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
+        is_tunnel_agent(pid).then_some(pid)
+    }
+
+    /// Stops the registration-agent with SIGTERM (by PID), as a pod deletion or node drain
+    /// would; it stops its tunnel-agent before exiting. Returns once both are gone.
+    pub fn stop(&mut self, timeout: std::time::Duration) -> anyhow::Result<()> {
+        let ta = self.tunnel_agent_pid();
+        self.child.terminate();
+        self.child.wait_exit(timeout)?;
+        if let Some(pid) = ta {
+            wait_until(
+                timeout,
+                "the tunnel-agent to exit with its supervisor",
+                || (!is_tunnel_agent(pid)).then_some(()),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether `pid` is a live (not zombie) tunnel-agent process.
+pub fn is_tunnel_agent(pid: i32) -> bool {
+    let alive = std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')')
+            .and_then(|(_, r)| r.split_whitespace().next())
+            != Some("Z")
+    });
+    alive
+        && std::fs::read(format!("/proc/{pid}/cmdline"))
+            .is_ok_and(|c| String::from_utf8_lossy(&c).contains("tunnel-agent"))
+}
+
+impl Drop for AddonAgent {
+    fn drop(&mut self) {
+        let ta = self.tunnel_agent_pid();
+        self.child.terminate();
+        let _ = self.child.wait_exit(std::time::Duration::from_secs(3));
+        self.child.kill();
+        if let Some(pid) = ta.filter(|p| is_tunnel_agent(*p)) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
     }
 }

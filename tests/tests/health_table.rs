@@ -1,22 +1,30 @@
 //! `tetherctl proxy health` against a live hub: real nats-server + addon-manager (the
-//! `cluster-proxy` add-on installed on every accepted cluster), real brokers and tunnel-agents,
-//! and a health-prober on NATS (cluster list from the hub, results in KV `tether-health`,
-//! transitions as events, answers `tether.v1.health.get` from memory).
+//! `cluster-proxy` add-on installed on every accepted cluster), real brokers and the real
+//! add-on chain, and a health-prober on NATS (cluster list from the hub, results in KV
+//! `tether-health`, transitions as events, answers `tether.v1.health.get` from memory).
+//!
+//! The main test runs, per cluster, a `registration-agent --addon cluster-proxy` that joins the
+//! hub through a forward proxy (tinyproxy; bootstrap kubeconfig from `tetherctl join`, accepted
+//! with `tetherctl accept`), obtains the add-on credentials, fetches its config (the
+//! ClusterManagementAddOn, AddOnDeploymentConfig with the proxy and ManagedProxyConfiguration
+//! applied with `tetherctl apply -f`; the broker announces itself through its `control_plane`
+//! section) and supervises a real tunnel-agent, whose tunnel goes through the same proxy. The
+//! registration-agent renews the add-on lease with the tunnel-agent's connected brokers;
+//! AVAILABLE is the hub's verdict on that lease — nothing is renewed on the agents' behalf.
 //!
 //! Three clusters: `ok` (healthy), `down` (agent up, API server down: PROBED HEALTH False) and
-//! `stopped` (its agent is killed: PROBED HEALTH False within one probe interval, AVAILABLE
-//! False once its add-on lease lapses).
+//! `stopped` (its registration-agent gets SIGTERM by PID and stops its tunnel-agent: PROBED
+//! HEALTH False within one probe interval, AVAILABLE False — or Unknown once the cluster lease
+//! lapses too — when its 1 s add-on lease lapses, 5 × 1 s after the last renewal).
 //!
-//! The tunnel-agent does not renew the add-on lease by itself yet (add-on delivery, issue 4):
-//! the test renews `tether.v1.cluster.<c>.addon.cluster-proxy.lease` on behalf of each running
-//! agent, and stops when it kills the agent — what the agent will do.
+//! The other tests start tunnel-agents from static config and look at PROBED HEALTH only; the
+//! ignored 1,000-cluster measurement simulates the clusters (see its doc).
 //!
-//! Run: `cargo build -p addon-manager -p tetherctl -p health-prober -p tunnel-broker -p tunnel-agent --bins && cargo test -p tether-e2e --test health_table`.
+//! Run: `cargo build -p addon-manager -p tetherctl -p health-prober -p registration-agent -p tunnel-broker -p tunnel-agent --bins && cargo test -p tether-e2e --test health_table`.
 
 mod registration_support;
 
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use registration_support::{Hub as NatsHub, HubOpts, read_log, tail};
@@ -24,13 +32,16 @@ use tether_control::connect::{self, ConnectConfig, Credentials};
 use tether_control::hub::{ADMIN_USER, HubDir};
 use tether_control::subjects;
 use tether_e2e::apiserver::FakeApiServer;
+use tether_e2e::control_plane::{
+    AddonAgent, AddonAgentSpec, broker_control_plane_yaml, cluster_proxy_resources, join,
+    tunnel_hub_from_ca,
+};
+use tether_e2e::forward_proxy::Tinyproxy;
 use tether_e2e::{Hub as TunnelHub, wait_agent_ready, wait_tunnel};
-use tether_test_support::wait_until_async;
+use tether_test_support::{wait_until, wait_until_async};
 
-const WAIT: Duration = Duration::from_secs(30);
+const WAIT: Duration = Duration::from_secs(40);
 const INTERVAL: Duration = Duration::from_secs(1);
-
-const CMA: &str = "apiVersion: addon.open-cluster-management.io/v1alpha1\nkind: ClusterManagementAddOn\nmetadata:\n  name: cluster-proxy\nspec:\n  installStrategy:\n    type: All\n";
 
 /// An admin NATS connection to the hub (as tetherctl has).
 pub async fn admin_connection(hub: &NatsHub) -> anyhow::Result<tether_control::NatsConnection> {
@@ -46,24 +57,6 @@ pub async fn admin_connection(hub: &NatsHub) -> anyhow::Result<tether_control::N
         "test",
     );
     Ok(connect::connect(&cfg).await?)
-}
-
-/// Renews the add-on lease of every cluster in `alive` every 300 ms (as the add-on agent would).
-fn renew_addon_leases(client: async_nats::Client, alive: Arc<Mutex<BTreeSet<String>>>) {
-    tokio::spawn(async move {
-        loop {
-            let clusters: Vec<String> = alive.lock().unwrap().iter().cloned().collect();
-            for c in clusters {
-                let _ = connect::request_json::<_, serde_json::Value>(
-                    &client,
-                    subjects::cluster_addon_lease(&c, "cluster-proxy"),
-                    &serde_json::json!({"holderIdentity": "cluster-proxy-agent", "leaseDurationSeconds": 1}),
-                )
-                .await;
-            }
-            tokio::time::sleep(Duration::from_millis(300)).await;
-        }
-    });
 }
 
 /// Runs `tetherctl events --watch --durable table-test -o json` until an event satisfies
@@ -136,39 +129,62 @@ fn is(r: Option<&serde_json::Value>, installed: bool, available: &str, probed: &
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_health_table_healthy_target_down_and_agent_stopped() -> anyhow::Result<()> {
     let hub = NatsHub::start(HubOpts::default())?;
-    for c in ["ok", "down", "stopped"] {
-        hub.tetherctl_ok(&["accept", c])?;
-    }
-    let cma = hub.dir.join("cma.yaml");
-    std::fs::write(&cma, CMA)?;
-    hub.tetherctl_ok(&["apply", "-f", cma.to_str().unwrap()])?;
 
-    // Data plane: one broker, three agents (down's API server address has nothing listening).
-    let th = TunnelHub::new()?;
+    // Data plane on the hub CA: one broker announcing itself to the hub, the API server
+    // stand-in, and an address where nothing listens (down's API server).
+    let th = tunnel_hub_from_ca(&hub.hub_dir)?;
+    let broker = th.start_broker(
+        "b1",
+        &broker_control_plane_yaml(&hub.hub_dir, &hub.nats_url(), &hub.opts.hub_host),
+    )?;
     let api = FakeApiServer::start(&th).await?;
     let closed = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
-    let broker = th.start_broker("b1", "")?;
-    let ok = th.start_agent("ok", "ok", &[vec![broker.agent_addr]], api.addr, "")?;
-    let down = th.start_agent("down", "down", &[vec![broker.agent_addr]], closed, "")?;
-    let mut stopped = th.start_agent(
-        "stopped",
-        "stopped",
-        &[vec![broker.agent_addr]],
-        api.addr,
-        "",
+
+    // The clusters' only way out: a forward proxy, for joining and for the tunnels.
+    let proxy = Tinyproxy::start(&hub.logs, "proxy")?;
+    let resources = hub.dir.join("cluster-proxy.yaml");
+    std::fs::write(
+        &resources,
+        cluster_proxy_resources(&proxy.url(), broker.agent_addr),
     )?;
-    for a in [&ok, &down, &stopped] {
-        wait_agent_ready(a).await?;
-        wait_tunnel(&broker, &a.cluster).await?;
+    hub.tetherctl_ok(&["apply", "-f", resources.to_str().unwrap()])?;
+
+    let mut agents = Vec::new();
+    for (c, apiserver) in [("ok", api.addr), ("down", closed), ("stopped", api.addr)] {
+        let boot = hub.dir.join(format!("{c}.bootstrap.kubeconfig"));
+        join(&hub.hub_dir, &boot, &hub.server_url(), Some(&proxy.url()))?;
+        agents.push(AddonAgent::start(&AddonAgentSpec {
+            cluster: c,
+            bootstrap: &boot,
+            base: &hub.dir.join(c),
+            apiserver: &apiserver.to_string(),
+            lease_seconds: 1,
+            netns: None,
+            logs: &hub.logs,
+        })?);
     }
+    for c in ["ok", "down", "stopped"] {
+        wait_until(WAIT, &format!("{c} asks to join"), || hub.cluster(c))?;
+        hub.tetherctl_ok(&["accept", c])?;
+    }
+    let agent_log = |a: &AddonAgent| tail(&std::fs::read_to_string(&a.log).unwrap_or_default(), 30);
+    for a in &agents {
+        wait_tunnel(&broker, &a.cluster)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}\nagent log:\n{}", agent_log(a)))?;
+    }
+    // Every tunnel crossed the proxy.
+    let to_broker = format!("CONNECT {}", broker.agent_addr);
+    wait_until(WAIT, "three tunnel CONNECTs in the proxy log", || {
+        (proxy
+            .connects()
+            .iter()
+            .filter(|l| l.contains(&to_broker))
+            .count()
+            >= 3)
+            .then_some(())
+    })?;
     let admin = admin_connection(&hub).await?;
-    let alive = Arc::new(Mutex::new(
-        ["ok", "down", "stopped"]
-            .map(String::from)
-            .into_iter()
-            .collect::<BTreeSet<_>>(),
-    ));
-    renew_addon_leases(admin.client.clone(), Arc::clone(&alive));
 
     // The prober takes its cluster list from the hub (no static clusters).
     let prober = th.start_prober(
@@ -296,10 +312,18 @@ async fn proxy_health_table_healthy_target_down_and_agent_stopped() -> anyhow::R
         "{watching}"
     );
 
-    // Stop one cluster's agent (and so its add-on lease renewals).
-    alive.lock().unwrap().remove("stopped");
-    stopped.child.kill();
+    // Stop one cluster's agent for real: SIGTERM to its registration-agent (by PID), which
+    // stops its tunnel-agent; nobody renews its add-on lease any more.
+    let mut stopped = agents.pop().expect("three agents");
+    assert_eq!(stopped.cluster, "stopped");
+    assert!(stopped.tunnel_agent_pid().is_some(), "no tunnel-agent runs");
+    let t = Instant::now();
+    stopped.stop(WAIT)?;
     let killed = Instant::now();
+    println!(
+        "stopped: registration-agent and its tunnel-agent gone {:?} after SIGTERM",
+        t.elapsed()
+    );
     wait_until_async(WAIT, "stopped: PROBED HEALTH False", || async {
         let r = rows(&hub)?;
         (row(&r, "stopped")?["probedHealth"] == "False").then_some(())
@@ -313,15 +337,43 @@ async fn proxy_health_table_healthy_target_down_and_agent_stopped() -> anyhow::R
     );
     let last = wait_until_async(
         WAIT,
-        "stopped: AVAILABLE False (add-on lease lapsed)",
+        "stopped: AVAILABLE False or Unknown (add-on lease lapsed)",
         || async {
             let r = rows(&hub)?;
-            is(row(&r, "stopped"), true, "False", "False").then_some(r)
+            let s = row(&r, "stopped")?;
+            (s["probedHealth"] == "False"
+                && matches!(s["available"].as_str(), Some("False" | "Unknown")))
+            .then_some(r)
         },
     )
     .await?;
+    println!(
+        "stopped: AVAILABLE {} {:?} after its agent stopped",
+        row(&last, "stopped").unwrap()["available"],
+        killed.elapsed()
+    );
     assert_eq!(row(&last, "stopped").unwrap()["reason"], "NoTunnel");
     assert!(is(row(&last, "ok"), true, "True", "True"), "{last:?}");
+    assert!(is(row(&last, "down"), true, "True", "False"), "{last:?}");
+    let addon: serde_json::Value = serde_json::from_str(&hub.tetherctl_ok(&[
+        "get",
+        "addons",
+        "stopped",
+        "cluster-proxy",
+        "-o",
+        "json",
+    ])?)?;
+    let available = addon["status"]["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == "Available"))
+        .cloned()
+        .unwrap_or_default();
+    println!("stopped: add-on {available}");
+    assert!(
+        ["ManagedClusterAddOnLeaseUpdateStopped", "ClusterUnknown"]
+            .contains(&available["reason"].as_str().unwrap_or_default()),
+        "{addon}"
+    );
     println!("{}", proxy_health(&hub, &["-o", "wide"])?);
 
     // The watch printed the transition as it happened (one JSON object per line).
@@ -550,6 +602,8 @@ fn cpu_secs(pid: u32) -> f64 {
 /// hub; every probe is real (tunnel stream through the broker, TLS to an API server stand-in,
 /// `GET /livez`, result put in KV), but the 1,000 names are carried by 4 real agents
 /// (`targets.<name>.via_cluster`), since 1,000 agent processes do not fit on this machine.
+/// This is a simulation of the clusters: no registration-agent or add-on runs (the clusters
+/// are written to the hub's KV directly) and only PROBED HEALTH is measured, never AVAILABLE.
 /// Prints round duration and CPU. `PROBER_SCALE_CLUSTERS`, `PROBER_SCALE_INTERVAL_MS` and
 /// `TETHER_BIN_DIR` (release binaries) adjust it.
 ///

@@ -1,38 +1,47 @@
 //! The README's main job: a local hub (NATS control plane with the addon-manager, two brokers
-//! that relay for each other, a health-prober on NATS) and two simulated managed clusters whose
-//! tunnel-agents can only reach the hub through a forward proxy (tinyproxy). Shows the
-//! `tetherctl proxy health` table (the same library code: ManagedClusters, the cluster-proxy
-//! ManagedClusterAddOns and the prober's `tether.v1.health.get` answer), requests reaching each
-//! cluster's API server and an in-cluster service through the tunnels, and what happens when a
-//! cluster's agent stops.
+//! that announce themselves on NATS and relay for each other, a health-prober on NATS) and two
+//! simulated managed clusters that reach the hub only through a forward proxy (tinyproxy).
 //!
-//! The add-on lease of each running tunnel-agent is renewed by the demo on the agent's behalf
-//! (in a deployment `registration-agent --addon cluster-proxy` supervises the tunnel-agent and
-//! renews it; `tests/tests/addon_delivery.rs` runs that chain).
+//! Each cluster runs the real add-on chain: a `registration-agent --addon cluster-proxy` with a
+//! bootstrap kubeconfig from `tetherctl join` (proxy URL in it) asks to join, is accepted with
+//! `tetherctl accept`, obtains the add-on's credentials, fetches the add-on config the hub
+//! builds from the resources applied with `tetherctl apply -f` (ClusterManagementAddOn,
+//! AddOnDeploymentConfig with the proxy, ManagedProxyConfiguration) and the brokers' presence,
+//! and supervises a tunnel-agent that holds a tunnel to both brokers through the proxy; it
+//! renews the add-on lease with the brokers the tunnel-agent is connected to. The demo then
+//! shows the `tetherctl proxy health` table (the same library code: ManagedClusters, the
+//! cluster-proxy ManagedClusterAddOns and the prober's `tether.v1.health.get` answer),
+//! requests reaching each cluster's API server and an in-cluster service through the tunnels,
+//! a request the hub's client policy refuses, and what happens when edge-b's agent stops
+//! (SIGTERM to its registration-agent, which stops its tunnel-agent): PROBED HEALTH False at
+//! the next probe, AVAILABLE False once the 1 s add-on lease lapses.
 //!
 //! As root (with `ip`), the demo builds network namespaces — hub ↔ proxy ↔ edge-a / edge-b, no
 //! forwarding in the proxy namespace — and runs itself again inside the hub namespace; each
-//! cluster's agent, API server stand-in and web service run in that cluster's namespace, reaching
-//! the hub only through tinyproxy. Otherwise (or with `--loopback`) everything is on loopback.
+//! cluster's registration-agent (and so its tunnel-agent), API server stand-in and web service
+//! run in that cluster's namespace, reaching the hub only through tinyproxy. Otherwise (or with
+//! `--loopback`) everything is on loopback.
+//!
+//! Ctrl-C (SIGINT) stops every process the demo started, by PID (registration-agents first, so
+//! they stop their tunnel-agents), and deletes the demo's network namespaces.
 //!
 //! Kubernetes cannot run here: each cluster's "API server" is a real TLS server on loopback
 //! (`tether_e2e::apiserver`), its "service" a small HTTP server.
 
 use std::net::SocketAddr;
-use std::time::Duration;
-
-use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use tether_client::{Dialer, DialerConfig, Token};
 use tether_control::health::{proxy_health, render_table};
 use tether_control::store::HubStore;
-use tether_control::subjects;
 use tether_e2e::apiserver::{FakeApiServer, KUBE_TOKEN};
-use tether_e2e::control_plane::ControlPlane;
+use tether_e2e::control_plane::{
+    AddonAgent, AddonAgentSpec, ControlPlane, broker_control_plane_yaml, cluster_proxy_resources,
+    join, tunnel_hub_from_ca,
+};
 use tether_e2e::forward_proxy::Tinyproxy;
-use tether_e2e::{Hub, OPS_TOKEN, admin_get, connect, peers_yaml, wait_agent_ready, wait_tunnel};
+use tether_e2e::{Hub, OPS_TOKEN, admin_get, connect, wait_tunnel};
 use tether_test_support::wait_until_async;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -56,30 +65,6 @@ async fn web_service(cluster: &'static str) -> anyhow::Result<SocketAddr> {
     Ok(addr)
 }
 
-const CLUSTER_PROXY_ADDON: &str = "apiVersion: addon.open-cluster-management.io/v1alpha1\nkind: ClusterManagementAddOn\nmetadata:\n  name: cluster-proxy\nspec:\n  installStrategy:\n    type: All\n";
-
-/// Renews `cluster-proxy`'s add-on lease for every cluster in `alive` (what the add-on agent
-/// does), every 300 ms with a 1 s lease.
-fn renew_addon_leases(client: async_nats::Client, alive: Arc<Mutex<BTreeSet<String>>>) {
-    tokio::spawn(async move {
-        loop {
-            let clusters: Vec<String> = alive
-                .lock()
-                .map(|a| a.iter().cloned().collect())
-                .unwrap_or_default();
-            for c in clusters {
-                let _ = tether_control::connect::request_json::<_, serde_json::Value>(
-                    &client,
-                    subjects::cluster_addon_lease(&c, "cluster-proxy"),
-                    &serde_json::json!({"holderIdentity": "cluster-proxy-agent", "leaseDurationSeconds": 1}),
-                )
-                .await;
-            }
-            tokio::time::sleep(Duration::from_millis(300)).await;
-        }
-    });
-}
-
 /// The `tetherctl proxy health` rows once `ok` accepts them.
 async fn wait_table(
     client: &async_nats::Client,
@@ -100,6 +85,9 @@ async fn wait_table(
 /// so the clusters reach the hub only through tinyproxy and the hub cannot reach them at all.
 const NETNS_ENV: &str = "TETHER_DEMO_NETNS";
 const HUB_IP: &str = "10.78.2.2";
+/// The proxy namespace's address on the hub link: the one proxy URL for both clusters (a
+/// packet for it reaches the proxy namespace from either edge link without any forwarding).
+const PROXY_IP: &str = "10.78.2.1";
 const PROXY_PORT: u16 = 3128;
 /// (cluster, edge address, proxy address on that link, subnet)
 const EDGES: [(&str, &str, &str, &str); 2] = [
@@ -176,7 +164,7 @@ fn create_netns(n: &Netns, tag: &str) -> anyhow::Result<()> {
     link(
         &n.proxy,
         &format!("{tag}ph"),
-        "10.78.2.1",
+        PROXY_IP,
         &n.hub,
         &format!("{tag}hp"),
         HUB_IP,
@@ -200,7 +188,7 @@ fn create_netns(n: &Netns, tag: &str) -> anyhow::Result<()> {
             "via",
             proxy_ip,
         ])?;
-        ip(&["-n", &n.hub, "route", "add", subnet, "via", "10.78.2.1"])?;
+        ip(&["-n", &n.hub, "route", "add", subnet, "via", PROXY_IP])?;
     }
     ip(&[
         "netns",
@@ -214,6 +202,22 @@ fn create_netns(n: &Netns, tag: &str) -> anyhow::Result<()> {
 
 fn delete_netns(n: &Netns) {
     for ns in n.all() {
+        // Anything still running in the namespace (the inner demo was killed before it could
+        // stop its children): killed by PID before the namespace goes.
+        if let Ok(o) = std::process::Command::new("ip")
+            .args(["netns", "pids", ns])
+            .output()
+        {
+            for pid in String::from_utf8_lossy(&o.stdout)
+                .split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok())
+            {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
         let _ = std::process::Command::new("ip")
             .args(["netns", "del", ns])
             .status();
@@ -221,7 +225,9 @@ fn delete_netns(n: &Netns) {
 }
 
 /// As root with `ip`: builds the namespaces and runs this demo again inside the hub namespace.
-/// Returns None when namespaces are not usable (then the demo runs on loopback).
+/// Returns None when namespaces are not usable (then the demo runs on loopback). On Ctrl-C the
+/// inner demo gets SIGINT (by PID) and stops its processes; whatever is still running in the
+/// namespaces after it is killed by PID, and the namespaces are deleted.
 fn run_in_netns() -> Option<anyhow::Result<()>> {
     if std::env::var_os(NETNS_ENV).is_some() || std::env::args().any(|a| a == "--loopback") {
         return None;
@@ -244,23 +250,62 @@ fn run_in_netns() -> Option<anyhow::Result<()>> {
         return None;
     }
     println!(
-        "== network namespaces: hub {} ({HUB_IP}) ↔ proxy {} (no forwarding) ↔ clusters {} / {}",
+        "== network namespaces: hub {} ({HUB_IP}) ↔ proxy {} ({PROXY_IP}, no forwarding) ↔ clusters {} / {}",
         n.hub, n.proxy, n.edges[0], n.edges[1]
     );
-    let r = (|| -> anyhow::Result<()> {
-        let status = std::process::Command::new("ip")
-            .args(["netns", "exec", &n.hub])
-            .arg(std::env::current_exe()?)
-            .env(NETNS_ENV, &tag)
-            .status()?;
-        anyhow::ensure!(
-            status.success(),
-            "demo in the hub namespace failed: {status}"
-        );
-        Ok(())
+    let r = (|| -> anyhow::Result<bool> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(async {
+            let mut child = tokio::process::Command::new("ip")
+                .args(["netns", "exec", &n.hub])
+                .arg(std::env::current_exe()?)
+                .env(NETNS_ENV, &tag)
+                .spawn()?;
+            let status = tokio::select! {
+                s = child.wait() => s?,
+                _ = tokio::signal::ctrl_c() => {
+                    // `ip netns exec` execs the demo: this PID is the inner demo's.
+                    if let Some(pid) = child.id() {
+                        let _ = nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(pid as i32),
+                            nix::sys::signal::Signal::SIGINT,
+                        );
+                    }
+                    if tokio::time::timeout(Duration::from_secs(20), child.wait()).await.is_err() {
+                        let _ = child.kill().await;
+                    }
+                    return Ok(true);
+                }
+            };
+            // 130: the inner demo was interrupted (Ctrl-C reaches the whole process group).
+            if status.code() == Some(130) {
+                return Ok(true);
+            }
+            anyhow::ensure!(
+                status.success(),
+                "demo in the hub namespace failed: {status}"
+            );
+            Ok(false)
+        })
     })();
     delete_netns(&n);
-    Some(r)
+    match r {
+        Ok(true) => {
+            println!(
+                "== network namespaces {} deleted",
+                n.all()
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            std::process::exit(130);
+        }
+        Ok(false) => Some(Ok(())),
+        Err(e) => Some(Err(e)),
+    }
 }
 
 /// The cluster-side API server stand-in when it must run inside a namespace (a process).
@@ -416,105 +461,177 @@ fn main() -> anyhow::Result<()> {
         return r;
     }
     let netns = std::env::var(NETNS_ENV).ok().map(|t| Netns::from_tag(&t));
-    tokio::runtime::Builder::new_multi_thread()
+    let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .build()?
-        .block_on(demo(netns))
+        .build()?;
+    let interrupted = rt.block_on(async {
+        tokio::select! {
+            r = demo(netns) => r.map(|()| false),
+            _ = tokio::signal::ctrl_c() => {
+                // Leaving the select drops the demo: every process it started is stopped by PID
+                // (registration-agents with SIGTERM, so they stop their tunnel-agents).
+                println!("\n== interrupted: stopping every process the demo started");
+                Ok(true)
+            }
+        }
+    })?;
+    drop(rt);
+    if interrupted {
+        println!("== stopped");
+        std::process::exit(130);
+    }
+    Ok(())
+}
+
+/// Runs `tetherctl ARGS` and prints it like a shell session.
+fn sh(cp: &ControlPlane, args: &[&str]) -> anyhow::Result<()> {
+    let out = cp.tetherctl(args)?;
+    println!("$ tetherctl {}", args.join(" "));
+    for l in out.lines() {
+        println!("  {l}");
+    }
+    Ok(())
 }
 
 async fn demo(netns: Option<Netns>) -> anyhow::Result<()> {
-    let hub = Hub::new()?;
-    let cp = ControlPlane::start(hub.path()).context("hub control plane")?;
+    let started = Instant::now();
+    let tmp = tempfile::tempdir()?;
+    let nats_ip = if netns.is_some() {
+        "0.0.0.0"
+    } else {
+        "127.0.0.1"
+    };
+    let cp = ControlPlane::start_on(tmp.path(), nats_ip).context("hub control plane")?;
     println!(
         "== hub control plane: nats-server (JetStream, TLS, auth callout) at {} + addon-manager; hub dir {}",
         cp.nats_url,
         cp.hub_dir.display()
     );
-    for c in ["edge-a", "edge-b"] {
-        print!(
-            "$ tetherctl accept {c}\n  {}",
-            cp.tetherctl(&["accept", c])?
-        );
-    }
-    let cma = hub.path().join("cluster-proxy.yaml");
-    std::fs::write(&cma, CLUSTER_PROXY_ADDON)?;
-    print!(
-        "$ tetherctl apply -f cluster-proxy.yaml\n  {}",
-        cp.tetherctl(&["apply", "-f", &cma.display().to_string()])?
-    );
     let admin = cp.admin().await?;
     let store = HubStore::open(admin.client.clone()).await?;
-
-    println!(
-        "== hub data plane: brokers b1 and b2 (relaying for each other), CA in {}",
-        hub.pki.dir.display()
-    );
+    // The data plane's certificates come from the hub CA, which the add-on agents trust.
+    let hub = tunnel_hub_from_ca(&cp.hub_dir)?;
     let listen_ip = if netns.is_some() { HUB_IP } else { "127.0.0.1" };
-    let b1 = hub.start_broker_at("b1", "", None, listen_ip)?;
-    let b2 = hub.start_broker_at("b2", &peers_yaml(&b1), None, listen_ip)?;
+    let cp_yaml = broker_control_plane_yaml(
+        &cp.hub_dir,
+        &cp.nats_url,
+        tether_e2e::control_plane::HUB_HOST,
+    );
+    let b1 = hub.start_broker_at("b1", &cp_yaml, None, listen_ip)?;
+    let b2 = hub.start_broker_at("b2", &cp_yaml, None, listen_ip)?;
+    println!(
+        "== hub data plane: brokers b1 ({}) and b2 ({}), announcing themselves on NATS and relaying for each other; logs in {}",
+        b1.agent_addr,
+        b2.agent_addr,
+        hub.path().display()
+    );
+
     // The forward proxy: on loopback, or in its own namespace between the clusters and the hub.
-    let (_proxy, proxy_log, proxy_urls): (Box<dyn std::any::Any>, std::path::PathBuf, [String; 2]) =
+    let (_proxy, proxy_log, proxy_url): (Box<dyn std::any::Any>, std::path::PathBuf, String) =
         match &netns {
             None => {
                 let p = Tinyproxy::start(hub.path(), "corporate-proxy").context("tinyproxy")?;
                 let (log, url) = (p.log.clone(), p.url());
-                (Box::new(p), log, [url.clone(), url])
+                (Box::new(p), log, url)
             }
             Some(n) => {
                 let (c, log) = netns_tinyproxy(&hub, &n.proxy).context("tinyproxy")?;
-                (
-                    Box::new(c),
-                    log,
-                    EDGES.map(|(_, _, proxy_ip, _)| format!("http://{proxy_ip}:{PROXY_PORT}")),
-                )
+                (Box::new(c), log, format!("http://{PROXY_IP}:{PROXY_PORT}"))
             }
         };
-    println!(
-        "== forward proxy (tinyproxy) at {} — the clusters' only way out",
-        proxy_urls[0]
-    );
+    println!("== forward proxy (tinyproxy) at {proxy_url} — the clusters' only way out");
 
-    let mut agents = Vec::new();
+    // The add-on: installed on every accepted cluster, its agents going through the proxy.
+    let resources = hub.path().join("cluster-proxy.yaml");
+    std::fs::write(
+        &resources,
+        cluster_proxy_resources(&proxy_url, b1.agent_addr),
+    )?;
+    println!(
+        "$ cat cluster-proxy.yaml   # ClusterManagementAddOn (installStrategy All), AddOnDeploymentConfig (httpsProxy {proxy_url}), ManagedProxyConfiguration"
+    );
+    sh(&cp, &["apply", "-f", &resources.display().to_string()])?;
+
+    // Each cluster: API server and web service, then the registration-agent with the add-on.
+    let hub_server = match &netns {
+        Some(_) => format!("tls://{HUB_IP}:{}", cp.nats_port),
+        None => cp.nats_url.clone(),
+    };
+    let mut clusters = Vec::new();
     for (i, cluster) in ["edge-a", "edge-b"].into_iter().enumerate() {
         let ns = netns.as_ref().map(|n| n.edges[i].as_str());
         let side = cluster_side(&hub, cluster, ns).await?;
-        let web = side.web;
-        let extra = format!(
-            "proxy:\n  https_proxy: '{}'\npolicy:\n  allow: ['web.svc:{}', '127.0.0.1:{}']\n",
-            proxy_urls[i],
-            web.port(),
-            web.port()
-        );
-        let agent = hub.start_agent_at(
-            cluster,
-            cluster,
-            &[vec![b1.agent_addr]],
-            side.api,
-            &extra,
-            ns,
-        )?;
-        if ns.is_none() {
-            wait_agent_ready(&agent).await?;
-        }
-        wait_tunnel(&b1, cluster).await?;
+        let boot = hub.path().join(format!("{cluster}.bootstrap.kubeconfig"));
+        join(&cp.hub_dir, &boot, &hub_server, Some(&proxy_url))?;
         println!(
-            "== cluster {cluster}{}: tunnel-agent connected to b1 ({}) through the proxy; API server {} , web service {web}",
-            ns.map(|n| format!(" (namespace {n})")).unwrap_or_default(),
-            b1.agent_addr,
-            side.api
+            "$ tetherctl join --hub-server {hub_server} --proxy-url {proxy_url} --out {cluster}.bootstrap.kubeconfig ...\n$ registration-agent --cluster-name {cluster} --bootstrap-kubeconfig {cluster}.bootstrap.kubeconfig --addon cluster-proxy --addon-apiserver {}{}",
+            side.api,
+            ns.map(|n| format!("   (in namespace {n})"))
+                .unwrap_or_default()
         );
-        agents.push((cluster, agent, side, web));
+        let agent = AddonAgent::start(&AddonAgentSpec {
+            cluster,
+            bootstrap: &boot,
+            base: &hub.path().join(cluster),
+            apiserver: &side.api.to_string(),
+            lease_seconds: 1,
+            netns: ns,
+            logs: hub.path(),
+        })?;
+        clusters.push((cluster, agent, side));
     }
+    for (cluster, agent, _) in &clusters {
+        tether_test_support::wait_until(
+            Duration::from_secs(30),
+            &format!("{cluster} asks to join"),
+            || {
+                cp.tetherctl(&["get", "clusters", cluster, "-o", "json"])
+                    .ok()
+                    .map(|_| ())
+            },
+        )
+        .with_context(|| {
+            format!(
+                "agent log:\n{}",
+                std::fs::read_to_string(&agent.log).unwrap_or_default()
+            )
+        })?;
+        sh(&cp, &["accept", cluster])?;
+    }
+    for (cluster, agent, side) in &clusters {
+        for b in [&b1, &b2] {
+            wait_tunnel(b, cluster).await.with_context(|| {
+                format!(
+                    "agent log:\n{}",
+                    std::fs::read_to_string(&agent.log).unwrap_or_default()
+                )
+            })?;
+        }
+        println!(
+            "== cluster {cluster}: joined through the proxy, add-on credentials issued, tunnel-agent (pid {}, supervised by registration-agent pid {}) has tunnels to b1 and b2 through the proxy; API server {}, web service {}",
+            agent
+                .tunnel_agent_pid()
+                .map(|p| p.to_string())
+                .unwrap_or_else(|| "?".into()),
+            agent.child.pid(),
+            side.api,
+            side.web
+        );
+    }
+    let nats_port = format!(":{} ", cp.nats_port);
     for l in proxy_connects(&proxy_log) {
-        println!("   proxy log: {l}");
+        let what = if l.contains(&nats_port) {
+            "hub NATS: join, leases, add-on config and CSR"
+        } else if l.contains(&format!(":{} ", b1.agent_addr.port())) {
+            "tunnel to b1"
+        } else if l.contains(&format!(":{} ", b2.agent_addr.port())) {
+            "tunnel to b2"
+        } else {
+            "?"
+        };
+        let l = l.split_once("): ").map(|(_, r)| r).unwrap_or(&l);
+        println!("   proxy log: {l}   ({what})");
     }
-    let alive = Arc::new(Mutex::new(
-        ["edge-a", "edge-b"]
-            .map(String::from)
-            .into_iter()
-            .collect::<BTreeSet<_>>(),
-    ));
-    renew_addon_leases(admin.client.clone(), Arc::clone(&alive));
 
     // The health-prober takes the accepted clusters from the hub and probes them through b2.
     let _prober = hub.start_prober(
@@ -538,11 +655,11 @@ async fn demo(netns: Option<Netns>) -> anyhow::Result<()> {
     )
     .await?;
     println!(
-        "\n$ tetherctl proxy health   (health-prober probing through broker b2 → relay → b1; answered from its memory)"
+        "\n$ tetherctl proxy health   (AVAILABLE: the add-on lease the registration-agents renew; PROBED HEALTH: the prober, through broker b2)"
     );
     println!("{}", render_table(&rows, false));
 
-    // A kube client for edge-a through the tunnel (via b2, relayed to b1).
+    // A kube client for edge-a through the tunnel (via b2).
     let dialer = Dialer::connect(DialerConfig {
         endpoint: format!("https://{}", b2.client_tls_addr),
         server_name: "localhost".into(),
@@ -571,8 +688,8 @@ async fn demo(netns: Option<Netns>) -> anyhow::Result<()> {
     );
 
     // An in-cluster service of each cluster by CONNECT.
-    for (cluster, _, _, web) in &agents {
-        let target = format!("127.0.0.1.{cluster}.tether:{}", web.port());
+    for (cluster, _, side) in &clusters {
+        let target = format!("127.0.0.1.{cluster}.tether:{}", side.web.port());
         let mut s = match connect(b1.client_addr, &target, Some(OPS_TOKEN)).await? {
             Ok(s) => s,
             Err((code, body)) => anyhow::bail!("CONNECT {target} answered {code}: {body}"),
@@ -588,34 +705,47 @@ async fn demo(netns: Option<Netns>) -> anyhow::Result<()> {
         );
     }
 
-    // A target the client may reach but the policy of edge-a's agent forbids.
-    let denied = match connect(b1.client_addr, "10.0.0.1.edge-a.tether:22", Some(OPS_TOKEN)).await?
-    {
+    // A client whose token only allows the API servers asks for the web service.
+    let target = format!("127.0.0.1.edge-a.tether:{}", clusters[0].2.web.port());
+    let denied = match connect(b1.client_addr, &target, Some("apionly-token")).await? {
         Ok(_) => "unexpectedly allowed".to_owned(),
         Err((code, body)) => format!("{code} — {}", body.lines().last().unwrap_or("").trim()),
     };
-    println!("$ CONNECT 10.0.0.1.edge-a.tether:22 → {denied}");
+    println!("$ CONNECT {target} with client apionly's token (API servers only) → {denied}");
 
     // Stop edge-b's agent: PROBED HEALTH within an interval, AVAILABLE once its lease lapses.
-    let (_, mut agent_b, _, _) = agents.pop().expect("two agents");
-    println!("\n== stopping the tunnel-agent of edge-b ...");
-    if let Ok(mut a) = alive.lock() {
-        a.remove("edge-b");
-    }
-    agent_b.child.kill();
+    let (_, mut agent_b, _) = clusters.pop().expect("two clusters");
+    let (reg_pid, ta_pid) = (agent_b.child.pid(), agent_b.tunnel_agent_pid());
+    println!(
+        "\n== stopping edge-b's agent: SIGTERM to registration-agent pid {reg_pid}, which stops its tunnel-agent (pid {}) ...",
+        ta_pid.map(|p| p.to_string()).unwrap_or_else(|| "?".into())
+    );
+    let stop = Instant::now();
+    agent_b.stop(Duration::from_secs(10))?;
+    println!(
+        "   both exited after {:.1}s; nobody renews edge-b's add-on lease now",
+        stop.elapsed().as_secs_f64()
+    );
     let rows = wait_table(
         &admin.client,
         &store,
         "edge-b unhealthy and unavailable",
         |rows| {
             rows.iter().any(|r| {
-                r.cluster_name == "edge-b" && r.probed_health == "False" && r.available == "False"
+                r.cluster_name == "edge-b"
+                    && r.probed_health == "False"
+                    && (r.available == "False" || r.available == "Unknown")
             })
         },
     )
     .await?;
-    println!("$ tetherctl proxy health -o wide");
+    println!(
+        "$ tetherctl proxy health -o wide   ({:.1}s after the stop)",
+        stop.elapsed().as_secs_f64()
+    );
     println!("{}", render_table(&rows, true));
+    let addons = cp.tetherctl(&["get", "addons"])?;
+    println!("$ tetherctl get addons\n{addons}");
     let events = cp.tetherctl(&["events", "edge-b", "--subject", "tether.v1.events.health.>"])?;
     println!("$ tetherctl events edge-b --subject 'tether.v1.events.health.>'\n{events}");
     let (_, metrics) = admin_get(b1.admin_addr, "/metrics").await?;
@@ -627,5 +757,9 @@ async fn demo(netns: Option<Netns>) -> anyhow::Result<()> {
     }) {
         println!("  {line}");
     }
+    println!(
+        "== done in {:.1}s; stopping everything",
+        started.elapsed().as_secs_f64()
+    );
     Ok(())
 }
