@@ -686,6 +686,42 @@ async fn hub_clients_are_issued_limited_and_revoked() -> anyhow::Result<()> {
         }
     })
     .await?;
+
+    // Re-creating the name issues a new certificate; the old one stays revoked (the broker
+    // checks the serial the hub recorded, not only the name).
+    let dir2 = ha.procs.path().join("certbot-2");
+    ha.hub.tetherctl_ok(&[
+        "client",
+        "create",
+        "certbot",
+        "--cert-out",
+        dir2.to_str().unwrap(),
+    ])?;
+    let leaf2 = tether_test_support::LeafFiles {
+        cert: dir2.join("tls.crt"),
+        key: dir2.join("tls.key"),
+        ca: dir2.join("ca.crt"),
+    };
+    let cfg2 =
+        || tether_e2e::client_tls_config(&ha.procs.pki.ca_path(), &[b"http/1.1"], Some(&leaf2));
+    wait_until_async(
+        CP_TIMEOUT,
+        "the new certbot certificate accepted",
+        || async {
+            tether_e2e::connect_tls(a.client_tls_addr, cfg2().ok()?, "c1:443", None)
+                .await
+                .ok()?
+                .ok()
+        },
+    )
+    .await?;
+    match tether_e2e::connect_tls(a.client_tls_addr, cfg()?, "c1:443", None).await? {
+        Err((403, body)) => assert!(body.contains("not the one the hub issued"), "{body}"),
+        other => panic!(
+            "the old certbot certificate must stay refused, got {:?}",
+            other.map(|_| ())
+        ),
+    }
     Ok(())
 }
 

@@ -26,6 +26,22 @@ use tether_tunnel::{Dest, DialError, Target};
 use crate::clusters::ClusterDirectory;
 use crate::config::{AllowRule, ClientConfig};
 
+/// A verified client certificate: its identity and serial (hex, [`tether_tls::identity::normalize_serial`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerCert {
+    pub identity: Identity,
+    pub serial: Option<String>,
+}
+
+impl PeerCert {
+    pub fn from_der(cert: &rustls::pki_types::CertificateDer<'_>) -> Option<Self> {
+        Some(Self {
+            identity: Identity::from_certificate(cert).ok()?,
+            serial: Identity::serial_of(cert),
+        })
+    }
+}
+
 /// An authenticated hub client.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientId {
@@ -55,8 +71,9 @@ impl From<&AllowRule> for Rule {
 #[derive(Default)]
 struct HubAuth {
     by_token: HashMap<[u8; 32], String>,
-    /// HubClients with an issued certificate.
-    cert_clients: HashSet<String>,
+    /// HubClients with an issued certificate → the serial the hub recorded (None: any
+    /// certificate with the name, for records without a serial).
+    cert_clients: HashMap<String, Option<String>>,
     rules: HashMap<String, Vec<Rule>>,
 }
 
@@ -107,8 +124,10 @@ impl Auth {
             if let Some(arr) = c.spec.token_sha256.as_deref().and_then(digest_of) {
                 hub.by_token.insert(arr, name.clone());
             }
-            if c.spec.certificate.is_some() {
-                hub.cert_clients.insert(name.clone());
+            if let Some(cert) = &c.spec.certificate {
+                let serial = (!cert.serial.is_empty())
+                    .then(|| tether_tls::identity::normalize_serial(&cert.serial));
+                hub.cert_clients.insert(name.clone(), serial);
             }
         }
         for p in policies {
@@ -138,20 +157,34 @@ impl Auth {
     pub fn hub_client_count(&self) -> usize {
         let h = self.hub();
         let mut names: HashSet<&String> = h.by_token.values().collect();
-        names.extend(h.cert_clients.iter());
+        names.extend(h.cert_clients.keys());
         names.len()
     }
 
-    /// Identity from a verified client certificate.
-    pub fn from_certificate(&self, identity: &Identity) -> Result<ClientId, DialError> {
-        match identity {
-            Identity::Client { name }
-                if self.rules.contains_key(name) || self.hub().cert_clients.contains(name) =>
-            {
-                Ok(ClientId {
-                    name: name.clone(),
-                    via: "certificate",
-                })
+    /// Identity from a verified client certificate. A static client is known by name; a hub
+    /// client's certificate must also be the one the hub issued (its serial), so re-creating a
+    /// deleted client does not bring its old certificates back.
+    pub fn from_certificate(&self, peer: &PeerCert) -> Result<ClientId, DialError> {
+        let ok = |name: &String| {
+            Ok(ClientId {
+                name: name.clone(),
+                via: "certificate",
+            })
+        };
+        match &peer.identity {
+            Identity::Client { name } if self.rules.contains_key(name) => ok(name),
+            Identity::Client { name } if self.hub().cert_clients.contains_key(name) => {
+                match self.hub().cert_clients.get(name) {
+                    Some(Some(issued)) if peer.serial.as_ref() != Some(issued) => {
+                        Err(DialError::new(
+                            DialErrorKind::Forbidden,
+                            format!(
+                                "certificate of client {name:?} is not the one the hub issued to it (revoked or replaced)"
+                            ),
+                        ))
+                    }
+                    _ => ok(name),
+                }
             }
             Identity::Client { name } => Err(DialError::new(
                 DialErrorKind::Forbidden,
@@ -406,5 +439,45 @@ mod tests {
                 .is_err()
         );
         assert!(a.authorize(&web, &Target::api_server("prod-1")).is_err());
+    }
+
+    #[test]
+    fn hub_client_certificates_are_pinned_by_serial() {
+        use tether_control::clients::{HubClientSpec, IssuedCertificate};
+        let a = auth();
+        let issued = |serial: &str| {
+            HubClient::new(
+                "bot",
+                HubClientSpec {
+                    token_sha256: None,
+                    certificate: Some(IssuedCertificate {
+                        common_name: "tether:client:bot".into(),
+                        serial: serial.into(),
+                        not_after: String::new(),
+                    }),
+                },
+            )
+        };
+        let peer = |serial: &str| PeerCert {
+            identity: Identity::Client { name: "bot".into() },
+            serial: Some(tether_tls::identity::normalize_serial(serial)),
+        };
+        a.set_hub(&[issued("0A:bc")], &[]);
+        assert_eq!(a.from_certificate(&peer("0abc")).unwrap().name, "bot");
+        assert_eq!(a.from_certificate(&peer("000abc")).unwrap().name, "bot");
+        let old = a.from_certificate(&peer("0abd")).unwrap_err();
+        assert_eq!(old.kind, DialErrorKind::Forbidden);
+        assert!(
+            old.message.contains("not the one the hub issued"),
+            "{}",
+            old.message
+        );
+        // Re-created: the new serial only.
+        a.set_hub(&[issued("0abd")], &[]);
+        assert!(a.from_certificate(&peer("0abc")).is_err());
+        assert!(a.from_certificate(&peer("0abd")).is_ok());
+        // Deleted: nothing with the name.
+        a.set_hub(&[], &[]);
+        assert!(a.from_certificate(&peer("0abd")).is_err());
     }
 }

@@ -14,7 +14,6 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use tether_tls::Identity;
 use tether_tunnel::pump::AbortableWrite;
 use tether_tunnel::pump::{AsyncChunkReader, ResettableWriteHalf, TcpChunkReader, splice};
 use tether_tunnel::wire::DialErrorKind;
@@ -136,7 +135,7 @@ const ESTABLISHED: &[u8] = b"HTTP/1.1 200 Connection established\r\n\r\n";
 async fn open(
     broker: &Broker,
     head: Head,
-    peer: Option<&Identity>,
+    peer: Option<&crate::auth::PeerCert>,
     stream_id: u64,
 ) -> Result<crate::dial::OpenStream, DialError> {
     let checked = (|| {
@@ -226,7 +225,7 @@ pub async fn serve_plain(broker: Arc<Broker>, mut tcp: TcpStream) {
 pub async fn serve_tls<S: TcpBacked + AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     broker: Arc<Broker>,
     mut io: S,
-    peer: Option<Identity>,
+    peer: Option<crate::auth::PeerCert>,
 ) {
     let stream_id = broker.next_stream_id();
     async move {

@@ -23,7 +23,6 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
 use tether_proto::konnectivity as k;
 use tether_proto::tunnel::v1 as pb;
-use tether_tls::Identity;
 use tether_tunnel::pump::{AbortReason, SpliceError, SpliceStats, h2_abort_reason, send_chunk};
 use tether_tunnel::wire::DialErrorKind;
 use tether_tunnel::{DialError, Target};
@@ -44,7 +43,7 @@ pub const FIRST_MESSAGE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The verified certificate identity of the connection a request came on.
 #[derive(Clone, Debug)]
-struct PeerIdentity(Option<Identity>);
+struct PeerIdentity(Option<crate::auth::PeerCert>);
 
 type FrameStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
@@ -67,7 +66,7 @@ impl GrpcFrontEnd {
     }
 
     /// Serves HTTP/2 gRPC on one accepted TLS connection until it closes.
-    pub async fn serve_connection<S>(&self, io: S, peer: Option<Identity>)
+    pub async fn serve_connection<S>(&self, io: S, peer: Option<crate::auth::PeerCert>)
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {

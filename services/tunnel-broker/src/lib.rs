@@ -41,7 +41,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use prometheus::Registry as PromRegistry;
 use tether_telemetry::{AdminServer, Readiness};
-use tether_tls::{Identity, TlsMaterial};
+use tether_tls::TlsMaterial;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
@@ -243,7 +243,7 @@ pub async fn run(
                 let peer = conn
                     .peer_certificates()
                     .and_then(|c| c.first())
-                    .and_then(|c| Identity::from_certificate(c).ok());
+                    .and_then(auth::PeerCert::from_der);
                 if conn.alpn_protocol() == Some(b"h2") {
                     grpc.serve_connection(tls, peer).await;
                 } else {

@@ -173,6 +173,13 @@ impl Identity {
         Self::from_common_name(cn)
     }
 
+    /// The certificate's serial number as lower-case hex without leading zero bytes (the form
+    /// the hub records for issued client certificates), or None if it does not parse.
+    pub fn serial_of(cert: &CertificateDer<'_>) -> Option<String> {
+        let (_, x509) = X509Certificate::from_der(cert.as_ref()).ok()?;
+        Some(normalize_serial(&hex_lower(x509.raw_serial())))
+    }
+
     /// A short label for logs and metrics (never contains secrets).
     pub fn label(&self) -> String {
         match self {
@@ -192,6 +199,24 @@ impl fmt::Display for Identity {
 }
 
 /// Checks a DNS-1123 label (what Kubernetes and OCM require of cluster names).
+fn hex_lower(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Hex serial in one canonical form: lower case, no leading `00` bytes, no colons.
+pub fn normalize_serial(hex: &str) -> String {
+    let h: String = hex
+        .chars()
+        .filter(|c| *c != ':')
+        .map(|c| c.to_ascii_lowercase())
+        .collect();
+    let mut t = h.as_str();
+    while t.len() > 2 && t.starts_with("00") {
+        t = &t[2..];
+    }
+    t.to_string()
+}
+
 pub fn validate_dns_label(s: &str) -> Result<(), String> {
     if s.is_empty() || s.len() > 63 {
         return Err(format!("{s:?} must be 1-63 characters"));
