@@ -1,0 +1,650 @@
+//! The deployment artifacts (`compose/`, `helm/`, `observability/`) stay in step with the code:
+//!
+//! - every service config under `compose/config/` loads with the service's own config type and
+//!   validation (`tether_config::load`), so a renamed or removed field breaks this test; the
+//!   add-on resources validate with the parser `tetherctl apply` uses; the Helm charts' embedded
+//!   broker and prober configs, rendered with the chart defaults, load the same way;
+//! - every YAML file under `compose/`, `helm/*/` (values, Chart) and `observability/` parses,
+//!   and the Grafana dashboard is JSON with a query per panel;
+//! - the compose topology: the services, the cluster's internal edge network, the agent only
+//!   behind the proxy; every `--flag` given to a Tether binary exists in its `--help`;
+//! - every `tether_*` name in `observability/` is a metric of `docs/metrics.md` (histograms with
+//!   `_bucket`/`_sum`/`_count`), and label matchers on them use the catalogued labels;
+//! - with `promtool` on `PATH`: `promtool check config` / `check rules`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Directories `compose/README.md` has the user create (secrets, git-ignored): not checked.
+const LOCAL_DIRS: [&str; 3] = ["hub-dir", "certs", "cluster-dir"];
+
+fn files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    entries.sort();
+    for p in entries {
+        if p.is_dir() {
+            let name = p.file_name().unwrap().to_string_lossy().to_string();
+            if !LOCAL_DIRS.contains(&name.as_str()) {
+                files(&p, out);
+            }
+        } else {
+            out.push(p);
+        }
+    }
+}
+
+fn all_files(dir: &str) -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    files(&root().join(dir), &mut v);
+    v
+}
+
+fn is_yaml(p: &Path) -> bool {
+    p.extension().is_some_and(|e| e == "yaml" || e == "yml")
+}
+
+fn read(p: &Path) -> String {
+    std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// Every YAML document of a file, as JSON values.
+fn yaml_docs(p: &Path) -> Vec<Value> {
+    serde_saphyr::from_multiple::<Value>(&read(p))
+        .unwrap_or_else(|e| panic!("{} is not valid YAML: {e}", p.display()))
+}
+
+fn yaml(p: &Path) -> Value {
+    let mut docs = yaml_docs(p);
+    assert_eq!(docs.len(), 1, "{}: expected one YAML document", p.display());
+    docs.remove(0)
+}
+
+fn load_broker(p: &Path) -> tunnel_broker::config::BrokerConfig {
+    tether_config::load(p).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn load_prober(p: &Path) -> health_prober::config::ProberConfig {
+    tether_config::load(p).unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn compose_service_configs_load_with_the_real_config_types() {
+    let dir = root().join("compose/config");
+    let mut brokers = BTreeMap::new();
+    let mut checked = 0;
+    for p in all_files("compose/config")
+        .into_iter()
+        .filter(|p| is_yaml(p))
+    {
+        let name = p.file_name().unwrap().to_string_lossy().to_string();
+        if name.starts_with("broker-") {
+            let cfg = load_broker(&p);
+            assert_eq!(
+                name,
+                format!("broker-{}.yaml", cfg.id),
+                "file name names the broker id"
+            );
+            let cp = cfg
+                .control_plane
+                .as_ref()
+                .unwrap_or_else(|| panic!("{name}: brokers announce themselves: control_plane"));
+            assert_eq!(cp.nats_url, "tls://nats:4222", "{name}");
+            assert_eq!(
+                cp.password_file,
+                Path::new("/etc/tether/hub/hub-user.password")
+            );
+            assert!(cp.discover_peers, "{name}: brokers relay for each other");
+            assert_eq!(
+                cp.advertise.agent_addresses,
+                vec![format!("broker-{}:8091", cfg.id)],
+                "{name}: agents dial the compose service name"
+            );
+            assert_eq!(cfg.agent_listen.port(), 8091);
+            brokers.insert(cfg.id.clone(), cfg);
+        } else if name == "health-prober.yaml" {
+            let cfg = load_prober(&p);
+            let nats = cfg.nats.as_ref().expect("the prober runs on NATS");
+            assert_eq!(nats.hub_dir.as_deref(), Some(Path::new("/etc/tether/hub")));
+            assert_eq!(cfg.broker.endpoint, "https://broker-b1:8443");
+            assert!(cfg.broker.cert.is_some() && cfg.broker.key.is_some());
+        } else if name == "cluster-proxy.yaml" {
+            let docs = yaml_docs(&p);
+            assert_eq!(docs.len(), 3, "{name}: CMA, ADC, MPC");
+            for (i, d) in docs.into_iter().enumerate() {
+                tether_control::addons::parse_resource(d)
+                    .unwrap_or_else(|e| panic!("{name} document {}: {e:?}", i + 1));
+            }
+        } else {
+            panic!(
+                "{}: a config file this test does not know; load it with its service's config type here",
+                p.display()
+            );
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 4, "files checked in {}", dir.display());
+    assert_eq!(
+        brokers.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["b1", "b2"]
+    );
+    // The prober authenticates as a static client of the brokers it may land on.
+    for b in brokers.values() {
+        assert!(
+            b.clients.iter().any(|c| c.name == "health-prober"),
+            "broker {} lists the health-prober client",
+            b.id
+        );
+    }
+}
+
+/// A tiny subset of Helm's template language, enough for the charts' embedded configs:
+/// `{{ .Values.x.y }}`, `{{ .Release.Namespace }}`, `{{ include "<chart>.name" . }}`,
+/// `{{- toYaml .Values.x | nindent N }}` (rendered as a JSON flow value) and whole-line
+/// `{{- if .Values.x }}` / `{{- end }}`.
+fn render(template: &str, values: &Value) -> String {
+    let lookup = |path: &str| -> Value {
+        let mut v = values;
+        for k in path.trim_start_matches(".Values.").split('.') {
+            v = v
+                .get(k)
+                .unwrap_or_else(|| panic!("values.yaml has no {path}"));
+        }
+        v.clone()
+    };
+    let truthy = |v: &Value| match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+        Value::Number(_) => true,
+    };
+    let mut out = String::new();
+    let mut skipping: Vec<bool> = Vec::new();
+    for line in template.lines() {
+        let t = line.trim();
+        if let Some(cond) = t
+            .strip_prefix("{{- if ")
+            .and_then(|r| r.strip_suffix(" }}"))
+        {
+            skipping.push(!truthy(&lookup(cond.trim())));
+            continue;
+        }
+        if t == "{{- end }}" {
+            skipping.pop().expect("unbalanced end");
+            continue;
+        }
+        if skipping.iter().any(|s| *s) {
+            continue;
+        }
+        let mut rest = line;
+        let mut rendered = String::new();
+        while let Some(start) = rest.find("{{") {
+            let end = rest[start..].find("}}").expect("unclosed {{") + start;
+            let mut expr = rest[start + 2..end].trim();
+            let mut before = &rest[..start];
+            if let Some(e) = expr.strip_prefix('-') {
+                expr = e.trim();
+                before = before.trim_end();
+            }
+            rendered.push_str(before);
+            let value = if let Some(v) = expr.strip_prefix("toYaml ") {
+                let path = v.split('|').next().unwrap().trim();
+                format!(" {}", serde_json::to_string(&lookup(path)).unwrap())
+            } else if expr.starts_with("include ") {
+                "hub".to_string()
+            } else if expr == ".Release.Namespace" {
+                "tether".to_string()
+            } else if expr.starts_with(".Values.") {
+                match lookup(expr) {
+                    Value::String(s) => s,
+                    v => v.to_string(),
+                }
+            } else {
+                panic!("template expression this test cannot render: {expr}")
+            };
+            rendered.push_str(&value);
+            rest = &rest[end + 2..];
+        }
+        rendered.push_str(rest);
+        out.push_str(&rendered);
+        out.push('\n');
+    }
+    assert!(skipping.is_empty(), "unbalanced if");
+    out
+}
+
+/// The block scalar under `key: |` in a template file, dedented.
+fn block(template: &str, key: &str) -> String {
+    let mut lines = template.lines();
+    let head = lines
+        .by_ref()
+        .find(|l| l.trim() == format!("{key}: |"))
+        .unwrap_or_else(|| panic!("no `{key}: |` block"));
+    let indent = head.len() - head.trim_start().len();
+    let body: Vec<&str> = lines
+        .take_while(|l| l.trim().is_empty() || l.len() - l.trim_start().len() > indent)
+        .collect();
+    let inner = body
+        .iter()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| l.len() - l.trim_start().len())
+        .min()
+        .unwrap();
+    body.iter()
+        .map(|l| l.get(inner..).unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn helm_embedded_configs_load_with_the_real_config_types() {
+    let chart = root().join("helm/tether-hub");
+    let values = yaml(&chart.join("values.yaml"));
+
+    let t = read(&chart.join("templates/broker-configmap.yaml"));
+    let broker_yaml =
+        render(&block(&t, "broker.yaml.tmpl"), &values).replace("__BROKER_ID__", "hub-broker-0");
+    let cfg: tunnel_broker::config::BrokerConfig =
+        tether_config::from_str(&broker_yaml, Path::new("helm broker.yaml"))
+            .unwrap_or_else(|e| panic!("{e}\n{broker_yaml}"));
+    assert_eq!(cfg.id, "hub-broker-0");
+    let cp = cfg.control_plane.expect("control_plane");
+    assert_eq!(
+        cp.advertise.agent_addresses,
+        ["hub-broker-0.hub.example.com:8091"]
+    );
+    assert_eq!(cfg.clients[0].name, "health-prober");
+
+    let t = read(&chart.join("templates/health-prober.yaml"));
+    let prober_yaml = render(&block(&t, "prober.yaml"), &values);
+    let cfg: health_prober::config::ProberConfig =
+        tether_config::from_str(&prober_yaml, Path::new("helm prober.yaml"))
+            .unwrap_or_else(|e| panic!("{e}\n{prober_yaml}"));
+    assert!(cfg.nats.is_some() && cfg.apiserver_ca.is_none());
+}
+
+#[test]
+fn every_yaml_and_json_artifact_parses() {
+    let mut n = 0;
+    for dir in ["compose", "observability"] {
+        for p in all_files(dir).into_iter().filter(|p| is_yaml(p)) {
+            assert!(!yaml_docs(&p).is_empty(), "{}: empty", p.display());
+            n += 1;
+        }
+    }
+    for chart in ["tether-hub", "tether-agent"] {
+        for f in ["values.yaml", "Chart.yaml"] {
+            let v = yaml(&root().join("helm").join(chart).join(f));
+            assert!(v.is_object(), "helm/{chart}/{f}");
+            n += 1;
+        }
+        let c = yaml(&root().join("helm").join(chart).join("Chart.yaml"));
+        assert_eq!(c["apiVersion"], "v2");
+        assert_eq!(c["name"], chart);
+    }
+    assert!(n >= 13, "only {n} YAML files found");
+
+    let dash: Value =
+        serde_json::from_str(&read(&root().join("observability/grafana/tether.json"))).unwrap();
+    let panels = dash["panels"].as_array().expect("panels");
+    assert!(panels.len() >= 10);
+    for p in panels {
+        let targets = p["targets"].as_array().expect("targets");
+        assert!(
+            !targets.is_empty() && targets.iter().all(|t| t["expr"].is_string()),
+            "panel {} has a query",
+            p["title"]
+        );
+    }
+
+    let rules = yaml(&root().join("observability/prometheus/alerts.yml"));
+    let mut alerts = 0;
+    for g in rules["groups"].as_array().expect("groups") {
+        assert!(g["name"].is_string());
+        for r in g["rules"].as_array().expect("rules") {
+            assert!(r["alert"].is_string() && r["expr"].is_string(), "{r}");
+            alerts += 1;
+        }
+    }
+    assert!(alerts >= 10);
+    let prom = yaml(&root().join("observability/prometheus/prometheus.yml"));
+    let jobs: Vec<&str> = prom["scrape_configs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["job_name"].as_str().unwrap())
+        .collect();
+    for j in [
+        "tether-broker",
+        "tether-addon-manager",
+        "tether-health-prober",
+        "tether-registration-agent",
+    ] {
+        assert!(jobs.contains(&j), "scrape job {j}");
+    }
+    let otel = yaml(&root().join("observability/otel-collector.yaml"));
+    assert!(otel["receivers"]["otlp"]["protocols"]["grpc"].is_object());
+    assert!(otel["service"]["pipelines"]["traces"]["exporters"].is_array());
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    match v {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(a) => a.iter().flat_map(strings).collect(),
+        _ => vec![],
+    }
+}
+
+#[test]
+fn compose_topology_puts_the_agent_behind_the_proxy() {
+    let hub = yaml(&root().join("compose/hub.yaml"));
+    let services = hub["services"].as_object().unwrap();
+    for s in [
+        "nats",
+        "addon-manager",
+        "broker-b1",
+        "broker-b2",
+        "health-prober",
+    ] {
+        assert!(services.contains_key(s), "hub.yaml service {s}");
+    }
+    let nats_image = services["nats"]["image"].as_str().unwrap();
+    assert!(nats_image.starts_with("nats:2.1"), "{nats_image}");
+    assert_eq!(
+        strings(&services["nats"]["command"]),
+        ["-c", "/etc/tether/hub/nats/nats.conf"]
+    );
+    for b in ["b1", "b2"] {
+        let cmd = strings(&services[&format!("broker-{b}")]["command"]);
+        assert_eq!(
+            cmd,
+            [
+                "tunnel-broker",
+                "--config",
+                &format!("/etc/tether/config/broker-{b}.yaml")
+            ]
+        );
+    }
+    assert_eq!(hub["networks"]["hub"]["name"], "tether-hub");
+
+    let cluster = yaml(&root().join("compose/cluster.yaml"));
+    assert_eq!(cluster["networks"]["edge"]["internal"], true);
+    assert_eq!(cluster["networks"]["hub"]["external"], true);
+    assert_eq!(cluster["networks"]["hub"]["name"], "tether-hub");
+    let svc = &cluster["services"];
+    assert_eq!(strings(&svc["registration-agent"]["networks"]), ["edge"]);
+    let mut squid_nets = strings(&svc["squid"]["networks"]);
+    squid_nets.sort();
+    assert_eq!(squid_nets, ["edge", "hub"]);
+    let cmd = strings(&svc["registration-agent"]["command"]);
+    assert!(cmd.iter().any(|a| a == "--addon=cluster-proxy"), "{cmd:?}");
+}
+
+/// `--flag` names of a command line (`--flag=value` or `--flag value`).
+fn flags(args: &[String]) -> Vec<String> {
+    args.iter()
+        .filter(|a| a.starts_with("--"))
+        .map(|a| a.split('=').next().unwrap().to_string())
+        .collect()
+}
+
+/// The `--flag` names a binary's `--help` lists.
+fn help_flags(bin: &str) -> BTreeSet<String> {
+    let path = tether_test_support::bin(bin).expect("binaries are built (target/debug)");
+    let out = std::process::Command::new(&path)
+        .arg("--help")
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .filter(|w| w.starts_with("--"))
+        .map(|w| {
+            w.trim_end_matches([',', '.'])
+                .split(['=', '<'])
+                .next()
+                .unwrap()
+                .to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn every_flag_in_compose_and_helm_exists() {
+    let mut uses: Vec<(String, Vec<String>, String)> = Vec::new();
+    for f in ["compose/hub.yaml", "compose/cluster.yaml"] {
+        let v = yaml(&root().join(f));
+        for (name, s) in v["services"].as_object().unwrap() {
+            let cmd = strings(&s["command"]);
+            if let Some(bin) = cmd.first().filter(|b| !b.starts_with('-')) {
+                uses.push((bin.clone(), cmd[1..].to_vec(), format!("{f} {name}")));
+            }
+        }
+    }
+    // Helm: the list-form commands of the Deployments.
+    for f in [
+        "helm/tether-hub/templates/addon-manager.yaml",
+        "helm/tether-agent/templates/deployment.yaml",
+    ] {
+        let text = read(&root().join(f));
+        let mut lines = text.lines().skip_while(|l| l.trim() != "command:").skip(1);
+        let bin = lines
+            .next()
+            .unwrap()
+            .trim()
+            .trim_start_matches("- ")
+            .to_string();
+        let args: Vec<String> = lines
+            .map(str::trim)
+            .take_while(|l| l.starts_with("- --") || l.starts_with("{{"))
+            .filter_map(|l| l.strip_prefix("- ").map(str::to_string))
+            .collect();
+        assert!(args.len() >= 3, "{f}: {args:?}");
+        uses.push((bin, args, f.to_string()));
+    }
+    let mut seen = BTreeSet::new();
+    for (bin, args, origin) in &uses {
+        let known = help_flags(bin);
+        for flag in flags(args) {
+            assert!(
+                known.contains(&flag),
+                "{origin}: {bin} has no flag {flag} (known: {known:?})"
+            );
+        }
+        seen.insert(bin.clone());
+    }
+    for b in [
+        "addon-manager",
+        "tunnel-broker",
+        "health-prober",
+        "registration-agent",
+    ] {
+        assert!(seen.contains(b), "no command line of {b} checked");
+    }
+}
+
+/// Metric name → (is a histogram, label names), from the tables of `docs/metrics.md`.
+fn catalogue() -> BTreeMap<String, (bool, BTreeSet<String>)> {
+    let mut out = BTreeMap::new();
+    let mut has_labels = false;
+    for line in read(&root().join("docs/metrics.md")).lines() {
+        if line.starts_with("| metric |") {
+            has_labels = line.contains("| labels |");
+            continue;
+        }
+        let cols: Vec<&str> = line.split('|').map(str::trim).collect();
+        if cols.len() < 4 || !cols[1].starts_with("`tether_") {
+            continue;
+        }
+        let name = cols[1].trim_matches('`').to_string();
+        let histogram = cols[2] == "histogram";
+        let mut labels = BTreeSet::new();
+        if has_labels {
+            // Label names are the backticked words outside parentheses (those list values).
+            let mut depth = 0;
+            let mut outside = String::new();
+            for c in cols[3].chars() {
+                match c {
+                    '(' => depth += 1,
+                    ')' => depth -= 1,
+                    _ if depth == 0 => outside.push(c),
+                    _ => {}
+                }
+            }
+            for l in outside.split('`').skip(1).step_by(2) {
+                labels.insert(l.to_string());
+            }
+        }
+        out.insert(name, (histogram, labels));
+    }
+    out
+}
+
+/// `tether_*` identifiers in `text`, each with its `{...}` label matcher names when present.
+fn metric_uses(text: &str) -> Vec<(String, Vec<String>)> {
+    let is_ident = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_';
+    let mut out = Vec::new();
+    let bytes: Vec<char> = text.chars().collect();
+    let mut i = 0;
+    while i < bytes.len() {
+        let starts = text_at(&bytes, i, "tether_")
+            && (i == 0 || !(is_ident(bytes[i - 1]) || bytes[i - 1].is_ascii_alphabetic()));
+        if !starts {
+            i += 1;
+            continue;
+        }
+        let mut j = i;
+        while j < bytes.len() && is_ident(bytes[j]) {
+            j += 1;
+        }
+        let name: String = bytes[i..j].iter().collect();
+        let mut labels = Vec::new();
+        if j < bytes.len() && bytes[j] == '{' {
+            let end = bytes[j..].iter().position(|c| *c == '}').unwrap() + j;
+            let inner: String = bytes[j + 1..end].iter().collect();
+            for m in inner.split(',') {
+                let k: String = m.trim().chars().take_while(|c| is_ident(*c)).collect();
+                if !k.is_empty() {
+                    labels.push(k);
+                }
+            }
+            j = end;
+        }
+        // `tether_*` in prose, and the name prefix alone, are not metric names.
+        if name.len() > "tether_".len() && !name.ends_with('_') {
+            out.push((name, labels));
+        }
+        i = j;
+    }
+    out
+}
+
+fn text_at(chars: &[char], i: usize, s: &str) -> bool {
+    s.chars()
+        .enumerate()
+        .all(|(k, c)| chars.get(i + k) == Some(&c))
+}
+
+#[test]
+fn observability_uses_only_catalogued_metrics_and_labels() {
+    let cat = catalogue();
+    assert!(
+        cat.len() > 40,
+        "catalogue parse found {} metrics",
+        cat.len()
+    );
+    assert!(cat["tether_broker_dial_duration_seconds"].0);
+    assert!(
+        cat["tether_broker_dial_failures_total"]
+            .1
+            .contains("reason")
+    );
+    // Labels Prometheus adds to every series (scrape target, relabelling in prometheus.yml).
+    let target_labels = ["job", "instance", "component", "namespace", "pod"];
+    let mut used = BTreeSet::new();
+    for p in all_files("observability") {
+        for (name, labels) in metric_uses(&read(&p)) {
+            let base = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| {
+                    name.strip_suffix(s)
+                        .filter(|b| cat.get(*b).is_some_and(|(h, _)| *h))
+                })
+                .unwrap_or(&name);
+            let (_, known) = cat.get(base).unwrap_or_else(|| {
+                panic!(
+                    "{}: {name} is not in docs/metrics.md",
+                    p.strip_prefix(root()).unwrap_or(&p).display()
+                )
+            });
+            for l in labels {
+                assert!(
+                    known.contains(&l) || target_labels.contains(&l.as_str()),
+                    "{}: {base} has no label {l} (catalogue: {known:?})",
+                    p.display()
+                );
+            }
+            used.insert(base.to_string());
+        }
+    }
+    for m in [
+        "tether_broker_tunnels",
+        "tether_broker_open_streams",
+        "tether_broker_bytes_total",
+        "tether_broker_dial_duration_seconds",
+        "tether_broker_dial_failures_total",
+        "tether_prober_probe_duration_seconds",
+        "tether_prober_cluster_healthy",
+        "tether_hub_csrs_signed_total",
+        "tether_hub_registration_duration_seconds",
+        "tether_broker_control_plane_connected",
+        "tether_tls_certificate_expiry_timestamp_seconds",
+        "tether_tls_reload_failures_total",
+        "tether_prober_rounds_overrun_total",
+        "tether_agent_addon_lease_renewals_total",
+        "tether_agent_addon_connected_brokers",
+    ] {
+        assert!(used.contains(m), "observability/ does not use {m}");
+    }
+}
+
+#[test]
+fn promtool_checks_when_available() {
+    let dir = root().join("observability/prometheus");
+    let Ok(out) = std::process::Command::new("promtool")
+        .arg("--version")
+        .output()
+    else {
+        println!(
+            "note: promtool is not on PATH; skipped `promtool check config` / `promtool check rules`"
+        );
+        return;
+    };
+    assert!(out.status.success());
+    for args in [
+        vec!["check", "rules", "alerts.yml"],
+        vec!["check", "config", "prometheus.yml"],
+    ] {
+        let o = std::process::Command::new("promtool")
+            .args(&args)
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "promtool {args:?}: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}
