@@ -31,7 +31,6 @@ use tether_control::addons::{
     ClusterManagementAddOn, ConfigKind, ConfigReference, ConfigSpecHash, ManagedClusterAddOn,
     ManagedProxyConfiguration, addon_key, spec_hash,
 };
-use tether_control::connect::ERROR_HEADER;
 use tether_control::resources::{
     Event, Lease, LeaseSpec, ManagedCluster, ObjectMeta, condition as mc_condition, parse_rfc3339,
     rfc3339, set_condition,
@@ -53,6 +52,8 @@ pub const RESYNC_INTERVAL: Duration = Duration::from_secs(30);
 const DEADLINE_SLACK: Duration = Duration::from_millis(50);
 pub const MAILBOX_CAPACITY: usize = 64;
 pub const QUEUE_GROUP: &str = "tether-addons";
+/// Add-on status reports and lease renewals handled at once per subject.
+pub const MAX_INFLIGHT_AGENT_REPORTS: usize = 16;
 
 /// Something changed that may affect every add-on: reconcile everything.
 #[derive(Message)]
@@ -889,23 +890,18 @@ pub async fn start(
             }
         }));
     }
-    for (subject, lease) in [
-        (subjects::CLUSTER_ADDON_STATUS_ALL, false),
-        (subjects::CLUSTER_ADDON_LEASE_ALL, true),
-    ] {
-        let sub = client
-            .queue_subscribe(subject, QUEUE_GROUP.to_string())
-            .await
-            .map_err(|e| crate::ManagerError::Subscribe {
-                subject: subject.into(),
-                reason: e.to_string(),
-            })?;
-        let stop = shutdown.clone();
-        let client = client.clone();
-        let addr = addr.clone();
-        handles.push(tokio::spawn(async move {
-            let work = sub.for_each_concurrent(16, |msg| {
-                let client = client.clone();
+    handles.extend(
+        crate::serve::serve_subjects(
+            &client,
+            QUEUE_GROUP,
+            [
+                (subjects::CLUSTER_ADDON_STATUS_ALL, false),
+                (subjects::CLUSTER_ADDON_LEASE_ALL, true),
+            ],
+            MAX_INFLIGHT_AGENT_REPORTS,
+            "add-on",
+            &shutdown,
+            move |lease, msg| {
                 let addr = addr.clone();
                 async move {
                     let r = match parse_agent_request(&msg, lease) {
@@ -915,28 +911,12 @@ pub async fn start(
                             .unwrap_or_else(|e| Err(format!("controller unavailable: {e}"))),
                         Err(e) => Err(e),
                     };
-                    let Some(reply) = msg.reply else { return };
-                    let res = match r {
-                        Ok(v) => client.publish(reply, v.to_string().into()).await,
-                        Err(e) => {
-                            tracing::info!(subject = %msg.subject, error = %e, "add-on request refused");
-                            let mut h = async_nats::HeaderMap::new();
-                            h.insert(ERROR_HEADER, e.replace(['\r', '\n'], " ").as_str());
-                            let body = serde_json::json!({ "error": e }).to_string();
-                            client.publish_with_headers(reply, h, body.into()).await
-                        }
-                    };
-                    if let Err(e) = res {
-                        tracing::debug!(error = %e, "cannot publish reply");
-                    }
+                    r.map(|v| bytes::Bytes::from(v.to_string()))
                 }
-            });
-            tokio::select! {
-                _ = stop.cancelled() => {}
-                _ = work => tracing::warn!(subject, "add-on subscription ended"),
-            }
-        }));
-    }
+            },
+        )
+        .await?,
+    );
     Ok(handles)
 }
 

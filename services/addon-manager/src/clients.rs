@@ -14,13 +14,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
 use tether_control::clients::{
     CLIENT_CN_PREFIX, ClientCreateReply, ClientCreateRequest, ClientDeleteReply,
     ClientDeleteRequest, DEFAULT_CERT_LIFETIME_SECONDS, HubClient, HubClientSpec,
     IssuedCertificate, new_token, token_sha256, validate_client_name,
 };
-use tether_control::connect::ERROR_HEADER;
 use tether_control::resources::{Event, rfc3339};
 use tether_control::store::{Bucket, HubStore};
 use tether_control::subjects;
@@ -235,52 +233,26 @@ pub async fn start(
     ctx: Arc<ClientsCtx>,
     shutdown: CancellationToken,
 ) -> Result<Vec<tokio::task::JoinHandle<()>>, crate::ManagerError> {
-    let mut handles = Vec::new();
-    for (subject, kind) in [
-        (subjects::ADMIN_CLIENT_CREATE, Kind::Create),
-        (subjects::ADMIN_CLIENT_DELETE, Kind::Delete),
-    ] {
-        let sub = client
-            .queue_subscribe(subject, QUEUE_GROUP.to_string())
-            .await
-            .map_err(|e| crate::ManagerError::Subscribe {
-                subject: subject.into(),
-                reason: e.to_string(),
-            })?;
-        let stop = shutdown.clone();
-        let client = client.clone();
-        let ctx = ctx.clone();
-        handles.push(tokio::spawn(async move {
-            let work = sub.for_each_concurrent(MAX_INFLIGHT_CLIENT_REQUESTS, |msg| {
-                let client = client.clone();
-                let ctx = ctx.clone();
-                async move {
-                    let span = tracing::info_span!("clients.request", subject = %msg.subject);
-                    tether_control::trace::set_parent(&span, msg.headers.as_ref());
-                    let r =
-                        tracing::Instrument::instrument(serve(&ctx, kind, &msg.payload), span)
-                            .await;
-                    let Some(reply) = msg.reply else { return };
-                    let res = match r {
-                        Ok(body) => client.publish(reply, body.into()).await,
-                        Err(e) => {
-                            tracing::info!(subject = %msg.subject, error = %e, "client request refused");
-                            let mut h = async_nats::HeaderMap::new();
-                            h.insert(ERROR_HEADER, e.replace(['\r', '\n'], " ").as_str());
-                            let body = serde_json::json!({ "error": e }).to_string();
-                            client.publish_with_headers(reply, h, body.into()).await
-                        }
-                    };
-                    if let Err(e) = res {
-                        tracing::debug!(error = %e, "cannot publish reply");
-                    }
-                }
-            });
-            tokio::select! {
-                _ = stop.cancelled() => {}
-                _ = work => tracing::warn!(subject, "client subscription ended"),
+    crate::serve::serve_subjects(
+        &client,
+        QUEUE_GROUP,
+        [
+            (subjects::ADMIN_CLIENT_CREATE, Kind::Create),
+            (subjects::ADMIN_CLIENT_DELETE, Kind::Delete),
+        ],
+        MAX_INFLIGHT_CLIENT_REQUESTS,
+        "client",
+        &shutdown,
+        move |kind, msg| {
+            let ctx = ctx.clone();
+            async move {
+                let span = tracing::info_span!("clients.request", subject = %msg.subject);
+                tether_control::trace::set_parent(&span, msg.headers.as_ref());
+                tracing::Instrument::instrument(serve(&ctx, kind, &msg.payload), span)
+                    .await
+                    .map(bytes::Bytes::from)
             }
-        }));
-    }
-    Ok(handles)
+        },
+    )
+    .await
 }

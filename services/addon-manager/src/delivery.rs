@@ -19,7 +19,6 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use actix::Addr;
-use futures::StreamExt;
 use tether_control::ControlError;
 use tether_control::addons::{
     self, AddOnAgentConfig, AddOnAgentConfigReply, AddOnAgentConfigRequest, AddOnDeploymentConfig,
@@ -27,7 +26,6 @@ use tether_control::addons::{
     ManagedProxyConfiguration, addon_key, spec_hash,
 };
 use tether_control::brokers::BrokerPresence;
-use tether_control::connect::ERROR_HEADER;
 use tether_control::resources::{
     CertificateSigningRequest, CsrGet, CsrPhase, CsrReply, CsrSpec, CsrStatus, CsrSubmit, Event,
     ObjectMeta, set_condition,
@@ -547,59 +545,36 @@ pub async fn start(
     controller: Addr<AddOnController>,
     shutdown: CancellationToken,
 ) -> Result<Vec<tokio::task::JoinHandle<()>>, crate::ManagerError> {
-    let mut handles = Vec::new();
-    for (subject, kind) in [
-        (subjects::CLUSTER_ADDON_CONFIG_ALL, Kind::Config),
-        (subjects::CLUSTER_ADDON_CSR_ALL, Kind::Csr),
-        (subjects::CLUSTER_ADDON_CSR_GET_ALL, Kind::CsrGet),
-    ] {
-        let sub = client
-            .queue_subscribe(subject, QUEUE_GROUP.to_string())
-            .await
-            .map_err(|e| crate::ManagerError::Subscribe {
-                subject: subject.into(),
-                reason: e.to_string(),
-            })?;
-        let stop = shutdown.clone();
-        let client = client.clone();
-        let ctx = ctx.clone();
-        handles.push(tokio::spawn(async move {
-            let work = sub.for_each_concurrent(MAX_INFLIGHT_DELIVERY, |msg| {
-                let client = client.clone();
-                let ctx = ctx.clone();
-                async move {
-                    let r = serve(&ctx, kind, &msg).await;
-                    let label = match kind {
-                        Kind::Config => "addon.config",
-                        Kind::Csr => "addon.csr",
-                        Kind::CsrGet => "addon.csr.get",
-                    };
-                    ctx.metrics
-                        .requests_total
-                        .with_label_values(&[label, if r.is_ok() { "ok" } else { "error" }])
-                        .inc();
-                    let Some(reply) = msg.reply else { return };
-                    let res = match r {
-                        Ok(v) => client.publish(reply, v.to_string().into()).await,
-                        Err(e) => {
-                            tracing::info!(subject = %msg.subject, error = %e, "add-on request refused");
-                            let mut h = async_nats::HeaderMap::new();
-                            h.insert(ERROR_HEADER, e.replace(['\r', '\n'], " ").as_str());
-                            let body = serde_json::json!({ "error": e }).to_string();
-                            client.publish_with_headers(reply, h, body.into()).await
-                        }
-                    };
-                    if let Err(e) = res {
-                        tracing::debug!(error = %e, "cannot publish reply");
-                    }
-                }
-            });
-            tokio::select! {
-                _ = stop.cancelled() => {}
-                _ = work => tracing::warn!(subject, "add-on delivery subscription ended"),
+    let served_ctx = ctx.clone();
+    let mut handles = crate::serve::serve_subjects(
+        &client,
+        QUEUE_GROUP,
+        [
+            (subjects::CLUSTER_ADDON_CONFIG_ALL, Kind::Config),
+            (subjects::CLUSTER_ADDON_CSR_ALL, Kind::Csr),
+            (subjects::CLUSTER_ADDON_CSR_GET_ALL, Kind::CsrGet),
+        ],
+        MAX_INFLIGHT_DELIVERY,
+        "add-on delivery",
+        &shutdown,
+        move |kind, msg| {
+            let ctx = served_ctx.clone();
+            async move {
+                let r = serve(&ctx, kind, &msg).await;
+                let label = match kind {
+                    Kind::Config => "addon.config",
+                    Kind::Csr => "addon.csr",
+                    Kind::CsrGet => "addon.csr.get",
+                };
+                ctx.metrics
+                    .requests_total
+                    .with_label_values(&[label, if r.is_ok() { "ok" } else { "error" }])
+                    .inc();
+                r.map(|v| bytes::Bytes::from(v.to_string()))
             }
-        }));
-    }
+        },
+    )
+    .await?;
     // The broker set: notify every installed add-on and re-evaluate Available when it changes.
     let stop = shutdown.clone();
     handles.push(tokio::spawn(async move {

@@ -27,6 +27,7 @@ pub mod controller;
 pub mod delivery;
 pub mod hub;
 pub mod metrics;
+pub mod serve;
 
 use std::path::PathBuf;
 use std::sync::Arc;
