@@ -173,23 +173,19 @@ impl Auth {
         };
         match &peer.identity {
             Identity::Client { name } if self.rules.contains_key(name) => ok(name),
-            Identity::Client { name } if self.hub().cert_clients.contains_key(name) => {
-                match self.hub().cert_clients.get(name) {
-                    Some(Some(issued)) if peer.serial.as_ref() != Some(issued) => {
-                        Err(DialError::new(
-                            DialErrorKind::Forbidden,
-                            format!(
-                                "certificate of client {name:?} is not the one the hub issued to it (revoked or replaced)"
-                            ),
-                        ))
-                    }
-                    _ => ok(name),
-                }
-            }
-            Identity::Client { name } => Err(DialError::new(
-                DialErrorKind::Forbidden,
-                format!("client {name:?} is not configured on this broker (or was revoked)"),
-            )),
+            Identity::Client { name } => match self.hub().cert_clients.get(name) {
+                Some(Some(issued)) if peer.serial.as_ref() != Some(issued) => Err(DialError::new(
+                    DialErrorKind::Forbidden,
+                    format!(
+                        "certificate of client {name:?} is not the one the hub issued to it (revoked or replaced)"
+                    ),
+                )),
+                Some(_) => ok(name),
+                None => Err(DialError::new(
+                    DialErrorKind::Forbidden,
+                    format!("client {name:?} is not configured on this broker (or was revoked)"),
+                )),
+            },
             other => Err(DialError::new(
                 DialErrorKind::Forbidden,
                 format!("certificate identity {other} may not use the client API"),
