@@ -507,7 +507,13 @@ async fn prober_recovers_after_nats_restart() -> anyhow::Result<()> {
         "{}",
         tail(&read_log(th.path(), "health-prober"), 20)
     );
-    hub.tetherctl_ok(&["accept", "late"])?;
+    // The addon-manager reconnects to the restarted NATS on its own schedule: until it has
+    // re-subscribed, `accept` finds no responders. Retry until it answers.
+    wait_until(
+        WAIT,
+        "addon-manager answers accept after the restart",
+        || hub.tetherctl_ok(&["accept", "late"]).ok(),
+    )?;
     wait_until_async(
         WAIT,
         "cluster accepted after the restart is probed",
