@@ -15,6 +15,7 @@ pub struct AgentMetrics {
     pub dial_failures: IntCounterVec,
     pub bytes: IntCounterVec,
     pub stream_duration: HistogramVec,
+    pub tunnel_window_changes: IntCounter,
 }
 
 impl AgentMetrics {
@@ -70,6 +71,10 @@ impl AgentMetrics {
                 .buckets(vec![0.01, 0.1, 1.0, 10.0, 60.0, 600.0, 3600.0]),
                 &["result"],
             )?,
+            tunnel_window_changes: IntCounter::new(
+                "tether_agent_tunnel_window_changes_total",
+                "Changes of a tunnel's adaptive receive window (raised to fit bandwidth x round trip, or back to the base after idling).",
+            )?,
         };
         tether_telemetry::register_all(
             registry,
@@ -81,6 +86,7 @@ impl AgentMetrics {
                 Box::new(m.dial_failures.clone()),
                 Box::new(m.bytes.clone()),
                 Box::new(m.stream_duration.clone()),
+                Box::new(m.tunnel_window_changes.clone()),
             ],
         )?;
         Ok(m)

@@ -123,6 +123,9 @@ pub async fn run_tunnel(
             });
         }
     };
+    // Received bytes are counted for the adaptive receive window (see tether_tunnel::window).
+    let window = shared.settings.adaptive_window();
+    let tls = tether_tunnel::window::CountingIo::new(tls, Arc::clone(&window));
     let mut conn = match tokio::time::timeout(
         hs,
         shared.settings.server_builder().handshake::<_, Bytes>(tls),
@@ -143,12 +146,19 @@ pub async fn run_tunnel(
             });
         }
     };
-    let keepalive = tether_tunnel::keepalive::run(
+    let rtt = std::sync::atomic::AtomicU64::new(0);
+    let keepalive = tether_tunnel::keepalive::run_adaptive(
         conn.ping_pong().expect("ping_pong taken once"),
         shared.settings.keepalive_interval,
         shared.settings.keepalive_timeout,
+        &rtt,
+        Some(tether_tunnel::keepalive::WindowSampling {
+            window: Arc::clone(&window),
+            changes: Some(shared.metrics.tunnel_window_changes.clone()),
+        }),
     );
     tokio::pin!(keepalive);
+    let mut window_rx = window.changed();
     let (mismatch_tx, mut mismatch_rx) = mpsc::channel::<TunnelError>(1);
     let mut draining_since: Option<Instant> = None;
     loop {
@@ -165,6 +175,13 @@ pub async fn run_tunnel(
                 None => return Ok(()),
             },
             e = &mut keepalive => return Err(TunnelError::Keepalive(e.to_string())),
+            Ok(()) = window_rx.changed() => {
+                let w = *window_rx.borrow_and_update();
+                match conn.set_initial_window_size(w) {
+                    Ok(()) => tracing::debug!(%addr, stream_window_bytes = w, "tunnel receive window changed"),
+                    Err(e) => tracing::warn!(%addr, error = %e, "cannot change the tunnel's receive window"),
+                }
+            }
             Some(e) = mismatch_rx.recv() => {
                 conn.abrupt_shutdown(h2::Reason::REFUSED_STREAM);
                 let _ = tokio::time::timeout(hs, std::future::poll_fn(|cx| conn.poll_closed(cx))).await;

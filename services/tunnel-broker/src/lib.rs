@@ -266,7 +266,8 @@ pub async fn run(
                     serde_json::json!({
                         "id": t.id, "cluster": t.cluster, "agent": t.agent,
                         "open_streams": t.open_streams(), "draining": t.is_draining(),
-                    "rtt_micros": t.rtt().map(|d| d.as_micros() as u64),
+                        "rtt_micros": t.rtt().map(|d| d.as_micros() as u64),
+                        "stream_window_bytes": t.stream_window(),
                     })
                 })
                 .collect();

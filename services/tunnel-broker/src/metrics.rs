@@ -23,6 +23,7 @@ pub struct BrokerMetrics {
     pub known_clusters: IntGauge,
     pub hub_clients: IntGauge,
     pub tunnels_closed_by_hub: IntCounter,
+    pub tunnel_window_changes: IntCounter,
 }
 
 impl BrokerMetrics {
@@ -110,6 +111,10 @@ impl BrokerMetrics {
                 "tether_broker_tunnels_closed_by_hub_total",
                 "Tunnels closed because their cluster was deleted, denied or never registered on the hub.",
             )?,
+            tunnel_window_changes: IntCounter::new(
+                "tether_broker_tunnel_window_changes_total",
+                "Changes of a tunnel's adaptive receive window (raised to fit bandwidth x round trip, or back to the base after idling).",
+            )?,
         };
         tether_telemetry::register_all(
             registry,
@@ -128,6 +133,7 @@ impl BrokerMetrics {
                 Box::new(m.known_clusters.clone()),
                 Box::new(m.hub_clients.clone()),
                 Box::new(m.tunnels_closed_by_hub.clone()),
+                Box::new(m.tunnel_window_changes.clone()),
             ],
         )?;
         Ok(m)

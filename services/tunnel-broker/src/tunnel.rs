@@ -16,6 +16,8 @@ use h2::client::SendRequest;
 use h2::{RecvStream, SendStream};
 use http::{Method, Request, StatusCode};
 use tether_tls::Identity;
+use tether_tunnel::keepalive::WindowSampling;
+use tether_tunnel::window::{AdaptiveWindow, CountingIo};
 use tether_tunnel::wire::{self, DialErrorKind};
 use tether_tunnel::{DialError, Target, TunnelSettings};
 use tokio::net::TcpStream;
@@ -42,6 +44,8 @@ pub struct TunnelHandle {
     rtt_micros: std::sync::atomic::AtomicU64,
     /// Cancelling it drops the connection (open streams are reset).
     closer: tokio_util::sync::CancellationToken,
+    /// The adaptive receive window of this connection (agent tunnels; relays keep theirs fixed).
+    window: Option<Arc<AdaptiveWindow>>,
 }
 
 impl std::fmt::Debug for TunnelHandle {
@@ -91,7 +95,19 @@ impl TunnelHandle {
             draining: AtomicBool::new(false),
             rtt_micros: Default::default(),
             closer: Default::default(),
+            window: None,
         }
+    }
+
+    /// Records the connection's adaptive receive window (shown in `/debug/tunnels`).
+    pub fn with_window(mut self, window: Arc<AdaptiveWindow>) -> Self {
+        self.window = Some(window);
+        self
+    }
+
+    /// The receive window of this tunnel's streams now, if it adapts.
+    pub fn stream_window(&self) -> Option<u32> {
+        self.window.as_ref().map(|w| w.current())
     }
 
     /// Uses `closer` to close the connection (see [`TunnelHandle::refuse_and_close`]).
@@ -349,24 +365,36 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
         } if addon == tether_tls::identity::TUNNEL_ADDON => (cluster.clone(), agent.clone()),
         other => return Err(AcceptError::NotAnAgent(other.to_string())),
     };
-    let (send, mut conn) = tokio::time::timeout(
-        hs,
-        side.settings.client_builder().handshake::<_, Bytes>(tls),
-    )
-    .await
-    .map_err(|_| AcceptError::Timeout(hs))?
-    .map_err(|e| AcceptError::H2(e.to_string()))?;
+    // Received bytes are counted for the adaptive receive window (see tether_tunnel::window).
+    let window = side.settings.adaptive_window();
+    let io = CountingIo::new(tls, Arc::clone(&window));
+    let (send, mut conn) =
+        tokio::time::timeout(hs, side.settings.client_builder().handshake::<_, Bytes>(io))
+            .await
+            .map_err(|_| AcceptError::Timeout(hs))?
+            .map_err(|e| AcceptError::H2(e.to_string()))?;
     let ping_pong = conn.ping_pong().expect("ping_pong taken once");
     let (closed_tx, closed_rx) = tokio::sync::oneshot::channel::<String>();
     let closer = tokio_util::sync::CancellationToken::new();
     let conn_closer = closer.clone();
+    let mut window_rx = window.changed();
+    let conn_cluster = cluster.clone();
     tokio::spawn(async move {
-        let reason = tokio::select! {
-            r = conn => match r {
-                Ok(()) => "closed".to_owned(),
-                Err(e) => e.to_string(),
-            },
-            _ = conn_closer.cancelled() => "closed by the broker".to_owned(),
+        let reason = loop {
+            tokio::select! {
+                r = &mut conn => break match r {
+                    Ok(()) => "closed".to_owned(),
+                    Err(e) => e.to_string(),
+                },
+                _ = conn_closer.cancelled() => break "closed by the broker".to_owned(),
+                Ok(()) = window_rx.changed() => {
+                    let w = *window_rx.borrow_and_update();
+                    match conn.set_initial_window_size(w) {
+                        Ok(()) => tracing::debug!(cluster = %conn_cluster, stream_window_bytes = w, "tunnel receive window changed"),
+                        Err(e) => tracing::warn!(cluster = %conn_cluster, error = %e, "cannot change the tunnel's receive window"),
+                    }
+                }
+            }
         };
         let _ = closed_tx.send(reason);
     });
@@ -409,7 +437,8 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
             send,
             side.max_pending_dials,
         )
-        .with_closer(closer),
+        .with_closer(closer)
+        .with_window(Arc::clone(&window)),
     );
     let actor = TunnelActor {
         handle,
@@ -419,6 +448,10 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
             side.settings.keepalive_interval,
             side.settings.keepalive_timeout,
         )),
+        sampling: Some(WindowSampling {
+            window,
+            changes: Some(side.metrics.tunnel_window_changes.clone()),
+        }),
         closed: Some(closed_rx),
     };
     TunnelActor::start_in_arbiter(&side.arbiter, move |_| actor);
@@ -430,6 +463,7 @@ pub struct TunnelActor {
     handle: Arc<TunnelHandle>,
     registry: Addr<Registry>,
     keepalive: Option<(h2::PingPong, Duration, Duration)>,
+    sampling: Option<WindowSampling>,
     closed: Option<tokio::sync::oneshot::Receiver<String>>,
 }
 
@@ -444,6 +478,7 @@ impl Actor for TunnelActor {
         self.registry.do_send(Register(Arc::clone(&self.handle)));
         let (pp, interval, timeout) = self.keepalive.take().expect("started once");
         let closed = self.closed.take().expect("started once");
+        let sampling = self.sampling.take();
         let me = ctx.address();
         let cluster = self.handle.cluster.clone();
         let id = self.handle.id;
@@ -451,7 +486,7 @@ impl Actor for TunnelActor {
         tokio::spawn(async move {
             let reason = tokio::select! {
                 r = closed => r.unwrap_or_else(|_| "connection task ended".into()),
-                e = tether_tunnel::keepalive::run_measured(pp, interval, timeout, handle.rtt_cell()) => e.to_string(),
+                e = tether_tunnel::keepalive::run_adaptive(pp, interval, timeout, handle.rtt_cell(), sampling) => e.to_string(),
             };
             tracing::info!(%cluster, tunnel = id, %reason, "tunnel connection ended");
             me.do_send(Ended(reason));

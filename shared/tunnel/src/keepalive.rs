@@ -1,8 +1,11 @@
 //! HTTP/2 PING keepalive: a dead peer is detected within `interval + timeout`, not the hour
 //! konnectivity defaults to. Each answered PING also measures the tunnel's round trip.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+use crate::window::{AdaptiveWindow, IDLE_RESET, Sampler};
 
 /// Delay before the first measuring PING.
 pub const FIRST_PING_DELAY: Duration = Duration::from_millis(100);
@@ -26,25 +29,95 @@ pub async fn run(pp: h2::PingPong, interval: Duration, timeout: Duration) -> Kee
 /// PING goes out after [`FIRST_PING_DELAY`] (not during the handshake burst, which would skew
 /// it), so the round trip is known right after the tunnel comes up.
 pub async fn run_measured(
-    mut pp: h2::PingPong,
+    pp: h2::PingPong,
     interval: Duration,
     timeout: Duration,
     rtt_micros: &AtomicU64,
 ) -> KeepaliveError {
-    let mut wait = FIRST_PING_DELAY.min(interval);
+    run_adaptive(pp, interval, timeout, rtt_micros, None).await
+}
+
+/// What an adaptive tunnel end needs besides the PING: its window state and a counter of raises.
+#[derive(Debug, Clone)]
+pub struct WindowSampling {
+    pub window: Arc<AdaptiveWindow>,
+    /// Incremented each time the window changes (up or back to the base).
+    pub changes: Option<prometheus::IntCounter>,
+}
+
+/// [`run_measured`] that also drives the adaptive receive window (the tunnel's single PING user
+/// does both): while data arrives and the window may still grow, a PING goes out every
+/// [`crate::window::SAMPLE_DELAY`] and its round trip is a BDP sample; the keepalive PING
+/// counts as a sample too. The connection task applies the window changes.
+pub async fn run_adaptive(
+    mut pp: h2::PingPong,
+    interval: Duration,
+    timeout: Duration,
+    rtt_micros: &AtomicU64,
+    sampling: Option<WindowSampling>,
+) -> KeepaliveError {
+    let changes = sampling.as_ref().and_then(|s| s.changes.clone());
+    let mut sampler = sampling
+        .map(|s| s.window)
+        .filter(|w| w.enabled())
+        .map(Sampler::new);
+    let mut next_keepalive = Instant::now() + FIRST_PING_DELAY.min(interval);
+    let mut last_received = 0u64;
+    let mut last_data_at = Instant::now();
     loop {
-        tokio::time::sleep(wait).await;
-        wait = interval;
+        if let Some(s) = sampler.as_ref() {
+            tokio::select! {
+                _ = tokio::time::sleep_until(next_keepalive.into()) => {}
+                _ = s.ready() => {}
+            }
+        } else {
+            tokio::time::sleep_until(next_keepalive.into()).await;
+        }
+        if let Some(s) = sampler.as_mut() {
+            let received = s.shared.received();
+            if received != last_received {
+                last_received = received;
+                last_data_at = Instant::now();
+            } else if last_data_at.elapsed() >= IDLE_RESET
+                && let Some((old, new)) = s.reset()
+            {
+                tracing::debug!(
+                    from = old,
+                    to = new,
+                    "tunnel idle: receive window back to base"
+                );
+                if let Some(c) = &changes {
+                    c.inc();
+                }
+            }
+        }
+        let before = sampler.as_ref().map(|s| s.shared.received());
         let sent = Instant::now();
         match tokio::time::timeout(timeout, pp.ping(h2::Ping::opaque())).await {
             Ok(Ok(_pong)) => {
-                let us = u64::try_from(sent.elapsed().as_micros())
-                    .unwrap_or(u64::MAX)
-                    .max(1);
+                let rtt = sent.elapsed();
+                let us = u64::try_from(rtt.as_micros()).unwrap_or(u64::MAX).max(1);
                 rtt_micros.store(us, Ordering::Relaxed);
+                if let (Some(s), Some(before)) = (sampler.as_mut(), before) {
+                    let bytes = s.shared.received().saturating_sub(before);
+                    tracing::trace!(bytes, rtt_us = us, "window sample");
+                    if let Some((old, new)) = s.sampled(bytes, rtt) {
+                        tracing::debug!(
+                            from = old,
+                            to = new,
+                            bytes_per_round_trip = bytes,
+                            rtt_us = us,
+                            "receive window raised"
+                        );
+                        if let Some(c) = &changes {
+                            c.inc();
+                        }
+                    }
+                }
             }
             Ok(Err(e)) => return KeepaliveError::Failed(e),
             Err(_) => return KeepaliveError::Timeout(timeout),
         }
+        next_keepalive = Instant::now() + interval;
     }
 }

@@ -16,7 +16,8 @@
 //! - [`settings`]: HTTP/2 window, frame and keepalive settings, applied to both ends.
 //! - [`pump`]: copying between a socket and an HTTP/2 stream with bounded buffers, half-close,
 //!   abort propagation and a write-progress timeout.
-//! - [`keepalive`]: HTTP/2 PING liveness checks.
+//! - [`keepalive`]: HTTP/2 PING liveness checks (and the adaptive window's BDP samples).
+//! - [`window`]: adaptive receive windows sized to the tunnel's bandwidth × round trip.
 
 pub mod address;
 pub mod keepalive;
@@ -24,6 +25,7 @@ pub mod pattern;
 pub mod pump;
 pub mod relay;
 pub mod settings;
+pub mod window;
 pub mod wire;
 
 pub use address::{AddressError, Dest, Target};

@@ -15,6 +15,9 @@ use serde::{Deserialize, Serialize};
 pub const MAX_WINDOW: u32 = (1 << 31) - 1;
 /// Default per-stream receive window: 4 MiB ≈ 670 Mbit/s at 50 ms RTT per stream.
 pub const DEFAULT_STREAM_WINDOW: u32 = 4 << 20;
+/// Default cap of the adaptive stream window (see [`crate::window`]): 16 MiB keeps one stream
+/// at 1 Gbit/s up to ~130 ms RTT.
+pub const DEFAULT_MAX_STREAM_WINDOW: u32 = 16 << 20;
 /// Default HTTP/2 frame size (the maximum is 16 MiB − 1; 256 KiB halves per-frame overhead
 /// against the 16 KiB default without hurting latency).
 pub const DEFAULT_MAX_FRAME: u32 = 256 << 10;
@@ -29,8 +32,12 @@ pub const DEFAULT_READ_CHUNK: usize = 256 << 10;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TunnelSettings {
-    /// Per-stream receive window in bytes.
+    /// Per-stream receive window in bytes (the base of the adaptive window).
     pub stream_window_bytes: u32,
+    /// Cap of the adaptive per-stream window: each end raises its receive window up to this
+    /// while the measured bytes per round trip show the window limits the tunnel; a value not
+    /// above `stream_window_bytes` turns adaptation off.
+    pub max_stream_window_bytes: u32,
     /// Connection receive window in bytes.
     pub connection_window_bytes: u32,
     pub max_frame_bytes: u32,
@@ -56,6 +63,7 @@ impl Default for TunnelSettings {
     fn default() -> Self {
         Self {
             stream_window_bytes: DEFAULT_STREAM_WINDOW,
+            max_stream_window_bytes: DEFAULT_MAX_STREAM_WINDOW,
             connection_window_bytes: MAX_WINDOW,
             max_frame_bytes: DEFAULT_MAX_FRAME,
             max_concurrent_streams: DEFAULT_MAX_STREAMS,
@@ -77,6 +85,12 @@ impl TunnelSettings {
             return Err((
                 f("stream_window_bytes"),
                 "must be between 65535 and 2^31-1".into(),
+            ));
+        }
+        if self.max_stream_window_bytes > MAX_WINDOW {
+            return Err((
+                f("max_stream_window_bytes"),
+                "must be at most 2^31-1".into(),
             ));
         }
         if self.connection_window_bytes < self.stream_window_bytes {
@@ -107,6 +121,11 @@ impl TunnelSettings {
             return Err((f("handshake_timeout"), "timeouts must be > 0".into()));
         }
         Ok(())
+    }
+
+    /// The adaptive window state of one tunnel end.
+    pub fn adaptive_window(&self) -> std::sync::Arc<crate::window::AdaptiveWindow> {
+        crate::window::AdaptiveWindow::new(self.stream_window_bytes, self.max_stream_window_bytes)
     }
 
     /// Builder for the agent side (HTTP/2 server).
