@@ -324,6 +324,9 @@ impl AcceptError {
 pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), AcceptError> {
     let _ = tcp.set_nodelay(true);
     let hs = side.settings.handshake_timeout;
+    // rustls asks its transport for a few KiB per read; reading the socket in 64 KiB pieces
+    // (a buffer held only while data flows) cuts the `recv` calls ~4×.
+    let tcp = tether_tunnel::readahead::ReadAhead::new(tcp);
     let tls = tokio::time::timeout(hs, side.acceptor.accept(tcp))
         .await
         .map_err(|_| AcceptError::Timeout(hs))?

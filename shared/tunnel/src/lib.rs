@@ -16,6 +16,7 @@
 //! - [`settings`]: HTTP/2 window, frame and keepalive settings, applied to both ends.
 //! - [`pump`]: copying between a socket and an HTTP/2 stream with bounded buffers, half-close,
 //!   abort propagation and a write-progress timeout.
+//! - [`readahead`]: a read-ahead buffer below TLS that exists only while data flows.
 //! - [`keepalive`]: HTTP/2 PING liveness checks (and the adaptive window's BDP samples).
 //! - [`window`]: adaptive receive windows sized to the tunnel's bandwidth × round trip.
 
@@ -23,6 +24,7 @@ pub mod address;
 pub mod keepalive;
 pub mod pattern;
 pub mod pump;
+pub mod readahead;
 pub mod relay;
 pub mod settings;
 pub mod window;
