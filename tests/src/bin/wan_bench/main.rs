@@ -147,6 +147,8 @@ struct Outcome {
     report: serde_json::Value,
     link: [link::DirSnapshot; 2],
     emu_cpu_secs: f64,
+    /// User and system CPU seconds of this process during the scenario.
+    emu_user_sys: (f64, f64),
     wall: f64,
 }
 
@@ -252,10 +254,13 @@ fn outer(args: Args) -> anyhow::Result<()> {
         // Generous: every bulk measurement may take twice its length, plus start-up and RR.
         let deadline = Duration::from_secs_f64(rounds as f64 * 4.0 * secs * 2.0 + 180.0);
         let cpu0 = stats::cpu_secs(std::process::id());
+        let us0 = stats::user_sys_secs();
         let t0 = Instant::now();
         let status = rt.block_on(run_inner(cmd, deadline, &mut signals))?;
         let wall = t0.elapsed().as_secs_f64();
         let emu_cpu_secs = stats::cpu_secs(std::process::id()) - cpu0;
+        let us1 = stats::user_sys_secs();
+        let emu_user_sys = (us1.0 - us0.0, us1.1 - us0.1);
         let snapshot = link.stats();
         drop(link);
         if !status.success() {
@@ -271,6 +276,7 @@ fn outer(args: Args) -> anyhow::Result<()> {
                 report,
                 link: snapshot,
                 emu_cpu_secs,
+                emu_user_sys,
                 wall,
             },
         ));
@@ -430,10 +436,11 @@ fn print_tables(outcomes: &[(&Scenario, Outcome)], rounds: usize) {
             ),
             format!("{} / {}", u.late, d.late),
             format!(
-                "{:.0} % median / {:.0} % max during transfers; {:.2} CPU-s/GB; {:.0} % of the {:.0} s run",
+                "{:.0} % median / {:.0} % max during transfers; {:.2} CPU-s/GB ({:.0} % system); {:.0} % of the {:.0} s run",
                 f(&r["emulator_cpu"]["median"]) * 100.0,
                 f(&r["emulator_cpu"]["max"]) * 100.0,
                 o.emu_cpu_secs / gb.max(1e-9),
+                o.emu_user_sys.1 / (o.emu_user_sys.0 + o.emu_user_sys.1).max(1e-9) * 100.0,
                 o.emu_cpu_secs / o.wall * 100.0,
                 o.wall
             ),

@@ -15,6 +15,17 @@ pub fn cpu_secs(pid: u32) -> f64 {
     ns as f64 / 1e9
 }
 
+/// User and system CPU seconds of this process (`/proc/self/stat`, clock ticks of 10 ms).
+pub fn user_sys_secs() -> (f64, f64) {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name (which may contain spaces) start at field 3 (state).
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let tick = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0) / 100.0;
+    // utime and stime are fields 14 and 15, i.e. indices 11 and 12 after the state.
+    (tick(11), tick(12))
+}
+
 pub fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .ok()
