@@ -104,21 +104,22 @@ async fn scenario(a: &InnerArgs) -> anyhow::Result<()> {
 
     // The broker here (hub namespace), listening on the link address; the agent in the cluster
     // namespace dials it across the link, and reaches the target on its own loopback.
-    let broker = hub.start_broker_at("b1", &tunnel_yaml, None, HUB_IP)?;
-    let agent = hub.start_agent_at(
-        CLUSTER,
-        CLUSTER,
-        &[vec![broker.agent_addr]],
-        local_target,
-        &tunnel_yaml,
-        Some(&a.cluster_ns),
-    )?;
+    let broker = hub
+        .start_broker_at("b1", &tunnel_yaml, None, HUB_IP)
+        .with_context(|| logs(hub.path(), "broker-"))?;
+    let agent = hub
+        .start_agent_at(
+            CLUSTER,
+            CLUSTER,
+            &[vec![broker.agent_addr]],
+            local_target,
+            &tunnel_yaml,
+            Some(&a.cluster_ns),
+        )
+        .with_context(|| logs(hub.path(), "agent-"))?;
     tether_e2e::wait_tunnel(&broker, CLUSTER)
         .await
-        .with_context(|| {
-            std::fs::read_to_string(hub.path().join(format!("{}.log", agent.child.name)))
-                .unwrap_or_default()
-        })?;
+        .with_context(|| logs(hub.path(), ""))?;
     let authority = format!("{CLUSTER}:443");
     let ends = Ends {
         target: direct,
@@ -238,6 +239,21 @@ async fn scenario(a: &InnerArgs) -> anyhow::Result<()> {
     std::fs::rename(&tmp, &a.report)?;
     drop(target_proc);
     Ok(())
+}
+
+/// The last lines of the process logs in `dir` whose names start with `prefix` (for errors).
+fn logs(dir: &std::path::Path, prefix: &str) -> String {
+    let mut out = String::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(prefix) && name.ends_with(".log") {
+            let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            out.push_str(&format!("\n===== {name}\n"));
+            out.push_str(&lines[lines.len().saturating_sub(20)..].join("\n"));
+        }
+    }
+    out
 }
 
 /// A sysctl of this (hub) namespace, whitespace normalised.

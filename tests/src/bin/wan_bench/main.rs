@@ -401,6 +401,7 @@ fn print_tables(outcomes: &[(&Scenario, Outcome)], rounds: usize) {
             "late > 200 µs",
             "emulator CPU",
             "TCP",
+            "link ok",
         ],
         &[],
     );
@@ -411,6 +412,11 @@ fn print_tables(outcomes: &[(&Scenario, Outcome)], rounds: usize) {
         let down = mean(&fv(&r["download"]["direct"])) / rate;
         let [u, d] = [&o.link[UP], &o.link[DOWN]];
         let gb = (u.bytes + d.bytes) as f64 / 1e9;
+        // The emulator is trusted when the measured RTT is within max(1 ms, 5 %) of the
+        // configured one and one direct stream gets at least 85 % of the rate both ways.
+        let rtt_ms = f(&r["rr"]["direct_p50_us"]) / 1000.0;
+        let want_ms = o.params.one_way.as_secs_f64() * 2e3;
+        let link_ok = (rtt_ms - want_ms).abs() <= (want_ms * 0.05).max(1.0) && up.min(down) >= 0.85;
         e.add(vec![
             sc.name.into(),
             format!(
@@ -419,10 +425,7 @@ fn print_tables(outcomes: &[(&Scenario, Outcome)], rounds: usize) {
                 o.params.one_way.as_millis() * 2,
                 o.params.mtu
             ),
-            format!(
-                "{:.2} ms",
-                f(&r["rr"]["direct_p50_us"]) / 1000.0
-            ),
+            format!("{rtt_ms:.2} ms"),
             format!("{:.1} % / {:.1} %", up * 100.0, down * 100.0),
             format!(
                 "{} KiB, {} / {} KiB",
@@ -450,6 +453,7 @@ fn print_tables(outcomes: &[(&Scenario, Outcome)], rounds: usize) {
                 r["tcp"]["rmem"].as_str().unwrap_or("?"),
                 r["tcp"]["wmem"].as_str().unwrap_or("?")
             ),
+            if link_ok { "yes" } else { "NO: figures unreliable" }.into(),
         ]);
         if u.write_errors + d.write_errors > 0 {
             println!(
