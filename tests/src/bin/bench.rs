@@ -9,6 +9,9 @@
 //!
 //! Paths measured:
 //! - direct: bench client → target (TCP);
+//! - relay ×2 ("relay floor"): bench client → relay 1 → relay 2 → target, each relay a separate
+//!   process (this binary with `--relay-server`) doing a plain TCP forward: the cost of two more
+//!   processes on the path, without TLS, HTTP/2, CONNECT or auth;
 //! - tunnel: bench client → broker (plain CONNECT port, `CONNECT c1:443`) → mTLS HTTP/2 tunnel →
 //!   agent → target.
 //!
@@ -18,8 +21,8 @@
 //! sends chooses what it does: `S` sink (counts bytes, answers the count on EOF), `G` endless
 //! source, `E` echo, `P` one byte back then echo; nothing = idle.
 //!
-//! Every measurement alternates direct and tunnel (and swaps their order every round), so load
-//! from other processes hits both; figures are ratios of the same run.
+//! Every measurement interleaves the three paths (rotating their order every round), so load
+//! from other processes hits all of them; figures are ratios of the same run.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -62,7 +65,13 @@ struct Args {
     /// Internal: run as the target server.
     #[arg(long, hide = true)]
     target_server: bool,
-    /// Internal: where the target server writes its address.
+    /// Internal: run as a relay (plain TCP forward to `--upstream`).
+    #[arg(long, hide = true)]
+    relay_server: bool,
+    /// Internal: where a relay forwards to.
+    #[arg(long, hide = true)]
+    upstream: Option<SocketAddr>,
+    /// Internal: where the target server or a relay writes its address.
     #[arg(long, hide = true)]
     ready_file: Option<PathBuf>,
 }
@@ -76,6 +85,13 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if args.target_server {
         return target_server(args.ready_file.context("--ready-file")?);
+    }
+    if args.relay_server {
+        return relay_server(
+            args.upstream.context("--upstream")?,
+            args.ready_file.context("--ready-file")?,
+            args.worker_threads,
+        );
     }
     // Broker and agent read their worker count from the environment; set it by re-executing.
     if let Some(n) = args.worker_threads
@@ -118,10 +134,10 @@ fn target_server(ready: PathBuf) -> anyhow::Result<()> {
         .build()?
         .block_on(async move {
             let l = TcpListener::bind("127.0.0.1:0").await?;
-            let info = serde_json::json!({ "addr": l.local_addr()?.to_string() });
-            let tmp = ready.with_extension("tmp");
-            std::fs::write(&tmp, info.to_string())?;
-            std::fs::rename(&tmp, &ready)?;
+            write_ready(
+                &ready,
+                &serde_json::json!({ "addr": l.local_addr()?.to_string() }),
+            )?;
             loop {
                 let (s, _) = l.accept().await?;
                 tokio::spawn(async move {
@@ -129,6 +145,59 @@ fn target_server(ready: PathBuf) -> anyhow::Result<()> {
                 });
             }
         })
+}
+
+/// Writes `info` to `path` atomically (temp file + rename).
+fn write_ready(path: &std::path::Path, info: &serde_json::Value) -> anyhow::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, info.to_string())?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+/// Tokio workers of a relay: as broker and agent (`--worker-threads` / TETHER_WORKER_THREADS,
+/// default half the CPUs, at least one).
+fn relay_workers(flag: Option<usize>) -> usize {
+    flag.or_else(|| std::env::var("TETHER_WORKER_THREADS").ok()?.parse().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() / 2))
+        .max(1)
+}
+
+// ---------------------------------------------------------------------------------------------
+// A relay (a child process): the "relay floor" — a plain TCP forward, one more process on the
+// path like broker and agent, but no TLS, no HTTP/2, no CONNECT, no auth.
+
+fn relay_server(
+    upstream: SocketAddr,
+    ready: PathBuf,
+    workers: Option<usize>,
+) -> anyhow::Result<()> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(relay_workers(workers))
+        .enable_all()
+        .build()?
+        .block_on(async move {
+            let l = TcpListener::bind("127.0.0.1:0").await?;
+            write_ready(
+                &ready,
+                &serde_json::json!({ "addr": l.local_addr()?.to_string() }),
+            )?;
+            loop {
+                let (s, _) = l.accept().await?;
+                tokio::spawn(async move {
+                    let _ = relay_connection(s, upstream).await;
+                });
+            }
+        })
+}
+
+/// Forwards both directions with 256 KiB buffers; an EOF is passed on as a write shutdown.
+async fn relay_connection(mut down: TcpStream, upstream: SocketAddr) -> std::io::Result<()> {
+    down.set_nodelay(true)?;
+    let mut up = TcpStream::connect(upstream).await?;
+    up.set_nodelay(true)?;
+    tokio::io::copy_bidirectional_with_sizes(&mut down, &mut up, BUF, BUF).await?;
+    Ok(())
 }
 
 async fn serve_target(mut s: TcpStream) -> std::io::Result<()> {
@@ -176,13 +245,17 @@ async fn serve_target(mut s: TcpStream) -> std::io::Result<()> {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Via {
     Direct,
+    Relay,
     Tunnel,
 }
 
 impl Via {
+    const ALL: [Via; 3] = [Via::Direct, Via::Relay, Via::Tunnel];
+
     fn name(self) -> &'static str {
         match self {
             Via::Direct => "direct",
+            Via::Relay => "relay",
             Via::Tunnel => "tunnel",
         }
     }
@@ -192,15 +265,18 @@ impl Via {
 #[derive(Clone)]
 struct Ends {
     target: SocketAddr,
+    /// The first of the two relays.
+    relay: SocketAddr,
     broker: SocketAddr,
     connect_head: String,
 }
 
 impl Ends {
-    fn new(target: SocketAddr, broker: SocketAddr, cluster: &str) -> Self {
+    fn new(target: SocketAddr, relay: SocketAddr, broker: SocketAddr, cluster: &str) -> Self {
         let authority = format!("{cluster}:443");
         Self {
             target,
+            relay,
             broker,
             connect_head: format!(
                 "CONNECT {authority} HTTP/1.1\r\nhost: {authority}\r\nproxy-authorization: Bearer {OPS_TOKEN}\r\n\r\n"
@@ -208,11 +284,17 @@ impl Ends {
         }
     }
 
-    /// A connection to the target, directly or through the tunnel (after the CONNECT 200).
+    /// A connection to the target: directly, through the two relays, or through the tunnel
+    /// (after the CONNECT 200).
     async fn open(&self, via: Via) -> anyhow::Result<TcpStream> {
         match via {
-            Via::Direct => {
-                let s = TcpStream::connect(self.target).await?;
+            Via::Direct | Via::Relay => {
+                let to = if via == Via::Direct {
+                    self.target
+                } else {
+                    self.relay
+                };
+                let s = TcpStream::connect(to).await?;
                 s.set_nodelay(true)?;
                 Ok(s)
             }
@@ -360,7 +442,8 @@ async fn request_response(
     Ok(())
 }
 
-/// Connect (+ CONNECT through the tunnel) and get the first byte back from the target.
+/// Connect (+ CONNECT through the tunnel; a relay just connects onward) and get the first byte
+/// back from the target.
 async fn open_first_byte(ends: &Ends, via: Via) -> anyhow::Result<Duration> {
     let t = Instant::now();
     let mut s = ends.open(via).await?;
@@ -441,11 +524,17 @@ fn us(d: Duration) -> String {
     format!("{:.0} µs", d.as_secs_f64() * 1e6)
 }
 
+/// One row of the table; empty cells are empty strings.
+#[derive(Default)]
 struct Row {
     what: String,
     direct: String,
+    relay: String,
     tunnel: String,
+    /// Tunnel vs direct (and notes).
     result: String,
+    /// Tunnel vs the relay floor (and notes).
+    vs_relay: String,
     target: String,
     ok: Option<bool>,
 }
@@ -456,57 +545,48 @@ struct Table {
 }
 
 impl Table {
-    fn add(
-        &mut self,
-        what: impl Into<String>,
-        direct: impl Into<String>,
-        tunnel: impl Into<String>,
-        result: impl Into<String>,
-        target: impl Into<String>,
-        ok: Option<bool>,
-    ) {
-        self.rows.push(Row {
-            what: what.into(),
-            direct: direct.into(),
-            tunnel: tunnel.into(),
-            result: result.into(),
-            target: target.into(),
-            ok,
-        });
+    fn add(&mut self, row: Row) {
+        self.rows.push(row);
     }
 
     fn print(&self) {
         let head = Row {
             what: "measurement".into(),
             direct: "direct".into(),
+            relay: "relay ×2".into(),
             tunnel: "tunnel".into(),
             result: "tunnel vs direct".into(),
+            vs_relay: "tunnel vs relay".into(),
             target: "target".into(),
             ok: None,
         };
         let all: Vec<&Row> = std::iter::once(&head).chain(&self.rows).collect();
         let w = |f: fn(&Row) -> &str| all.iter().map(|r| f(r).chars().count()).max().unwrap_or(0);
-        let (w0, w1, w2, w3, w4) = (
+        let (w0, w1, w2, w3, w4, w5, w6) = (
             w(|r| &r.what),
             w(|r| &r.direct),
+            w(|r| &r.relay),
             w(|r| &r.tunnel),
             w(|r| &r.result),
+            w(|r| &r.vs_relay),
             w(|r| &r.target),
         );
         let line = |r: &Row, verdict: &str| {
             format!(
-                "| {:<w0$} | {:>w1$} | {:>w2$} | {:<w3$} | {:<w4$} | {verdict:<4} |",
-                r.what, r.direct, r.tunnel, r.result, r.target
+                "| {:<w0$} | {:>w1$} | {:>w2$} | {:>w3$} | {:<w4$} | {:<w5$} | {:<w6$} | {verdict:<4} |",
+                r.what, r.direct, r.relay, r.tunnel, r.result, r.vs_relay, r.target
             )
         };
         println!("{}", line(&head, "met"));
         println!(
-            "|{}|{}:|{}:|{}|{}|------|",
+            "|{}|{}:|{}:|{}:|{}|{}|{}|------|",
             "-".repeat(w0 + 2),
             "-".repeat(w1 + 1),
             "-".repeat(w2 + 1),
-            "-".repeat(w3 + 2),
-            "-".repeat(w4 + 2)
+            "-".repeat(w3 + 1),
+            "-".repeat(w4 + 2),
+            "-".repeat(w5 + 2),
+            "-".repeat(w6 + 2)
         );
         for r in &self.rows {
             let v = match r.ok {
@@ -535,13 +615,49 @@ impl Setup {
         self.only.is_empty() || self.only.iter().any(|s| s == section)
     }
 
-    /// Order of the two paths in round `i` (swapped every round).
-    fn order(i: usize) -> [Via; 2] {
+    /// Order of the three paths in round `i` (rotated every round, so each path runs first,
+    /// second and third equally often).
+    fn order(i: usize) -> [Via; 3] {
+        let mut o = Via::ALL;
+        o.rotate_left(i % 3);
+        o
+    }
+
+    /// Order of direct and tunnel in round `i` (sections without the relay path).
+    fn order2(i: usize) -> [Via; 2] {
         if i.is_multiple_of(2) {
             [Via::Direct, Via::Tunnel]
         } else {
             [Via::Tunnel, Via::Direct]
         }
+    }
+}
+
+/// Starts this binary as a child (`name`) with `args` and reads the address it writes to its
+/// ready file.
+fn spawn_server(
+    hub: &Hub,
+    name: &str,
+    args: &[&str],
+) -> anyhow::Result<(tether_test_support::Child, SocketAddr)> {
+    let ready = hub.path().join(format!("{name}.ready"));
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args(args).arg("--ready-file").arg(&ready);
+    let child = tether_test_support::Child::spawn(name, cmd, hub.path())?;
+    let addr = tether_test_support::read_ready_file(&ready, Duration::from_secs(10))?["addr"]
+        .as_str()
+        .with_context(|| format!("{name} address"))?
+        .parse()?;
+    Ok((child, addr))
+}
+
+/// `+N µs` (or `−N µs`) between two durations.
+fn added(a: Duration, b: Duration) -> String {
+    let d = (a.as_secs_f64() - b.as_secs_f64()) * 1e6;
+    if d >= 0.0 {
+        format!("+{d:.0} µs")
+    } else {
+        format!("−{:.0} µs", -d)
     }
 }
 
@@ -561,7 +677,7 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
     };
     let started = Instant::now();
     println!(
-        "tether-bench{}: loopback, {} CPUs, load average {} at start, fd limit {nofile}, broker/agent worker threads: {}, tunnel settings: {}",
+        "tether-bench{}: loopback, {} CPUs, load average {} at start, fd limit {nofile}, broker/agent/relay worker threads: {}, tunnel settings: {}",
         if setup.quick { " --quick" } else { "" },
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         load_average(),
@@ -571,15 +687,20 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
     );
 
     let hub = Hub::new()?;
-    let ready = hub.path().join("target.ready");
-    let mut cmd = Command::new(std::env::current_exe()?);
-    cmd.arg("--target-server").arg("--ready-file").arg(&ready);
-    let target_proc = tether_test_support::Child::spawn("bench-target", cmd, hub.path())?;
-    let target: SocketAddr = tether_test_support::read_ready_file(&ready, Duration::from_secs(10))?
-        ["addr"]
-        .as_str()
-        .context("target address")?
-        .parse()?;
+    let (target_proc, target) = spawn_server(&hub, "bench-target", &["--target-server"])?;
+    // The relay floor: relay 1 → relay 2 → target.
+    let target_s = target.to_string();
+    let (relay2_proc, relay2) = spawn_server(
+        &hub,
+        "bench-relay2",
+        &["--relay-server", "--upstream", &target_s],
+    )?;
+    let relay2_s = relay2.to_string();
+    let (relay1_proc, relay1) = spawn_server(
+        &hub,
+        "bench-relay1",
+        &["--relay-server", "--upstream", &relay2_s],
+    )?;
 
     let broker = hub.start_broker("b1", &tunnel_yaml)?;
     let agent = hub.start_agent(
@@ -591,14 +712,20 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
     )?;
     tether_e2e::wait_agent_ready(&agent).await?;
     tether_e2e::wait_tunnel(&broker, CLUSTER).await?;
-    let ends = Ends::new(target, broker.client_addr, CLUSTER);
+    let ends = Ends::new(target, relay1, broker.client_addr, CLUSTER);
     let pids = [broker.child.pid(), agent.child.pid()];
-    // CPU of every process on the path: bench client, target, broker, agent.
-    let all_pids = [std::process::id(), target_proc.pid(), pids[0], pids[1]];
-    let path_cpu = || all_pids.map(cpu_secs);
+    // CPU of every process on a path: bench client and target, then the two hops of each path
+    // (none for direct, the relays, broker and agent).
+    let client_target = [std::process::id(), target_proc.pid()];
+    let hops = |via: Via| match via {
+        Via::Direct => vec![],
+        Via::Relay => vec![relay1_proc.pid(), relay2_proc.pid()],
+        Via::Tunnel => pids.to_vec(),
+    };
+    let cpu_of = |p: &[u32]| p.iter().map(|p| cpu_secs(*p)).sum::<f64>();
 
-    // Warm up both paths (connections, allocator, page cache of the binaries).
-    for via in [Via::Direct, Via::Tunnel] {
+    // Warm up every path (connections, allocator, page cache of the binaries).
+    for via in Via::ALL {
         for _ in 0..20 {
             open_first_byte(&ends, via).await?;
         }
@@ -612,70 +739,83 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         if !setup.wants(section) {
             continue;
         }
-        let mut rates = [Vec::new(), Vec::new()];
-        let mut ratios = Vec::new();
-        // CPU seconds per GB: [client+target, broker+agent] for each path.
-        let mut cpu_gb = [[0.0f64; 2]; 2];
-        let mut gbytes = [0.0f64; 2];
+        let mut rates = [Vec::new(), Vec::new(), Vec::new()];
+        let (mut vs_direct, mut vs_relay) = (Vec::new(), Vec::new());
+        // CPU seconds: [client+target, the path's hops] for each path, and GB moved.
+        let mut cpu = [[0.0f64; 2]; 3];
+        let mut gbytes = [0.0f64; 3];
         for round in 0..setup.rounds {
-            let mut r = [0.0f64; 2];
+            let mut r = [0.0f64; 3];
             for via in Setup::order(round) {
-                let cpu0 = path_cpu();
+                let h = hops(via);
+                let cpu0 = (cpu_of(&client_target), cpu_of(&h));
                 let (bytes, secs) = upload(&ends, via, streams, setup.secs).await?;
-                let cpu1 = path_cpu();
-                let d: Vec<f64> = cpu1.iter().zip(cpu0).map(|(a, b)| a - b).collect();
+                let cpu1 = (cpu_of(&client_target), cpu_of(&h));
                 let v = via as usize;
-                cpu_gb[v][0] += d[0] + d[1];
-                cpu_gb[v][1] += d[2] + d[3];
+                cpu[v][0] += cpu1.0 - cpu0.0;
+                cpu[v][1] += cpu1.1 - cpu0.1;
                 gbytes[v] += bytes as f64 / 1e9;
                 r[v] = bytes as f64 / secs;
                 rates[v].push(r[v]);
             }
-            ratios.push(r[1] / r[0]);
+            let [d, rl, t] = r;
+            vs_direct.push(t / d);
+            vs_relay.push(t / rl);
             println!(
-                "  throughput {streams} stream(s), round {}: direct {}, tunnel {} ({:.2}×)",
+                "  throughput {streams} stream(s), round {}: direct {}, relay {}, tunnel {} (tunnel {:.2}× direct, {:.2}× relay)",
                 round + 1,
-                gbit(r[0]),
-                gbit(r[1]),
-                r[1] / r[0]
+                gbit(d),
+                gbit(rl),
+                gbit(t),
+                t / d,
+                t / rl
             );
         }
-        let per_gb = |v: usize, i: usize| cpu_gb[v][i] / gbytes[v];
-        let cpu_note = format!(
+        let per_gb = |v: Via, i: usize| cpu[v as usize][i] / gbytes[v as usize];
+        let total = |v: Via| per_gb(v, 0) + per_gb(v, 1);
+        let cpu_tunnel = format!(
             "CPU-s/GB: direct {:.2}, tunnel {:.2} (client+target {:.2}, broker+agent {:.2})",
-            per_gb(0, 0) + per_gb(0, 1),
-            per_gb(1, 0) + per_gb(1, 1),
-            per_gb(1, 0),
-            per_gb(1, 1)
+            total(Via::Direct),
+            total(Via::Tunnel),
+            per_gb(Via::Tunnel, 0),
+            per_gb(Via::Tunnel, 1)
         );
-        println!("  {cpu_note}");
-        let ratio = median(&ratios);
-        let range = range_note(&ratios);
-        table.add(
-            format!(
+        let cpu_relay = format!(
+            "CPU-s/GB: relay {:.2} (client+target {:.2}, relays {:.2})",
+            total(Via::Relay),
+            per_gb(Via::Relay, 0),
+            per_gb(Via::Relay, 1)
+        );
+        println!("  {cpu_tunnel}; {cpu_relay}");
+        let ratio = median(&vs_direct);
+        let ratio_relay = median(&vs_relay);
+        table.add(Row {
+            what: format!(
                 "throughput, {streams} stream{}",
                 if streams > 1 { "s" } else { "" }
             ),
-            gbit(mean(&rates[0])),
-            gbit(mean(&rates[1])),
-            format!("{ratio:.2}×{range}; {cpu_note}"),
-            format!("≥ {goal}×"),
-            Some(ratio >= goal),
-        );
+            direct: gbit(mean(&rates[0])),
+            relay: gbit(mean(&rates[1])),
+            tunnel: gbit(mean(&rates[2])),
+            result: format!("{ratio:.2}×{}; {cpu_tunnel}", range_note(&vs_direct)),
+            vs_relay: format!("{ratio_relay:.2}×{}; {cpu_relay}", range_note(&vs_relay)),
+            target: format!("≥ {goal}×"),
+            ok: Some(ratio >= goal),
+        });
     }
 
     // 64-byte request/response on an open stream.
     if setup.wants("rr") {
         let per_block = if setup.quick { 500 } else { 1000 };
-        let blocks = if setup.quick { 2 } else { 10 };
+        let blocks = if setup.quick { 3 } else { 12 };
         let mut socks = Vec::new();
-        for via in [Via::Direct, Via::Tunnel] {
+        for via in Via::ALL {
             let mut s = ends.open(via).await?;
             s.write_all(b"E").await?;
             request_response(&mut s, 200, &mut Vec::new()).await?;
             socks.push(s);
         }
-        let mut samples = [Vec::new(), Vec::new()];
+        let mut samples = [Vec::new(), Vec::new(), Vec::new()];
         for block in 0..blocks {
             for via in Setup::order(block) {
                 request_response(
@@ -689,31 +829,32 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         for s in &mut samples {
             s.sort();
         }
-        let [d, t] = &samples;
-        let added = percentile(t, 0.5).as_secs_f64() - percentile(d, 0.5).as_secs_f64();
-        table.add(
-            "64 B request/response p50",
-            us(percentile(d, 0.5)),
-            us(percentile(t, 0.5)),
-            format!("+{:.0} µs", added * 1e6),
-            "≤ +100 µs",
-            Some(added <= 100e-6),
-        );
-        let added99 = percentile(t, 0.99).as_secs_f64() - percentile(d, 0.99).as_secs_f64();
-        table.add(
-            "64 B request/response p99",
-            us(percentile(d, 0.99)),
-            us(percentile(t, 0.99)),
-            format!("+{:.0} µs", added99 * 1e6),
-            "",
-            None,
-        );
+        let [d, r, t] = &samples;
+        for (p, label) in [(0.5, "p50"), (0.99, "p99")] {
+            let (pd, pr, pt) = (percentile(d, p), percentile(r, p), percentile(t, p));
+            let over = pt.as_secs_f64() - pd.as_secs_f64();
+            let p50 = label == "p50";
+            table.add(Row {
+                what: format!("64 B request/response {label}"),
+                direct: us(pd),
+                relay: us(pr),
+                tunnel: us(pt),
+                result: added(pt, pd),
+                vs_relay: format!("{} (relay {} over direct)", added(pt, pr), added(pr, pd)),
+                target: if p50 {
+                    "≤ +100 µs".into()
+                } else {
+                    String::new()
+                },
+                ok: p50.then_some(over <= 100e-6),
+            });
+        }
     }
 
     // New stream: open to first byte.
     if setup.wants("open") {
         let n = if setup.quick { 300 } else { 2000 };
-        let mut samples = [Vec::new(), Vec::new()];
+        let mut samples = [Vec::new(), Vec::new(), Vec::new()];
         for i in 0..n {
             for via in Setup::order(i) {
                 samples[via as usize].push(open_first_byte(&ends, via).await?);
@@ -722,40 +863,34 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         for s in &mut samples {
             s.sort();
         }
-        let [d, t] = &samples;
-        let p50 = percentile(t, 0.5);
-        table.add(
-            "new stream, open → first byte p50",
-            us(percentile(d, 0.5)),
-            us(p50),
-            format!(
-                "+{:.0} µs",
-                (p50.as_secs_f64() - percentile(d, 0.5).as_secs_f64()) * 1e6
-            ),
-            "tunnel ≤ 500 µs",
-            Some(p50 <= Duration::from_micros(500)),
-        );
-        let p99 = percentile(t, 0.99);
-        table.add(
-            "new stream, open → first byte p99",
-            us(percentile(d, 0.99)),
-            us(p99),
-            format!(
-                "+{:.0} µs",
-                (p99.as_secs_f64() - percentile(d, 0.99).as_secs_f64()) * 1e6
-            ),
-            "",
-            None,
-        );
+        let [d, r, t] = &samples;
+        for (p, label) in [(0.5, "p50"), (0.99, "p99")] {
+            let (pd, pr, pt) = (percentile(d, p), percentile(r, p), percentile(t, p));
+            let p50 = label == "p50";
+            table.add(Row {
+                what: format!("new stream, open → first byte {label}"),
+                direct: us(pd),
+                relay: us(pr),
+                tunnel: us(pt),
+                result: added(pt, pd),
+                vs_relay: format!("{} (relay {} over direct)", added(pt, pr), added(pr, pd)),
+                target: if p50 {
+                    "tunnel ≤ 500 µs".into()
+                } else {
+                    String::new()
+                },
+                ok: p50.then_some(pt <= Duration::from_micros(500)),
+            });
+        }
     }
 
-    // Isolation: healthy streams while one reader is stalled.
+    // Isolation: healthy streams while one reader is stalled (direct and tunnel only).
     if setup.wants("stall") {
-        let mut kept = [Vec::new(), Vec::new()];
-        let mut healthy_rate = [Vec::new(), Vec::new()];
+        let mut kept = [Vec::new(), Vec::new(), Vec::new()];
+        let mut healthy_rate = [Vec::new(), Vec::new(), Vec::new()];
         let mut rss_growth = 0u64;
         for round in 0..setup.rounds {
-            for via in Setup::order(round) {
+            for via in Setup::order2(round) {
                 let order = if round.is_multiple_of(2) {
                     [false, true]
                 } else {
@@ -783,20 +918,22 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
                 );
             }
         }
-        let k = median(&kept[1]);
-        table.add(
-            format!("{HEALTHY} healthy streams, 1 reader stalled: kept"),
-            format!("{:.0} %", median(&kept[0]) * 100.0),
-            format!("{:.0} %", k * 100.0),
-            format!(
+        let k = median(&kept[Via::Tunnel as usize]);
+        table.add(Row {
+            what: format!("{HEALTHY} healthy streams, 1 reader stalled: kept"),
+            direct: format!("{:.0} %", median(&kept[Via::Direct as usize]) * 100.0),
+            tunnel: format!("{:.0} %", k * 100.0),
+            result: format!(
                 "{} healthy without stall; broker+agent RSS +{:.1} MiB while stalled",
-                gbit(mean(&healthy_rate[1])),
+                gbit(mean(&healthy_rate[Via::Tunnel as usize])),
                 rss_growth as f64 / (1 << 20) as f64
             ),
-            "tunnel ≥ 90 %",
-            Some(k >= 0.9),
-        );
+            target: "tunnel ≥ 90 %".into(),
+            ok: Some(k >= 0.9),
+            ..Row::default()
+        });
     }
+    drop((relay1_proc, relay2_proc));
 
     // Memory per idle stream, on a fresh broker and agent.
     if setup.wants("idle") {
@@ -816,7 +953,7 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
             )?;
             tether_e2e::wait_agent_ready(&agent2).await?;
             tether_e2e::wait_tunnel(&broker2, "c2").await?;
-            let ends2 = Ends::new(target, broker2.client_addr, "c2");
+            let ends2 = Ends::new(target, relay1, broker2.client_addr, "c2");
             for _ in 0..200 {
                 open_first_byte(&ends2, Via::Tunnel).await?;
             }
@@ -847,11 +984,10 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
             let closed = (rss(bp), rss(ap));
             let per = |a: u64, b: u64| a.saturating_sub(b) as f64 / opened.max(1) as f64 / 1024.0;
             let (pb, pa) = (per(after.0, before.0), per(after.1, before.1));
-            table.add(
-                format!("memory per idle stream ({opened} open)"),
-                "",
-                format!("broker {pb:.1} KiB, agent {pa:.1} KiB"),
-                format!(
+            table.add(Row {
+                what: format!("memory per idle stream ({opened} open)"),
+                tunnel: format!("broker {pb:.1} KiB, agent {pa:.1} KiB"),
+                result: format!(
                     "RSS before/open/closed: broker {}/{}/{} MiB, agent {}/{}/{} MiB; opened in {open_secs:.1} s",
                     before.0 >> 20,
                     after.0 >> 20,
@@ -860,9 +996,10 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
                     after.1 >> 20,
                     closed.1 >> 20
                 ),
-                "reported, bounded",
-                Some(opened == setup.idle),
-            );
+                target: "reported, bounded".into(),
+                ok: Some(opened == setup.idle),
+                ..Row::default()
+            });
         }
     }
 
