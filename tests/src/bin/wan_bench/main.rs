@@ -413,10 +413,11 @@ fn print_tables(outcomes: &[(&Scenario, Outcome)], rounds: usize) {
         let [u, d] = [&o.link[UP], &o.link[DOWN]];
         let gb = (u.bytes + d.bytes) as f64 / 1e9;
         // The emulator is trusted when the measured RTT is within max(1 ms, 5 %) of the
-        // configured one and one direct stream gets at least 85 % of the rate both ways.
+        // configured one and one direct stream gets at least 80 % of the rate both ways (a quick
+        // 5 s measurement at 50 ms RTT loses about 10 % to slow start and the final drain).
         let rtt_ms = f(&r["rr"]["direct_p50_us"]) / 1000.0;
         let want_ms = o.params.one_way.as_secs_f64() * 2e3;
-        let link_ok = (rtt_ms - want_ms).abs() <= (want_ms * 0.05).max(1.0) && up.min(down) >= 0.85;
+        let link_ok = (rtt_ms - want_ms).abs() <= (want_ms * 0.05).max(1.0) && up.min(down) >= 0.8;
         e.add(vec![
             sc.name.into(),
             format!(
