@@ -59,7 +59,10 @@ struct Args {
     /// e.g. "read_chunk_bytes: 65536, max_frame_bytes: 16384".
     #[arg(long)]
     tunnel: Option<String>,
-    /// Run only these sections: tput1, tput8, rr, open, stall, idle (comma-separated).
+    /// Agents in the fleet section (default 1,000, quick 200), all in one process, one broker.
+    #[arg(long)]
+    fleet_agents: Option<usize>,
+    /// Run only these sections: tput1, tput8, rr, open, stall, idle, fleet (comma-separated).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Internal: run as the target server.
@@ -71,6 +74,9 @@ struct Args {
     /// Internal: where a relay forwards to.
     #[arg(long, hide = true)]
     upstream: Option<SocketAddr>,
+    /// Internal: run the agent fleet of the configs in this directory.
+    #[arg(long, hide = true)]
+    agent_fleet: Option<PathBuf>,
     /// Internal: where the target server or a relay writes its address.
     #[arg(long, hide = true)]
     ready_file: Option<PathBuf>,
@@ -85,6 +91,9 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if args.target_server {
         return target_server(args.ready_file.context("--ready-file")?);
+    }
+    if let Some(dir) = args.agent_fleet {
+        return fleet::agent_fleet(dir, relay_workers(args.worker_threads));
     }
     if args.relay_server {
         return relay_server(
@@ -1003,6 +1012,23 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         }
     }
 
+    // Many agents on one broker.
+    if setup.wants("fleet") {
+        let n = args
+            .fleet_agents
+            .unwrap_or(if setup.quick { 200 } else { 1_000 });
+        let needed = 3 * n as u64 + 500;
+        if nofile < needed {
+            println!(
+                "  skipping the fleet: the fd limit {nofile} is below {needed}; run `ulimit -n 65536` first"
+            );
+        } else {
+            let window = Duration::from_secs(if setup.quick { 3 } else { 10 });
+            let row = fleet::fleet_section(&hub, target, n, window, relay_workers(None)).await?;
+            table.add(row);
+        }
+    }
+
     println!();
     table.print();
     println!(
@@ -1022,4 +1048,315 @@ fn range_note(ratios: &[f64]) -> String {
     let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
     let hi = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     format!(" [{lo:.2}–{hi:.2}]")
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fleet section.
+
+/// The `fleet` section: N tunnel-agents (one per cluster `f0001`…) in ONE separate process,
+/// all tunnelled to one fresh broker; connect time, memory per idle tunnel on both sides, idle
+/// broker CPU, and one CONNECT stream to every cluster.
+///
+/// The fleet process is this binary re-executed with `--agent-fleet <dir>`; the parent writes
+/// one agent config per cluster into `<dir>` (JSON, which is also YAML: the agent's own config
+/// type reads it) with a certificate per cluster issued by the hub CA.
+///
+/// Each agent of the fleet runs the agent's tunnel code, [`tunnel_agent::tunnel::run_tunnel`]
+/// (TCP + mTLS to the broker, HTTP/2 server, `hello`, dial handling, keepalive), in a small
+/// reconnect loop with the config's backoff. Not `tunnel_agent::run`: that needs an actix
+/// `System`, and this crate has no dependency that can start one (`actix` / `tether-runtime`
+/// are not dependencies of tether-e2e). So per agent the fleet lacks the connector actor, the
+/// admin listener and the Prometheus registry of a real agent process: its memory per tunnel is
+/// the in-process agent side, approximate (and on glibc malloc, where the agent uses mimalloc).
+mod fleet {
+    use std::net::SocketAddr;
+    use std::path::{Path, PathBuf};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use anyhow::Context as _;
+    use futures::StreamExt as _;
+    use tether_e2e::Hub;
+    use tunnel_agent::config::AgentConfig;
+    use tunnel_agent::tunnel::{AgentShared, TunnelEvent, run_tunnel};
+
+    use super::{Ends, Row, Via, cpu_secs, open_first_byte, percentile, rss};
+
+    /// Streams opened at the same time when reaching every cluster.
+    const OPEN_CONCURRENCY: usize = 64;
+    /// Clusters opened once more one at a time (latency without queueing).
+    const SEQUENTIAL_OPENS: usize = 200;
+    /// Deadline for one CONNECT + first byte.
+    const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
+
+    // ---------------------------------------------------------------------------------------------
+    // The fleet process.
+
+    /// Runs every agent config (`*.json`) in `dir` until killed (or until the parent is gone).
+    pub fn agent_fleet(dir: PathBuf, workers: usize) -> anyhow::Result<()> {
+        tether_tls::install_default_crypto();
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)?
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "json"))
+            .collect();
+        files.sort();
+        let mut cfgs = Vec::with_capacity(files.len());
+        for f in &files {
+            let cfg: AgentConfig = serde_json::from_slice(&std::fs::read(f)?)
+                .with_context(|| format!("agent config {}", f.display()))?;
+            cfgs.push(cfg);
+        }
+        let parent = std::os::unix::process::parent_id();
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .enable_all()
+            .build()?
+            .block_on(async move {
+                let n = cfgs.len();
+                for cfg in cfgs {
+                    tokio::spawn(async move {
+                        let cluster = cfg.cluster.clone();
+                        if let Err(e) = fleet_agent(cfg).await {
+                            eprintln!("agent {cluster}: {e:#}");
+                        }
+                    });
+                }
+                super::write_ready(
+                    &dir.join("fleet.ready"),
+                    &serde_json::json!({ "agents": n }),
+                )?;
+                // Run until the parent kills us; leave by ourselves if it is gone.
+                loop {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    if std::os::unix::process::parent_id() != parent {
+                        anyhow::bail!("parent gone");
+                    }
+                }
+            })
+    }
+
+    /// One agent: a tunnel to its (single) broker endpoint, reconnected with the config's backoff.
+    async fn fleet_agent(cfg: AgentConfig) -> anyhow::Result<()> {
+        let tls = tether_tls::TlsMaterial::load(cfg.tls.clone())?;
+        let shared = Arc::new(AgentShared {
+            cluster: cfg.cluster.clone(),
+            agent: cfg.agent_name(),
+            apiserver: cfg.apiserver.clone(),
+            policy: cfg.policy.clone(),
+            max_dial_timeout: cfg.max_dial_timeout,
+            settings: cfg.tunnel.clone(),
+            metrics: tunnel_agent::metrics::AgentMetrics::new(&Default::default())?,
+            counters: Default::default(),
+            proxy: cfg.proxy_settings()?,
+            proxy_roots: Arc::new(tether_tls::reload::load_roots(&cfg.tls.ca)?),
+        });
+        let endpoint = cfg.brokers.first().context("no broker endpoint")?;
+        let addr = endpoint.addresses.first().context("no broker address")?;
+        let server_name = rustls::pki_types::ServerName::try_from(endpoint.server_name.clone())?;
+        let mut delay = cfg.backoff.initial;
+        loop {
+            let connector = tokio_rustls::TlsConnector::from(Arc::new(
+                tls.client_config(&[tether_tls::ALPN_TUNNEL])?,
+            ));
+            let (tx, mut rx) = tokio::sync::mpsc::channel(4);
+            let tunnel = run_tunnel(
+                addr.clone(),
+                server_name.clone(),
+                connector,
+                Arc::clone(&shared),
+                tx,
+                Default::default(),
+                cfg.shutdown_grace,
+            );
+            tokio::pin!(tunnel);
+            let result = loop {
+                tokio::select! {
+                    r = &mut tunnel => break r,
+                    Some(ev) = rx.recv() => {
+                        if let TunnelEvent::Established { .. } = ev {
+                            delay = cfg.backoff.initial;
+                        }
+                    }
+                }
+            };
+            if let Err(e) = result {
+                eprintln!("agent {}: tunnel ended: {e}", cfg.cluster);
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(cfg.backoff.max);
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------------
+    // The parent side.
+
+    /// Cluster name of fleet agent `i` (1-based).
+    fn cluster(i: usize) -> String {
+        format!("f{i:04}")
+    }
+
+    /// Writes the N agent configs (and their certificates) into `dir`.
+    fn write_configs(
+        hub: &Hub,
+        dir: &Path,
+        n: usize,
+        broker: SocketAddr,
+        target: SocketAddr,
+    ) -> anyhow::Result<()> {
+        std::fs::create_dir_all(dir)?;
+        for i in 1..=n {
+            let c = cluster(i);
+            let tls = hub.pki.issue(
+                &format!("fleet-{c}"),
+                tether_tls::Identity::tunnel_agent(&c, "agent-0"),
+                &[],
+            )?;
+            let cfg = serde_json::json!({
+                "cluster": c,
+                "agent": "agent-0",
+                "tls": { "cert": tls.cert, "key": tls.key, "ca": tls.ca },
+                "brokers": [{ "addresses": [broker.to_string()], "server_name": "tether-broker" }],
+                "apiserver": target.to_string(),
+                "admin_listen": "127.0.0.1:0",
+                "backoff": { "initial": "100ms", "max": "2s", "reset_after": "5s" },
+            });
+            std::fs::write(dir.join(format!("{c}.json")), cfg.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// Thousands with a comma: 1,000.
+    fn thousands(n: usize) -> String {
+        let s = n.to_string();
+        let mut out = String::new();
+        for (i, ch) in s.chars().enumerate() {
+            if i > 0 && (s.len() - i).is_multiple_of(3) {
+                out.push(',');
+            }
+            out.push(ch);
+        }
+        out
+    }
+
+    /// The fleet section; returns its table row.
+    pub async fn fleet_section(
+        hub: &Hub,
+        target: SocketAddr,
+        n: usize,
+        idle_window: Duration,
+        workers: usize,
+    ) -> anyhow::Result<Row> {
+        let broker = hub.start_broker("fleet", "")?;
+        let dir = hub.path().join("fleet");
+        let t = Instant::now();
+        write_configs(hub, &dir, n, broker.agent_addr, target)?;
+        println!(
+            "  fleet: {n} agent configs and certificates written in {:.1} s",
+            t.elapsed().as_secs_f64()
+        );
+        let bp = broker.child.pid();
+        let broker_before = rss(bp);
+
+        let started = Instant::now();
+        let mut cmd = std::process::Command::new(std::env::current_exe()?);
+        cmd.arg("--agent-fleet")
+            .arg(&dir)
+            .arg("--worker-threads")
+            .arg(workers.to_string());
+        let fleet = tether_test_support::Child::spawn("bench-fleet", cmd, hub.path())?;
+        tether_test_support::read_ready_file(&dir.join("fleet.ready"), Duration::from_secs(30))?;
+        // Until the broker counts N tunnels (or the deadline).
+        let deadline = started + Duration::from_secs(60) + Duration::from_millis(50 * n as u64);
+        let mut connected = 0usize;
+        while Instant::now() < deadline {
+            connected = tether_e2e::metric(broker.admin_addr, "tether_broker_tunnels", &[])
+                .await
+                .unwrap_or(0.0) as usize;
+            if connected >= n {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let connect_secs = started.elapsed().as_secs_f64();
+        println!(
+            "  fleet: {connected}/{n} tunnels on the broker after {connect_secs:.1} s; idle window {:.0} s",
+            idle_window.as_secs_f64()
+        );
+
+        // Idle: keepalive PINGs only.
+        let cpu0 = cpu_secs(bp);
+        let w0 = Instant::now();
+        tokio::time::sleep(idle_window).await;
+        let idle_cpu = (cpu_secs(bp) - cpu0) / w0.elapsed().as_secs_f64() * 100.0;
+        let broker_after = rss(bp);
+        let fleet_rss = rss(fleet.pid());
+        let per_broker =
+            broker_after.saturating_sub(broker_before) as f64 / connected.max(1) as f64 / 1024.0;
+        let per_agent = fleet_rss as f64 / n.max(1) as f64 / 1024.0;
+
+        // One stream to every cluster.
+        let t = Instant::now();
+        let results: Vec<anyhow::Result<Duration>> = futures::stream::iter(1..=n)
+            .map(|i| {
+                let ends = Ends::new(target, target, broker.client_addr, &cluster(i));
+                async move {
+                    tokio::time::timeout(OPEN_TIMEOUT, open_first_byte(&ends, Via::Tunnel))
+                        .await
+                        .with_context(|| format!("{} timed out", cluster(i)))?
+                }
+            })
+            .buffer_unordered(OPEN_CONCURRENCY)
+            .collect()
+            .await;
+        let mut opens: Vec<Duration> = results
+            .iter()
+            .filter_map(|r| r.as_ref().ok())
+            .copied()
+            .collect();
+        opens.sort();
+        let reachable = opens.len();
+        let open_secs = t.elapsed().as_secs_f64();
+        // The same without queueing: one at a time, a second stream to the first clusters.
+        let mut one_by_one = Vec::new();
+        for i in 1..=n.min(SEQUENTIAL_OPENS) {
+            let ends = Ends::new(target, target, broker.client_addr, &cluster(i));
+            if let Ok(Ok(d)) =
+                tokio::time::timeout(OPEN_TIMEOUT, open_first_byte(&ends, Via::Tunnel)).await
+            {
+                one_by_one.push(d);
+            }
+        }
+        one_by_one.sort();
+        if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
+            println!(
+                "  fleet: {} clusters unreachable, e.g.: {e:#}",
+                n - reachable
+            );
+        }
+        println!(
+            "  fleet: {reachable}/{n} reached in {open_secs:.1} s ({OPEN_CONCURRENCY} at a time); broker RSS {} → {} MiB, fleet RSS {} MiB",
+            broker_before >> 20,
+            broker_after >> 20,
+            fleet_rss >> 20
+        );
+        drop(fleet);
+        drop(broker);
+
+        let p = |q| percentile(&opens, q).as_micros();
+        Ok(Row {
+            what: format!("{} agents on one broker", thousands(n)),
+            tunnel: format!("{connected}/{n} connected"),
+            result: format!(
+                "connected in {connect_secs:.1} s; broker {per_broker:.1} KiB/tunnel, agent side {per_agent:.0} KiB/tunnel; idle broker CPU {idle_cpu:.1} %; {reachable}/{n} reachable, open p50/p99 {}/{} µs ({OPEN_CONCURRENCY} in flight, {:.0}/s; one at a time p50 {} µs)",
+                p(0.5),
+                p(0.99),
+                reachable as f64 / open_secs,
+                percentile(&one_by_one, 0.5).as_micros()
+            ),
+            target: "reported, bounded".into(),
+            ok: Some(connected >= n && reachable == n),
+            ..Row::default()
+        })
+    }
 }
