@@ -4,8 +4,8 @@
 //!
 //! ```text
 //! cargo build --release -p tether-e2e -p tunnel-broker -p tunnel-agent --bins
-//! sudo ./target/release/tether-wan-bench            # full run, about 5 minutes
-//! sudo ./target/release/tether-wan-bench --quick    # about 1 minute
+//! ./target/release/tether-wan-bench            # as root; full run, about 3.5 minutes
+//! ./target/release/tether-wan-bench --quick    # about 40 s
 //! ```
 //!
 //! Layout (one process, three roles, chosen by hidden flags):
@@ -281,7 +281,7 @@ fn outer(args: Args) -> anyhow::Result<()> {
             },
         ));
     }
-    print_tables(&outcomes, rounds);
+    print_tables(&outcomes);
     println!(
         "\n(median of per-round ratios, range in brackets; {rounds} round(s); load average {} at end; {:.0} s in all)",
         load_average(),
@@ -343,7 +343,7 @@ fn fv(v: &serde_json::Value) -> Vec<f64> {
         .unwrap_or_default()
 }
 
-fn print_tables(outcomes: &[(&Scenario, Outcome)], rounds: usize) {
+fn print_tables(outcomes: &[(&Scenario, Outcome)]) {
     println!();
     let mut t = Table::new(
         &[
@@ -464,7 +464,6 @@ fn print_tables(outcomes: &[(&Scenario, Outcome)], rounds: usize) {
         }
     }
     e.print();
-    let _ = rounds;
     println!(
         "\nTunnel CPU-s per GB (broker / agent): {}",
         outcomes
