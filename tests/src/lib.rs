@@ -14,7 +14,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use tether_test_support::{Child, LeafFiles, Pki, bin, read_ready_file};
+use tether_test_support::{Child, LeafFiles, Pki, bin};
 use tether_tls::Identity;
 
 /// Token of the default test client (`ops`), allowed everywhere.
@@ -115,8 +115,8 @@ impl Hub {
             .arg(&config_path)
             .arg("--ready-file")
             .arg(&ready);
-        let child = Child::spawn(&format!("broker-{id}"), cmd, self.path())?;
-        let r = read_ready_file(&ready, START_TIMEOUT)?;
+        let mut child = Child::spawn(&format!("broker-{id}"), cmd, self.path())?;
+        let r = child.read_ready_file(&ready, START_TIMEOUT)?;
         Ok(Broker {
             id: id.into(),
             agent_addr: addr(&r, "agent")?,
@@ -178,8 +178,8 @@ impl Hub {
             .arg(&config_path)
             .arg("--ready-file")
             .arg(&ready);
-        let child = Child::spawn(&name, cmd, self.path())?;
-        let r = read_ready_file(&ready, START_TIMEOUT)?;
+        let mut child = Child::spawn(&name, cmd, self.path())?;
+        let r = child.read_ready_file(&ready, START_TIMEOUT)?;
         Ok(Agent {
             cluster: cluster.into(),
             admin_addr: addr(&r, "admin")?,
@@ -248,8 +248,8 @@ impl Hub {
             .arg(&cfg_path)
             .arg("--ready-file")
             .arg(&ready);
-        let child = Child::spawn("health-prober", cmd, self.path())?;
-        let r = read_ready_file(&ready, START_TIMEOUT)?;
+        let mut child = Child::spawn("health-prober", cmd, self.path())?;
+        let r = child.read_ready_file(&ready, START_TIMEOUT)?;
         Ok(Prober {
             child,
             admin_addr: addr(&r, "admin")?,

@@ -77,19 +77,63 @@ impl Pki {
 pub struct Child {
     pub name: String,
     inner: Option<std::process::Child>,
+    log: PathBuf,
 }
 
 impl Child {
     /// Spawns `cmd`; stdout/stderr go to `<log_dir>/<name>.log`.
     pub fn spawn(name: &str, mut cmd: Command, log_dir: &Path) -> anyhow::Result<Self> {
-        let log = std::fs::File::create(log_dir.join(format!("{name}.log")))?;
+        let log_path = log_dir.join(format!("{name}.log"));
+        let log = std::fs::File::create(&log_path)?;
         cmd.stdout(Stdio::from(log.try_clone()?))
             .stderr(Stdio::from(log));
         let inner = cmd.spawn().with_context(|| format!("spawn {name}"))?;
         Ok(Self {
             name: name.to_owned(),
             inner: Some(inner),
+            log: log_path,
         })
+    }
+
+    /// Where the process's stdout and stderr go.
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    /// Waits for the process's ready file like [`read_ready_file`], but fails at once — with
+    /// the exit status and the end of its log — if the process exits first.
+    pub fn read_ready_file(
+        &mut self,
+        path: &Path,
+        timeout: Duration,
+    ) -> anyhow::Result<serde_json::Value> {
+        let mut exited = None;
+        let res = wait_until(timeout, &format!("ready file {}", path.display()), || {
+            if let Some(text) = std::fs::read_to_string(path).ok()
+                && let Ok(v) = serde_json::from_str(&text)
+            {
+                return Some(Some(v));
+            }
+            if let Some(status) = self.try_wait() {
+                exited = Some(status);
+                return Some(None);
+            }
+            None
+        });
+        match res? {
+            Some(v) => Ok(v),
+            None => {
+                let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(15).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                bail!(
+                    "{} exited ({}) before writing its ready file; last log lines:\n{}",
+                    self.name,
+                    exited.map_or_else(|| "unknown status".into(), |s| s.to_string()),
+                    tail.join("\n")
+                )
+            }
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -214,4 +258,30 @@ pub fn bin(name: &str) -> anyhow::Result<PathBuf> {
         "binary {name} not found near {}; run `cargo build --workspace --bins` first",
         exe.display()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_wait_fails_at_once_with_the_log_when_the_process_exits() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "echo 'config: bad field'; exit 3"]);
+        let mut child = Child::spawn("quitter", cmd, dir.path()).unwrap();
+        let started = Instant::now();
+        let err = child
+            .read_ready_file(&dir.path().join("never.ready"), Duration::from_secs(30))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "waited for the timeout"
+        );
+        assert!(
+            err.contains("exited") && err.contains("config: bad field"),
+            "{err}"
+        );
+    }
 }
