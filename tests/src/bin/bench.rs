@@ -3,8 +3,8 @@
 //!
 //! ```text
 //! cargo build --release -p tether-e2e -p tunnel-broker -p tunnel-agent --bins
-//! ./target/release/tether-bench            # full run, about 70 s
-//! ./target/release/tether-bench --quick    # smoke run, about 15 s
+//! ./target/release/tether-bench            # full run, about 100 s
+//! ./target/release/tether-bench --quick    # smoke run, about 20 s
 //! ```
 //!
 //! Paths measured:
@@ -20,6 +20,9 @@
 //! process, so 10,000 idle streams fit in the file-descriptor limit); the first byte a client
 //! sends chooses what it does: `S` sink (counts bytes, answers the count on EOF), `G` endless
 //! source, `E` echo, `P` one byte back then echo; nothing = idle.
+//!
+//! The `fleet` section (see [`fleet`]) puts N agents (default 1,000), all in one re-executed
+//! process, on one fresh broker.
 //!
 //! Every measurement interleaves the three paths (rotating their order every round), so load
 //! from other processes hits all of them; figures are ratios of the same run.
@@ -40,7 +43,7 @@ use tokio::net::{TcpListener, TcpStream};
 #[derive(Parser, Debug, Clone)]
 #[command(about)]
 struct Args {
-    /// Short smoke run (~20 s): shorter measurements, one round, 2,000 idle streams.
+    /// Short smoke run (~20 s): shorter measurements, one round, 2,000 idle streams, 200 agents.
     #[arg(long)]
     quick: bool,
     /// Seconds per throughput measurement (default 2, quick 0.5).
