@@ -14,6 +14,8 @@
 //!   processes on the path, without TLS, HTTP/2, CONNECT or auth;
 //! - tunnel: bench client → broker (plain CONNECT port, `CONNECT c1:443`) → mTLS HTTP/2 tunnel →
 //!   agent → target.
+//!   With `--relay stunnel` the two relays are stunnel processes with TLS 1.3 between them (one
+//!   TLS connection and handshake per stream): the classic TLS tunnel in the same topology.
 //!
 //! Broker and agent are the real release binaries (found next to this executable), started with
 //! [`tether_e2e::Hub`]. The target is this binary re-executed with `--target-server` (a separate
@@ -65,6 +67,11 @@ struct Args {
     /// Agents in the fleet section (default 1,000, quick 200), all in one process, one broker.
     #[arg(long)]
     fleet_agents: Option<usize>,
+    /// What the "relay ×2" path runs: `plain` (two plain TCP forwarders, the cost of two more
+    /// processes) or `stunnel` (two stunnel processes with TLS 1.3 between them, one TLS
+    /// connection and handshake per stream: the classic TLS tunnel, same topology as Tether).
+    #[arg(long, value_enum, default_value = "plain")]
+    relay: RelayKind,
     /// Run only these sections: tput1, tput8, rr, open, stall, idle, fleet (comma-separated).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -83,6 +90,22 @@ struct Args {
     /// Internal: where the target server or a relay writes its address.
     #[arg(long, hide = true)]
     ready_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum RelayKind {
+    Plain,
+    Stunnel,
+}
+
+/// The relay path of this run (for the table's column name).
+static RELAY: std::sync::OnceLock<RelayKind> = std::sync::OnceLock::new();
+
+fn relay_column() -> &'static str {
+    match RELAY.get() {
+        Some(RelayKind::Stunnel) => "stunnel ×2",
+        _ => "relay ×2",
+    }
 }
 
 const BUF: usize = 256 << 10;
@@ -565,7 +588,7 @@ impl Table {
         let head = Row {
             what: "measurement".into(),
             direct: "direct".into(),
-            relay: "relay ×2".into(),
+            relay: relay_column().into(),
             tunnel: "tunnel".into(),
             result: "tunnel vs direct".into(),
             vs_relay: "tunnel vs relay".into(),
@@ -663,6 +686,71 @@ fn spawn_server(
     Ok((child, addr))
 }
 
+/// Two stunnel processes: client mode (plain in, TLS 1.3 out) → server mode (TLS in, plain
+/// out to `target`), the server's certificate issued by the bench hub's CA and verified by the
+/// client. stunnel cannot report a port it bound, so free ports are found by binding port 0 and
+/// closing it (a race only with other programs binding ports at that moment).
+async fn stunnel_pair(
+    hub: &Hub,
+    target: SocketAddr,
+) -> anyhow::Result<(
+    (tether_test_support::Child, SocketAddr),
+    (tether_test_support::Child, SocketAddr),
+)> {
+    let exe = ["stunnel4", "stunnel"]
+        .into_iter()
+        .find(|p| Command::new(p).arg("-version").output().is_ok())
+        .context("--relay stunnel needs stunnel (apt-get install stunnel4)")?;
+    let free_port = || -> anyhow::Result<SocketAddr> {
+        Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+    };
+    let tls = hub.pki.issue(
+        "stunnel-server",
+        tether_tls::Identity::Broker {
+            id: "stunnel".into(),
+        },
+        &["localhost"],
+    )?;
+    let (server_addr, client_addr) = (free_port()?, free_port()?);
+    let conf = |name: &str, body: String| -> anyhow::Result<PathBuf> {
+        let path = hub.path().join(format!("{name}.conf"));
+        std::fs::write(&path, format!("foreground = yes\nsyslog = no\n{body}"))?;
+        Ok(path)
+    };
+    let server = conf(
+        "stunnel-server",
+        format!(
+            "[server]\naccept = {server_addr}\nconnect = {target}\ncert = {}\nkey = {}\nsslVersion = TLSv1.3\nsocket = l:TCP_NODELAY=1\nsocket = r:TCP_NODELAY=1\n",
+            tls.cert.display(),
+            tls.key.display()
+        ),
+    )?;
+    let client = conf(
+        "stunnel-client",
+        format!(
+            "[client]\nclient = yes\naccept = {client_addr}\nconnect = {server_addr}\nCAfile = {}\nverifyChain = yes\ncheckHost = localhost\nsslVersion = TLSv1.3\nsocket = l:TCP_NODELAY=1\nsocket = r:TCP_NODELAY=1\n",
+            tls.ca.display()
+        ),
+    )?;
+    let spawn = |name: &str, conf: &PathBuf, addr: SocketAddr| {
+        let mut cmd = Command::new(exe);
+        cmd.arg(conf);
+        let child = tether_test_support::Child::spawn(name, cmd, hub.path())?;
+        anyhow::Ok((child, addr))
+    };
+    let s = spawn("bench-stunnel-server", &server, server_addr)?;
+    let c = spawn("bench-stunnel-client", &client, client_addr)?;
+    for addr in [server_addr, client_addr] {
+        tether_test_support::wait_until_async(
+            Duration::from_secs(10),
+            &format!("stunnel listening on {addr}"),
+            || async move { TcpStream::connect(addr).await.ok().map(|_| ()) },
+        )
+        .await?;
+    }
+    Ok((c, s))
+}
+
 /// `+N µs` (or `−N µs`) between two durations.
 fn added(a: Duration, b: Duration) -> String {
     let d = (a.as_secs_f64() - b.as_secs_f64()) * 1e6;
@@ -688,6 +776,7 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         None => String::new(),
     };
     let started = Instant::now();
+    let _ = RELAY.set(args.relay);
     println!(
         "tether-bench{}: loopback, {} CPUs, load average {} at start, fd limit {nofile}, broker/agent/relay worker threads: {}, tunnel settings: {}",
         if setup.quick { " --quick" } else { "" },
@@ -701,18 +790,24 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
     let hub = Hub::new()?;
     let (target_proc, target) = spawn_server(&hub, "bench-target", &["--target-server"])?;
     // The relay floor: relay 1 → relay 2 → target.
-    let target_s = target.to_string();
-    let (relay2_proc, relay2) = spawn_server(
-        &hub,
-        "bench-relay2",
-        &["--relay-server", "--upstream", &target_s],
-    )?;
-    let relay2_s = relay2.to_string();
-    let (relay1_proc, relay1) = spawn_server(
-        &hub,
-        "bench-relay1",
-        &["--relay-server", "--upstream", &relay2_s],
-    )?;
+    let ((relay1_proc, relay1), (relay2_proc, _relay2)) = match args.relay {
+        RelayKind::Plain => {
+            let target_s = target.to_string();
+            let r2 = spawn_server(
+                &hub,
+                "bench-relay2",
+                &["--relay-server", "--upstream", &target_s],
+            )?;
+            let relay2_s = r2.1.to_string();
+            let r1 = spawn_server(
+                &hub,
+                "bench-relay1",
+                &["--relay-server", "--upstream", &relay2_s],
+            )?;
+            (r1, r2)
+        }
+        RelayKind::Stunnel => stunnel_pair(&hub, target).await?,
+    };
 
     let broker = hub.start_broker("b1", &tunnel_yaml)?;
     let agent = hub.start_agent(
