@@ -398,6 +398,18 @@ async fn addon_is_delivered_through_a_proxy_and_follows_its_config() -> anyhow::
     assert_eq!(proxy_connects(&hub, "proxy-reg", &target), 0);
     assert_eq!(proxy_connects(&hub, "proxy-2", &target), 0);
     let pid = tunnel_agent_pid(&runtime_dir).context("tunnel-agent pid file")?;
+    // The supervised tunnel-agent runs with the data-plane glibc tunable.
+    let environ = std::fs::read(format!("/proc/{pid}/environ"))?;
+    let tunables = environ
+        .split(|b| *b == 0)
+        .find_map(|kv| kv.strip_prefix(b"GLIBC_TUNABLES="))
+        .map(|v| String::from_utf8_lossy(v).into_owned());
+    assert!(
+        tunables
+            .as_deref()
+            .is_some_and(|t| t.contains(tether_runtime::GLIBC_TUNABLES_DATA_PLANE)),
+        "tunnel-agent GLIBC_TUNABLES: {tunables:?}"
+    );
 
     // The registration-agent restarts: its tunnel-agent stops with it and comes back with the
     // same credentials (kept across restarts, no new CSR).

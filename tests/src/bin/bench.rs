@@ -72,6 +72,10 @@ struct Args {
     /// connection and handshake per stream: the classic TLS tunnel, same topology as Tether).
     #[arg(long, value_enum, default_value = "plain")]
     relay: RelayKind,
+    /// Start broker and agent without the data-plane glibc tunable the shipped launchers set
+    /// (`GLIBC_TUNABLES`, see tether_runtime::GLIBC_TUNABLES_DATA_PLANE), to measure its effect.
+    #[arg(long)]
+    glibc_default: bool,
     /// Run only these sections: tput1, tput8, rr, open, stall, idle, fleet (comma-separated).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -787,7 +791,26 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         args.tunnel.as_deref().unwrap_or("defaults"),
     );
 
-    let hub = Hub::new()?;
+    let mut hub = Hub::new()?;
+    // Broker and agent run as the shipped launchers start them (container image, the
+    // registration-agent's supervised tunnel-agent): with the data-plane glibc tunable.
+    let tunables = (!args.glibc_default)
+        .then(|| {
+            let current = std::env::var("GLIBC_TUNABLES").ok();
+            tether_runtime::glibc_tunables_for_child(current.as_deref())
+        })
+        .flatten();
+    if let Some(t) = &tunables {
+        hub.env.push(("GLIBC_TUNABLES".into(), t.clone()));
+    }
+    let inherited = std::env::var("GLIBC_TUNABLES").ok();
+    println!(
+        "broker/agent GLIBC_TUNABLES: {}",
+        tunables
+            .as_deref()
+            .or(inherited.as_deref())
+            .unwrap_or("(unset: glibc defaults)")
+    );
     let (target_proc, target) = spawn_server(&hub, "bench-target", &["--target-server"])?;
     // The relay floor: relay 1 → relay 2 → target.
     let ((relay1_proc, relay1), (relay2_proc, _relay2)) = match args.relay {

@@ -180,6 +180,11 @@ async fn supervise(
             .arg("--ready-file")
             .arg(dir.join(READY_FILE))
             .kill_on_drop(true);
+        // The data-plane memcpy setting (see tether_runtime::GLIBC_TUNABLES_DATA_PLANE).
+        let current = std::env::var("GLIBC_TUNABLES").ok();
+        if let Some(t) = tether_runtime::glibc_tunables_for_child(current.as_deref()) {
+            cmd.env("GLIBC_TUNABLES", t);
+        }
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
