@@ -104,7 +104,10 @@ pub async fn run_tunnel(
     let tcp = connect_transport(&addr, &shared).await?;
     // rustls asks its transport for a few KiB per read; reading the socket in 64 KiB pieces
     // (a buffer held only while data flows) cuts the `recv` calls ~4×.
-    let tcp = tether_tunnel::readahead::ReadAhead::new(tcp);
+    // It also counts received bytes for the adaptive receive window (tether_tunnel::window).
+    let window = shared.settings.adaptive_window();
+    let mut tcp = tether_tunnel::readahead::ReadAhead::new(tcp);
+    tcp.count_into(Arc::clone(&window));
     let tls = match tokio::time::timeout(hs, connector.connect(server_name, tcp)).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
@@ -120,9 +123,6 @@ pub async fn run_tunnel(
             });
         }
     };
-    // Received bytes are counted for the adaptive receive window (see tether_tunnel::window).
-    let window = shared.settings.adaptive_window();
-    let tls = tether_tunnel::window::CountingIo::new(tls, Arc::clone(&window));
     let mut conn = match tokio::time::timeout(
         hs,
         shared.settings.server_builder().handshake::<_, Bytes>(tls),

@@ -17,7 +17,7 @@ use h2::{RecvStream, SendStream};
 use http::{Method, Request, StatusCode};
 use tether_tls::Identity;
 use tether_tunnel::keepalive::WindowSampling;
-use tether_tunnel::window::{AdaptiveWindow, CountingIo};
+use tether_tunnel::window::AdaptiveWindow;
 use tether_tunnel::wire::{self, DialErrorKind};
 use tether_tunnel::{DialError, Target, TunnelSettings};
 use tokio::net::TcpStream;
@@ -368,14 +368,18 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
         } if addon == tether_tls::identity::TUNNEL_ADDON => (cluster.clone(), agent.clone()),
         other => return Err(AcceptError::NotAnAgent(other.to_string())),
     };
-    // Received bytes are counted for the adaptive receive window (see tether_tunnel::window).
+    // The read-ahead below TLS counts received bytes for the adaptive receive window (see
+    // tether_tunnel::window).
     let window = side.settings.adaptive_window();
-    let io = CountingIo::new(tls, Arc::clone(&window));
-    let (send, mut conn) =
-        tokio::time::timeout(hs, side.settings.client_builder().handshake::<_, Bytes>(io))
-            .await
-            .map_err(|_| AcceptError::Timeout(hs))?
-            .map_err(|e| AcceptError::H2(e.to_string()))?;
+    let mut tls = tls;
+    tls.get_mut().0.count_into(Arc::clone(&window));
+    let (send, mut conn) = tokio::time::timeout(
+        hs,
+        side.settings.client_builder().handshake::<_, Bytes>(tls),
+    )
+    .await
+    .map_err(|_| AcceptError::Timeout(hs))?
+    .map_err(|e| AcceptError::H2(e.to_string()))?;
     let ping_pong = conn.ping_pong().expect("ping_pong taken once");
     let (closed_tx, closed_rx) = tokio::sync::oneshot::channel::<String>();
     let closer = tokio_util::sync::CancellationToken::new();

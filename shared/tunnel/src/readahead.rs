@@ -7,12 +7,19 @@
 //! [`ReadAhead`] allocates the buffer when a small read finds nothing buffered and frees it as
 //! soon as it is drained and the socket has nothing more (the read would block), so an idle
 //! tunnel holds none.
+//!
+//! It also counts the bytes the tunnel receives for its adaptive window
+//! ([`ReadAhead::count_into`], see [`crate::window`]).
 
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use std::sync::Arc;
+
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::window::AdaptiveWindow;
 
 /// Size of the read-ahead buffer.
 pub const READ_AHEAD: usize = 64 << 10;
@@ -24,6 +31,7 @@ pub struct ReadAhead<T> {
     buf: Option<Box<[u8]>>,
     pos: usize,
     filled: usize,
+    counter: Option<Arc<AdaptiveWindow>>,
 }
 
 impl<T> ReadAhead<T> {
@@ -33,7 +41,13 @@ impl<T> ReadAhead<T> {
             buf: None,
             pos: 0,
             filled: 0,
+            counter: None,
         }
+    }
+
+    /// Counts every byte read from now on into `window` (the tunnel's received bytes).
+    pub fn count_into(&mut self, window: Arc<AdaptiveWindow>) {
+        self.counter = Some(window);
     }
 
     pub fn get_ref(&self) -> &T {
@@ -53,6 +67,21 @@ impl<T: AsyncRead + Unpin> AsyncRead for ReadAhead<T> {
         out: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        let before = out.filled().len();
+        let res = this.read_into(cx, out);
+        if let Some(c) = &this.counter {
+            let n = out.filled().len() - before;
+            if n > 0 {
+                c.on_received(n);
+            }
+        }
+        res
+    }
+}
+
+impl<T: AsyncRead + Unpin> ReadAhead<T> {
+    fn read_into(&mut self, cx: &mut Context<'_>, out: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = self;
         if this.pos < this.filled {
             let buf = this.buf.as_deref().expect("filled implies a buffer");
             let n = (this.filled - this.pos).min(out.remaining());

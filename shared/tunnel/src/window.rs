@@ -17,19 +17,14 @@
 //! `SETTINGS_INITIAL_WINDOW_SIZE` is legal in HTTP/2; windows of streams with data in flight may
 //! go negative until the data is consumed).
 //!
-//! Layout: [`AdaptiveWindow`] is the per-tunnel state shared by the I/O wrapper
-//! ([`CountingIo`], counts received bytes), the PING loop (`keepalive::run_adaptive`, which
+//! Layout: [`AdaptiveWindow`] is the per-tunnel state shared by the transport (the
+//! [`ReadAhead`](crate::readahead::ReadAhead) below TLS counts received bytes), the PING loop (`keepalive::run_adaptive`, which
 //! samples) and the connection task (applies [`AdaptiveWindow::changed`] with
 //! `set_initial_window_size`). [`BdpEstimator`] is the pure decision logic.
 
-use std::io;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::task::{Context, Poll};
 use std::time::Duration;
-
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Time between the end of one BDP sample and the next while the window is still growing.
 pub const SAMPLE_DELAY: Duration = Duration::from_millis(100);
@@ -102,7 +97,9 @@ impl AdaptiveWindow {
         });
     }
 
-    fn on_received(&self, n: usize) {
+    /// Counts `n` received bytes (called by the tunnel's transport, see
+    /// [`crate::readahead::ReadAhead::count_into`]).
+    pub(crate) fn on_received(&self, n: usize) {
         let total = self.received.fetch_add(n as u64, Ordering::Relaxed) + n as u64;
         if self.waiting.load(Ordering::Relaxed)
             && total >= self.wake_at.load(Ordering::Acquire)
@@ -238,69 +235,6 @@ impl Sampler {
     }
 }
 
-/// The tunnel's transport with received bytes counted into an [`AdaptiveWindow`].
-#[derive(Debug)]
-pub struct CountingIo<T> {
-    inner: T,
-    window: Arc<AdaptiveWindow>,
-}
-
-impl<T> CountingIo<T> {
-    pub fn new(inner: T, window: Arc<AdaptiveWindow>) -> Self {
-        Self { inner, window }
-    }
-
-    pub fn get_ref(&self) -> &T {
-        &self.inner
-    }
-}
-
-impl<T: AsyncRead + Unpin> AsyncRead for CountingIo<T> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let res = Pin::new(&mut self.inner).poll_read(cx, buf);
-        let n = buf.filled().len() - before;
-        if n > 0 {
-            self.window.on_received(n);
-        }
-        res
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for CountingIo<T> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -357,11 +291,13 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn counting_io_counts_reads_and_wakes_a_waiting_sampler() {
+    async fn read_ahead_counts_reads_and_wakes_a_waiting_sampler() {
+        use crate::readahead::ReadAhead;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let shared = AdaptiveWindow::new(4 * MIB, 16 * MIB);
         let (a, mut b) = tokio::io::duplex(1024);
-        let mut io = CountingIo::new(a, Arc::clone(&shared));
+        let mut io = ReadAhead::new(a);
+        io.count_into(Arc::clone(&shared));
         let waiter = {
             let shared = Arc::clone(&shared);
             tokio::spawn(async move { shared.wait_for_data(5).await })
