@@ -5,6 +5,7 @@
 //! bound addresses back from `--ready-file`. Everything is stopped (by PID) on drop.
 
 pub mod apiserver;
+pub mod benchkit;
 pub mod delay;
 pub mod forward_proxy;
 

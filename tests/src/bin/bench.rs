@@ -37,6 +37,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use futures::StreamExt as _;
+use tether_e2e::benchkit::{
+    cpu_secs, load_average, mean, median, percentile, range_note, request_response, sink_count,
+};
 use tether_e2e::{Hub, OPS_TOKEN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -246,19 +249,7 @@ async fn serve_target(mut s: TcpStream) -> std::io::Result<()> {
         return Ok(());
     }
     match mode[0] {
-        b'S' => {
-            let mut buf = vec![0u8; BUF];
-            let mut total = 0u64;
-            loop {
-                let n = s.read(&mut buf).await?;
-                if n == 0 {
-                    break;
-                }
-                total += n as u64;
-            }
-            s.write_all(&total.to_le_bytes()).await?;
-            s.shutdown().await?;
-        }
+        b'S' => sink_count(&mut s, BUF).await?,
         b'G' => {
             let buf = vec![0x5au8; BUF];
             loop {
@@ -464,23 +455,6 @@ async fn download(
     Ok(rate)
 }
 
-/// 64-byte request/response round trips on an open echo stream.
-async fn request_response(
-    s: &mut TcpStream,
-    n: usize,
-    out: &mut Vec<Duration>,
-) -> anyhow::Result<()> {
-    let msg = [7u8; 64];
-    let mut back = [0u8; 64];
-    for _ in 0..n {
-        let t = Instant::now();
-        s.write_all(&msg).await?;
-        s.read_exact(&mut back).await?;
-        out.push(t.elapsed());
-    }
-    Ok(())
-}
-
 /// Connect (+ CONNECT through the tunnel; a relay just connects onward) and get the first byte
 /// back from the target.
 async fn open_first_byte(ends: &Ends, via: Via) -> anyhow::Result<Duration> {
@@ -506,54 +480,8 @@ fn rss(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
-/// CPU seconds a process has run (all its live threads; from schedstat, in ns).
-fn cpu_secs(pid: u32) -> f64 {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return 0.0;
-    };
-    let ns: u64 = tasks
-        .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .sum();
-    ns as f64 / 1e9
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|s| s.split_whitespace().next().map(str::to_owned))
-        .unwrap_or_else(|| "?".into())
-}
-
 // ---------------------------------------------------------------------------------------------
 // Statistics and the table.
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[i]
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let m = v.len() / 2;
-    if !v.len().is_multiple_of(2) {
-        v[m]
-    } else {
-        (v[m - 1] + v[m]) / 2.0
-    }
-}
-
-fn mean(v: &[f64]) -> f64 {
-    v.iter().sum::<f64>() / v.len().max(1) as f64
-}
 
 fn gbit(bytes_per_sec: f64) -> String {
     format!("{:.2} Gbit/s", bytes_per_sec * 8.0 / 1e9)
@@ -1160,15 +1088,6 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         started.elapsed().as_secs_f64()
     );
     Ok(())
-}
-
-fn range_note(ratios: &[f64]) -> String {
-    if ratios.len() < 2 {
-        return String::new();
-    }
-    let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    format!(" [{lo:.2}–{hi:.2}]")
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ use tokio::net::TcpStream;
 use crate::link::{CLUSTER_IP, HUB_IP};
 use crate::stats::{cpu_secs, gbit, median, percentile};
 use crate::target::BUF;
+use tether_e2e::benchkit::request_response;
 
 const CLUSTER: &str = "c1";
 
@@ -300,21 +301,4 @@ async fn download(ends: &Ends, via: Via, dur: Duration) -> anyhow::Result<(u64, 
         n += m as u64;
     }
     Ok((n, start.elapsed().as_secs_f64()))
-}
-
-/// 64-byte request/response round trips on an open echo stream.
-async fn request_response(
-    s: &mut TcpStream,
-    n: usize,
-    out: &mut Vec<Duration>,
-) -> anyhow::Result<()> {
-    let msg = [7u8; 64];
-    let mut back = [0u8; 64];
-    for _ in 0..n {
-        let t = Instant::now();
-        s.write_all(&msg).await?;
-        s.read_exact(&mut back).await?;
-        out.push(t.elapsed());
-    }
-    Ok(())
 }

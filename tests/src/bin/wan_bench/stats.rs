@@ -1,19 +1,6 @@
 //! Small statistics and formatting helpers, and CPU time from `/proc`.
 
-use std::time::Duration;
-
-/// CPU seconds a process has run (all its live threads; from schedstat, in ns).
-pub fn cpu_secs(pid: u32) -> f64 {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return 0.0;
-    };
-    let ns: u64 = tasks
-        .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .sum();
-    ns as f64 / 1e9
-}
+pub use tether_e2e::benchkit::{cpu_secs, load_average, mean, median, percentile, range_note};
 
 /// User and system CPU seconds of this process (`/proc/self/stat`, clock ticks of 10 ms).
 pub fn user_sys_secs() -> (f64, f64) {
@@ -26,50 +13,8 @@ pub fn user_sys_secs() -> (f64, f64) {
     (tick(11), tick(12))
 }
 
-pub fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|s| s.split_whitespace().next().map(str::to_owned))
-        .unwrap_or_else(|| "?".into())
-}
-
-pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[i]
-}
-
-pub fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let m = v.len() / 2;
-    if !v.len().is_multiple_of(2) {
-        v[m]
-    } else {
-        (v[m - 1] + v[m]) / 2.0
-    }
-}
-
-pub fn mean(v: &[f64]) -> f64 {
-    v.iter().sum::<f64>() / v.len().max(1) as f64
-}
-
 pub fn gbit(bytes_per_sec: f64) -> String {
     format!("{:.3} Gbit/s", bytes_per_sec * 8.0 / 1e9)
-}
-
-pub fn range_note(v: &[f64]) -> String {
-    if v.len() < 2 {
-        return String::new();
-    }
-    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    format!(" [{lo:.2}–{hi:.2}]")
 }
 
 /// A markdown table with aligned columns; the first row is the head.

@@ -41,19 +41,7 @@ async fn serve(mut s: TcpStream) -> std::io::Result<()> {
         return Ok(());
     }
     match mode[0] {
-        b'S' => {
-            let mut buf = vec![0u8; BUF];
-            let mut total = 0u64;
-            loop {
-                let n = s.read(&mut buf).await?;
-                if n == 0 {
-                    break;
-                }
-                total += n as u64;
-            }
-            s.write_all(&total.to_le_bytes()).await?;
-            s.shutdown().await?;
-        }
+        b'S' => tether_e2e::benchkit::sink_count(&mut s, BUF).await?,
         b'T' => {
             let mut ms = [0u8; 8];
             s.read_exact(&mut ms).await?;

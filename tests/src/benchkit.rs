@@ -1,0 +1,101 @@
+//! What both benchmark binaries (`tether-bench`, `tether-wan-bench`) measure with: CPU time and
+//! load from `/proc`, percentiles, medians and ratio ranges, the 64-byte request/response loop,
+//! and the target server's byte-counting sink.
+
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// CPU seconds a process has run (all its live threads; from schedstat, in ns).
+pub fn cpu_secs(pid: u32) -> f64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0.0;
+    };
+    let ns: u64 = tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    ns as f64 / 1e9
+}
+
+/// The one-minute load average, as `/proc/loadavg` prints it.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_owned))
+        .unwrap_or_else(|| "?".into())
+}
+
+/// The `p` quantile (0–1) of sorted samples; zero when there are none.
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i]
+}
+
+/// Median (NaN for no samples).
+pub fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let m = v.len() / 2;
+    if !v.len().is_multiple_of(2) {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+pub fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+/// ` [lo–hi]` of per-round ratios (nothing for a single round).
+pub fn range_note(ratios: &[f64]) -> String {
+    if ratios.len() < 2 {
+        return String::new();
+    }
+    let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    format!(" [{lo:.2}–{hi:.2}]")
+}
+
+/// `n` 64-byte request/response round trips on an open echo stream; each round trip's time is
+/// pushed to `out`.
+pub async fn request_response(
+    s: &mut TcpStream,
+    n: usize,
+    out: &mut Vec<Duration>,
+) -> anyhow::Result<()> {
+    let msg = [7u8; 64];
+    let mut back = [0u8; 64];
+    for _ in 0..n {
+        let t = Instant::now();
+        s.write_all(&msg).await?;
+        s.read_exact(&mut back).await?;
+        out.push(t.elapsed());
+    }
+    Ok(())
+}
+
+/// The target's sink: reads to EOF in `buf_len` pieces, then answers the byte count (u64, little
+/// endian) and shuts down — so a throughput figure includes draining every buffer on the way.
+pub async fn sink_count(s: &mut TcpStream, buf_len: usize) -> std::io::Result<()> {
+    let mut buf = vec![0u8; buf_len];
+    let mut total = 0u64;
+    loop {
+        let n = s.read(&mut buf).await?;
+        if n == 0 {
+            break;
+        }
+        total += n as u64;
+    }
+    s.write_all(&total.to_le_bytes()).await?;
+    s.shutdown().await
+}
