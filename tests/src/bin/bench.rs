@@ -1101,24 +1101,20 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
 /// one agent config per cluster into `<dir>` (JSON, which is also YAML: the agent's own config
 /// type reads it) with a certificate per cluster issued by the hub CA.
 ///
-/// Each agent of the fleet runs the agent's tunnel code, [`tunnel_agent::tunnel::run_tunnel`]
-/// (TCP + mTLS to the broker, HTTP/2 server, `hello`, dial handling, keepalive), in a small
-/// reconnect loop with the config's backoff. Not `tunnel_agent::run`: that needs an actix
-/// `System`, and this crate has no dependency that can start one (`actix` / `tether-runtime`
-/// are not dependencies of tether-e2e). So per agent the fleet lacks the connector actor, the
-/// admin listener and the Prometheus registry of a real agent process: its memory per tunnel is
-/// the in-process agent side, approximate (and on glibc malloc, where the agent uses mimalloc).
+/// Each agent of the fleet is the real agent, [`tunnel_agent::run`] (connector actor with
+/// backoff, TLS file watcher, its own Prometheus registry and admin listener on 127.0.0.1:0),
+/// all in one actix `System` of this process. The fleet's memory per agent is therefore close
+/// to a real agent's, except for the process baseline (shared here) and the allocator (glibc
+/// malloc in this binary, mimalloc in the agent's).
 mod fleet {
     use std::net::SocketAddr;
     use std::path::{Path, PathBuf};
-    use std::sync::Arc;
     use std::time::{Duration, Instant};
 
     use anyhow::Context as _;
     use futures::StreamExt as _;
     use tether_e2e::Hub;
     use tunnel_agent::config::AgentConfig;
-    use tunnel_agent::tunnel::{AgentShared, TunnelEvent, run_tunnel};
 
     use super::{Ends, Row, Via, cpu_secs, open_first_byte, percentile, rss};
 
@@ -1148,84 +1144,41 @@ mod fleet {
             cfgs.push(cfg);
         }
         let parent = std::os::unix::process::parent_id();
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(workers)
-            .enable_all()
-            .build()?
-            .block_on(async move {
-                let n = cfgs.len();
-                for cfg in cfgs {
-                    tokio::spawn(async move {
-                        let cluster = cfg.cluster.clone();
-                        if let Err(e) = fleet_agent(cfg).await {
-                            eprintln!("agent {cluster}: {e:#}");
-                        }
-                    });
-                }
-                super::write_ready(
-                    &dir.join("fleet.ready"),
-                    &serde_json::json!({ "agents": n }),
-                )?;
-                // Run until the parent kills us; leave by ourselves if it is gone.
+        // Actors must start inside the actix System: every agent's `run` future is polled
+        // from this block_on (one task; each agent spawns its own tasks and actors).
+        tether_runtime::actix_system(Some(workers)).block_on(async move {
+            let n = cfgs.len();
+            let shutdown = tokio_util::sync::CancellationToken::new();
+            let mut agents = Vec::with_capacity(n);
+            for cfg in cfgs {
+                let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+                let cluster = cfg.cluster.clone();
+                let token = shutdown.child_token();
+                agents.push(async move {
+                    if let Err(e) = tunnel_agent::run(cfg, admin, token).await {
+                        eprintln!("agent {cluster}: {e}");
+                    }
+                });
+            }
+            super::write_ready(
+                &dir.join("fleet.ready"),
+                &serde_json::json!({ "agents": n }),
+            )?;
+            // Run until the parent kills us; leave by ourselves if it is gone.
+            let watch_parent = async {
                 loop {
                     tokio::time::sleep(Duration::from_secs(1)).await;
                     if std::os::unix::process::parent_id() != parent {
-                        anyhow::bail!("parent gone");
-                    }
-                }
-            })
-    }
-
-    /// One agent: a tunnel to its (single) broker endpoint, reconnected with the config's backoff.
-    async fn fleet_agent(cfg: AgentConfig) -> anyhow::Result<()> {
-        let tls = tether_tls::TlsMaterial::load(cfg.tls.clone())?;
-        let shared = Arc::new(AgentShared {
-            cluster: cfg.cluster.clone(),
-            agent: cfg.agent_name(),
-            apiserver: cfg.apiserver.clone(),
-            policy: cfg.policy.clone(),
-            max_dial_timeout: cfg.max_dial_timeout,
-            settings: cfg.tunnel.clone(),
-            metrics: tunnel_agent::metrics::AgentMetrics::new(&Default::default())?,
-            counters: Default::default(),
-            proxy: cfg.proxy_settings()?,
-            proxy_roots: Arc::new(tether_tls::reload::load_roots(&cfg.tls.ca)?),
-        });
-        let endpoint = cfg.brokers.first().context("no broker endpoint")?;
-        let addr = endpoint.addresses.first().context("no broker address")?;
-        let server_name = rustls::pki_types::ServerName::try_from(endpoint.server_name.clone())?;
-        let mut delay = cfg.backoff.initial;
-        loop {
-            let connector = tokio_rustls::TlsConnector::from(Arc::new(
-                tls.client_config(&[tether_tls::ALPN_TUNNEL])?,
-            ));
-            let (tx, mut rx) = tokio::sync::mpsc::channel(4);
-            let tunnel = run_tunnel(
-                addr.clone(),
-                server_name.clone(),
-                connector,
-                Arc::clone(&shared),
-                tx,
-                Default::default(),
-                cfg.shutdown_grace,
-            );
-            tokio::pin!(tunnel);
-            let result = loop {
-                tokio::select! {
-                    r = &mut tunnel => break r,
-                    Some(ev) = rx.recv() => {
-                        if let TunnelEvent::Established { .. } = ev {
-                            delay = cfg.backoff.initial;
-                        }
+                        return;
                     }
                 }
             };
-            if let Err(e) = result {
-                eprintln!("agent {}: tunnel ended: {e}", cfg.cluster);
+            tokio::select! {
+                _ = futures::future::join_all(agents) => {}
+                _ = watch_parent => shutdown.cancel(),
             }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(cfg.backoff.max);
-        }
+            anyhow::bail!("parent gone")
+        })
     }
 
     // ---------------------------------------------------------------------------------------------
