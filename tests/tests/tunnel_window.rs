@@ -40,6 +40,27 @@ async fn broker_windows(broker: &Broker, cluster: &str) -> anyhow::Result<Vec<u6
         .collect())
 }
 
+/// Neither end changed its window.
+async fn assert_no_window_changes(
+    agent: &tether_e2e::Agent,
+    broker: &Broker,
+) -> anyhow::Result<()> {
+    let a = metric(
+        agent.admin_addr,
+        "tether_agent_tunnel_window_changes_total",
+        &[],
+    )
+    .await?;
+    let b = metric(
+        broker.admin_addr,
+        "tether_broker_tunnel_window_changes_total",
+        &[],
+    )
+    .await?;
+    assert_eq!((a, b), (0.0, 0.0), "window changes (agent, broker)");
+    Ok(())
+}
+
 struct Delayed {
     _link: DelayLink,
     agent: tether_e2e::Agent,
@@ -123,24 +144,7 @@ async fn fixed_window_when_adaptation_is_off() -> anyhow::Result<()> {
     let _serial = SERIAL.lock().await;
     let d = delayed_tunnel("fixed", "tunnel:\n  max_stream_window_bytes: 4194304\n").await?;
     transfer(&d).await?;
-    assert_eq!(
-        metric(
-            d.agent.admin_addr,
-            "tether_agent_tunnel_window_changes_total",
-            &[]
-        )
-        .await?,
-        0.0
-    );
-    assert_eq!(
-        metric(
-            d.broker.admin_addr,
-            "tether_broker_tunnel_window_changes_total",
-            &[]
-        )
-        .await?,
-        0.0
-    );
+    assert_no_window_changes(&d.agent, &d.broker).await?;
     assert_eq!(broker_windows(&d.broker, "fixed").await?, vec![BASE_WINDOW]);
     Ok(())
 }
@@ -173,24 +177,7 @@ async fn window_stays_at_base_for_small_exchanges() -> anyhow::Result<()> {
     let bulk = connect_ok(broker.client_addr, &qualified("lan", echo)).await?;
     let t = echo_transfer(bulk, Arc::new(Payload::new()), 128 << 20).await?;
     assert!(t.intact());
-    assert_eq!(
-        metric(
-            agent.admin_addr,
-            "tether_agent_tunnel_window_changes_total",
-            &[]
-        )
-        .await?,
-        0.0
-    );
-    assert_eq!(
-        metric(
-            broker.admin_addr,
-            "tether_broker_tunnel_window_changes_total",
-            &[]
-        )
-        .await?,
-        0.0
-    );
+    assert_no_window_changes(&agent, &broker).await?;
     assert_eq!(broker_windows(&broker, "lan").await?, vec![BASE_WINDOW]);
     Ok(())
 }
