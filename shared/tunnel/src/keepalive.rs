@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::window::{AdaptiveWindow, IDLE_RESET, Sampler};
+use crate::window::{AdaptiveWindow, Sampler};
 
 /// Delay before the first measuring PING.
 pub const FIRST_PING_DELAY: Duration = Duration::from_millis(100);
@@ -62,8 +62,6 @@ pub async fn run_adaptive(
         .filter(|w| w.enabled())
         .map(Sampler::new);
     let mut next_keepalive = Instant::now() + FIRST_PING_DELAY.min(interval);
-    let mut last_received = 0u64;
-    let mut last_data_at = Instant::now();
     loop {
         if let Some(s) = sampler.as_ref() {
             tokio::select! {
@@ -73,22 +71,16 @@ pub async fn run_adaptive(
         } else {
             tokio::time::sleep_until(next_keepalive.into()).await;
         }
-        if let Some(s) = sampler.as_mut() {
-            let received = s.shared.received();
-            if received != last_received {
-                last_received = received;
-                last_data_at = Instant::now();
-            } else if last_data_at.elapsed() >= IDLE_RESET
-                && let Some((old, new)) = s.reset()
-            {
-                tracing::debug!(
-                    from = old,
-                    to = new,
-                    "tunnel idle: receive window back to base"
-                );
-                if let Some(c) = &changes {
-                    c.inc();
-                }
+        if let Some(s) = sampler.as_mut()
+            && let Some((old, new)) = s.reset_if_idle(Instant::now())
+        {
+            tracing::debug!(
+                from = old,
+                to = new,
+                "tunnel idle: receive window back to base"
+            );
+            if let Some(c) = &changes {
+                c.inc();
             }
         }
         let before = sampler.as_ref().map(|s| s.shared.received());

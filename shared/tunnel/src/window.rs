@@ -24,7 +24,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Time between the end of one BDP sample and the next while the window is still growing.
 pub const SAMPLE_DELAY: Duration = Duration::from_millis(100);
@@ -76,14 +76,6 @@ impl AdaptiveWindow {
         *self.window.borrow()
     }
 
-    pub fn base(&self) -> u32 {
-        self.base
-    }
-
-    pub fn max(&self) -> u32 {
-        self.max
-    }
-
     /// Watch of the window; the connection task applies each change.
     pub fn changed(&self) -> tokio::sync::watch::Receiver<u32> {
         self.window.subscribe()
@@ -105,7 +97,10 @@ impl AdaptiveWindow {
             && total >= self.wake_at.load(Ordering::Acquire)
             && self.waiting.swap(false, Ordering::AcqRel)
         {
-            self.data_arrived.notify_one();
+            // Wakes the registered waiter only: a sampler future dropped while waiting (the
+            // keepalive PING came first) leaves no stored permit that would start the next
+            // sample before its bytes arrived.
+            self.data_arrived.notify_waiters();
         }
     }
 
@@ -201,12 +196,35 @@ impl BdpEstimator {
 pub(crate) struct Sampler {
     pub(crate) shared: Arc<AdaptiveWindow>,
     pub(crate) estimator: BdpEstimator,
+    /// `received` when data last flowed (at least [`SAMPLE_TRIGGER_BYTES`] since the mark
+    /// before), and when.
+    data_mark: (u64, Instant),
 }
 
 impl Sampler {
     pub(crate) fn new(shared: Arc<AdaptiveWindow>) -> Self {
         let estimator = BdpEstimator::new(shared.base, shared.max);
-        Self { shared, estimator }
+        let data_mark = (shared.received(), Instant::now());
+        Self {
+            shared,
+            estimator,
+            data_mark,
+        }
+    }
+
+    /// Back to the base window when no data flowed for [`IDLE_RESET`] up to `now`; returns
+    /// `(old, new)` when the window changed. PINGs and PONGs (a few bytes every keepalive
+    /// interval, counted like everything received) are not data.
+    pub(crate) fn reset_if_idle(&mut self, now: Instant) -> Option<(u32, u32)> {
+        let received = self.shared.received();
+        if received.saturating_sub(self.data_mark.0) >= SAMPLE_TRIGGER_BYTES {
+            self.data_mark = (received, now);
+            return None;
+        }
+        if now.saturating_duration_since(self.data_mark.1) < IDLE_RESET {
+            return None;
+        }
+        self.reset()
     }
 
     /// Waits until the next sample should start: data is arriving and the window may still grow.
@@ -227,7 +245,7 @@ impl Sampler {
         Some((old, new))
     }
 
-    pub(crate) fn reset(&mut self) -> Option<(u32, u32)> {
+    fn reset(&mut self) -> Option<(u32, u32)> {
         let old = self.estimator.window();
         let new = self.estimator.reset()?;
         self.shared.set(new);
@@ -288,6 +306,35 @@ mod tests {
         assert!(!e.growing());
         assert_eq!(e.sample(100 * 1_048_576, Duration::from_millis(50)), None);
         assert!(!AdaptiveWindow::new(4 * MIB, MIB).enabled());
+    }
+
+    #[test]
+    fn window_returns_to_base_after_idling_though_pings_keep_arriving() {
+        let shared = AdaptiveWindow::new(4 * MIB, 16 * MIB);
+        let mut sampler = Sampler::new(Arc::clone(&shared));
+        let start = Instant::now();
+        assert_eq!(sampler.estimator.sample(0, 50 * MS), None);
+        shared.on_received(8 << 20);
+        assert!(sampler.sampled(3_670_016, 50 * MS).is_some());
+        assert!(shared.current() > 4 * MIB);
+        // Data flowed: the clock starts now.
+        assert_eq!(sampler.reset_if_idle(start), None);
+        // Only keepalive PINGs/PONGs for 31 s: idle.
+        for s in 1..=31 {
+            shared.on_received(17);
+            let now = start + Duration::from_secs(s);
+            let reset = sampler.reset_if_idle(now);
+            if s < 30 {
+                assert_eq!(reset, None, "reset after {s} s");
+            } else if s == 30 {
+                assert_eq!(reset, Some((7_340_032, 4 * MIB)));
+            }
+        }
+        assert_eq!(shared.current(), 4 * MIB);
+        // Data again, then 30 s of silence: nothing to reset any more.
+        shared.on_received(1 << 20);
+        assert_eq!(sampler.reset_if_idle(start + Duration::from_secs(40)), None);
+        assert_eq!(sampler.reset_if_idle(start + Duration::from_secs(80)), None);
     }
 
     #[tokio::test]
