@@ -171,30 +171,32 @@ fn raise_fd_limit() -> u64 {
 // The target server (a child process).
 
 fn target_server(ready: PathBuf) -> anyhow::Result<()> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?
-        .block_on(async move {
-            let l = TcpListener::bind("127.0.0.1:0").await?;
-            write_ready(
-                &ready,
-                &serde_json::json!({ "addr": l.local_addr()?.to_string() }),
-            )?;
-            loop {
-                let (s, _) = l.accept().await?;
-                tokio::spawn(async move {
-                    let _ = serve_target(s).await;
-                });
-            }
-        })
+    serve_forever(None, ready, serve_target)
 }
 
-/// Writes `info` to `path` atomically (temp file + rename).
-fn write_ready(path: &std::path::Path, info: &serde_json::Value) -> anyhow::Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, info.to_string())?;
-    std::fs::rename(&tmp, path)?;
-    Ok(())
+/// A child server: a tokio runtime (`workers` threads, default one per CPU), a listener on
+/// 127.0.0.1:0 whose address goes into the ready file, and `handle` for every connection.
+fn serve_forever<F, Fut>(workers: Option<usize>, ready: PathBuf, handle: F) -> anyhow::Result<()>
+where
+    F: Fn(TcpStream) -> Fut,
+    Fut: std::future::Future<Output = std::io::Result<()>> + Send + 'static,
+{
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = workers {
+        rt.worker_threads(n);
+    }
+    rt.enable_all().build()?.block_on(async move {
+        let l = TcpListener::bind("127.0.0.1:0").await?;
+        let info = serde_json::json!({ "addr": l.local_addr()?.to_string() });
+        tether_runtime::write_ready_file(&ready, &info)?;
+        loop {
+            let (s, _) = l.accept().await?;
+            let conn = handle(s);
+            tokio::spawn(async move {
+                let _ = conn.await;
+            });
+        }
+    })
 }
 
 /// Tokio workers of a relay: as broker and agent (`--worker-threads` / TETHER_WORKER_THREADS,
@@ -214,23 +216,9 @@ fn relay_server(
     ready: PathBuf,
     workers: Option<usize>,
 ) -> anyhow::Result<()> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(relay_workers(workers))
-        .enable_all()
-        .build()?
-        .block_on(async move {
-            let l = TcpListener::bind("127.0.0.1:0").await?;
-            write_ready(
-                &ready,
-                &serde_json::json!({ "addr": l.local_addr()?.to_string() }),
-            )?;
-            loop {
-                let (s, _) = l.accept().await?;
-                tokio::spawn(async move {
-                    let _ = relay_connection(s, upstream).await;
-                });
-            }
-        })
+    serve_forever(Some(relay_workers(workers)), ready, move |s| {
+        relay_connection(s, upstream)
+    })
 }
 
 /// Forwards both directions with 256 KiB buffers; an EOF is passed on as a write shutdown.
@@ -1161,7 +1149,7 @@ mod fleet {
                     }
                 });
             }
-            super::write_ready(
+            tether_runtime::write_ready_file(
                 &dir.join("fleet.ready"),
                 &serde_json::json!({ "agents": n }),
             )?;

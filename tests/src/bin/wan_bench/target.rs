@@ -22,9 +22,7 @@ pub fn run(ready: &Path) -> anyhow::Result<()> {
         .block_on(async move {
             let l = TcpListener::bind("0.0.0.0:0").await?;
             let info = serde_json::json!({ "port": l.local_addr()?.port() });
-            let tmp = ready.with_extension("tmp");
-            std::fs::write(&tmp, info.to_string())?;
-            std::fs::rename(&tmp, ready)?;
+            tether_runtime::write_ready_file(ready, &info)?;
             loop {
                 let (s, _) = l.accept().await?;
                 tokio::spawn(async move {
