@@ -5,7 +5,8 @@
 //! matters to HTTP/2 flow control — bytes take `delay` to cross, a window is only refilled a
 //! round trip later — not packet loss or TCP congestion control. Each direction holds at most
 //! [`QUEUE_CHUNKS`] reads in flight (bounded memory; a full queue stops reading, which pushes
-//! back on the sender like a full link).
+//! back on the sender like a full link). A read error ends that direction like an EOF (a write
+//! shutdown), so it is not for tests of abort propagation.
 
 use std::net::SocketAddr;
 use std::time::Duration;
