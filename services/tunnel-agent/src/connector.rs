@@ -22,6 +22,7 @@ use tether_tls::TlsMaterial;
 use tokio::sync::mpsc;
 use tokio_rustls::TlsConnector;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::config::BrokerEndpoint;
 use crate::tunnel::{AgentShared, TunnelError, TunnelEvent, run_tunnel};
@@ -160,6 +161,9 @@ pub struct Connector {
     pub established: HashMap<u64, String>,
     /// Cancellation of each live tunnel generation (cancelled = GOAWAY and drain).
     pub tunnel_tokens: HashMap<u64, CancellationToken>,
+    /// Every tunnel task of the agent; shutdown waits on it so each tunnel's last frames and its
+    /// GOAWAY are flushed before the process exits.
+    pub tunnels: TaskTracker,
 }
 
 /// Config reload: new shared settings (proxy, policy, API server, tunnel settings). The
@@ -254,7 +258,7 @@ impl Connector {
         });
         let token = self.shutdown.child_token();
         self.tunnel_tokens.insert(generation, token.clone());
-        let task = tokio::spawn(run_tunnel(
+        let task = self.tunnels.spawn(run_tunnel(
             addr,
             server_name,
             connector,

@@ -39,6 +39,7 @@ use tether_tls::TlsMaterial;
 use tether_tunnel::pump::ByteCounters;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::config::{AgentConfig, BrokerEndpoint};
 use crate::connector::{Connector, EndpointStates, Reconfigure, StopConnector};
@@ -47,6 +48,9 @@ use crate::tunnel::AgentShared;
 
 /// How often the config file is checked for changes.
 pub const CONFIG_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+/// Time beyond `shutdown_grace` that shutdown waits for tunnels to flush their GOAWAY and close.
+pub const SHUTDOWN_FLUSH_MARGIN: Duration =
+    tether_tunnel::lingering::LINGER_TIMEOUT.saturating_add(Duration::from_secs(1));
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -188,6 +192,7 @@ struct Running {
     connectors: BTreeMap<String, (BrokerEndpoint, Addr<Connector>)>,
     metrics: AgentMetrics,
     counters: ByteCounters,
+    tunnels: TaskTracker,
 }
 
 impl Running {
@@ -207,6 +212,7 @@ impl Running {
             avoid: Default::default(),
             established: Default::default(),
             tunnel_tokens: Default::default(),
+            tunnels: self.tunnels.clone(),
         };
         let addr = Supervisor::start_in_arbiter(&Arbiter::current(), move |_| c);
         self.connectors.insert(label, (endpoint.clone(), addr));
@@ -334,6 +340,7 @@ pub async fn run_with_reload(
         connectors: BTreeMap::new(),
         metrics: metrics.clone(),
         counters,
+        tunnels: TaskTracker::new(),
     };
     for endpoint in &cfg.brokers {
         running.start_connector(endpoint);
@@ -383,10 +390,20 @@ pub async fn run_with_reload(
         check_config(path, &mut running, &status, &reload_metrics);
     }
     tracing::info!(grace = ?grace, "shutting down: draining tunnels");
-    // Tunnels see the cancellation through their child tokens and drain within the grace.
-    let deadline = tokio::time::Instant::now() + grace;
-    while metrics.open_streams.get() > 0 && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    // Tunnels see the cancellation through their child tokens: each sends GOAWAY, lets its open
+    // streams finish within the grace, and ends once its connection is closed and flushed.
+    // Waiting for the tunnel tasks, not for the open-stream count to reach zero, keeps a
+    // stream's last bytes and END_STREAM from dying in an unflushed buffer at exit.
+    let tunnels = running.tunnels.clone();
+    tunnels.close();
+    if tokio::time::timeout(grace + SHUTDOWN_FLUSH_MARGIN, tunnels.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            tunnels = tunnels.len(),
+            "tunnels still open after the grace; exiting"
+        );
     }
     admin_task.abort();
     drop(running);

@@ -106,6 +106,12 @@ pub async fn run_tunnel(
     // (a buffer held only while data flows) cuts the `recv` calls ~4×.
     // It also counts received bytes for the adaptive receive window (tether_tunnel::window).
     let window = shared.settings.adaptive_window();
+    // A drained tunnel's close waits for the broker's EOF: closing with its WINDOW_UPDATEs
+    // unread would be a reset that destroys our last DATA frames (tether_tunnel::lingering).
+    let tcp = tether_tunnel::lingering::LingeringClose::new(
+        tcp,
+        tether_tunnel::lingering::LINGER_TIMEOUT,
+    );
     let mut tcp = tether_tunnel::readahead::ReadAhead::new(tcp);
     tcp.count_into(Arc::clone(&window));
     let tls = match tokio::time::timeout(hs, connector.connect(server_name, tcp)).await {
@@ -189,7 +195,10 @@ pub async fn run_tunnel(
                 draining_since = Some(Instant::now());
             }
             _ = tokio::time::sleep(grace_left.unwrap_or(Duration::MAX)), if grace_left.is_some() => {
+                // Streams still open after the grace are reset; the GOAWAY is flushed (bounded)
+                // so the broker learns why instead of seeing the connection vanish.
                 conn.abrupt_shutdown(h2::Reason::NO_ERROR);
+                let _ = tokio::time::timeout(hs, std::future::poll_fn(|cx| conn.poll_closed(cx))).await;
                 return Ok(());
             }
         }

@@ -17,11 +17,14 @@
 //! - [`pump`]: copying between a socket and an HTTP/2 stream with bounded buffers, half-close,
 //!   abort propagation and a write-progress timeout.
 //! - [`readahead`]: a read-ahead buffer below TLS that exists only while data flows.
+//! - [`lingering`]: a closing end reads until the peer's EOF, so its close is never a reset
+//!   that destroys the bytes it sent last.
 //! - [`keepalive`]: HTTP/2 PING liveness checks (and the adaptive window's BDP samples).
 //! - [`window`]: adaptive receive windows sized to the tunnel's bandwidth × round trip.
 
 pub mod address;
 pub mod keepalive;
+pub mod lingering;
 pub mod pattern;
 pub mod pump;
 pub mod readahead;
