@@ -376,6 +376,42 @@ async fn malformed_connect_is_400_with_reason() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A client that sends its first bytes right behind the CONNECT head (without waiting for the
+/// answer) still reads the whole error answer, ended by a clean EOF. The broker closes with a
+/// lingering close, so the unread early bytes cannot turn its close into a reset that destroys
+/// an answer still in its send queue. On loopback the answer leaves at once and Linux hands
+/// queued bytes over before a reset, so this guards the behaviour (the head parser with early
+/// data, the clean end) rather than reproducing the loss, which needs a slow link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn error_answer_survives_early_client_data() -> anyhow::Result<()> {
+    let setup = Setup::start("c1", "", "").await?;
+    for round in 0..20 {
+        let s = tokio::net::TcpStream::connect(setup.broker.client_addr).await?;
+        let (mut rd, mut wr) = s.into_split();
+        let head =
+            format!("CONNECT c1:99999 HTTP/1.1\r\nproxy-authorization: Bearer {OPS_TOKEN}\r\n\r\n");
+        let writer = tokio::spawn(async move {
+            // Early data: more than the broker reads with the head; errors once it has closed.
+            let _ = wr.write_all(head.as_bytes()).await;
+            let _ = wr.write_all(&vec![0x16u8; 4 << 20]).await;
+        });
+        let mut answer = Vec::new();
+        let end = tokio::time::timeout(Duration::from_secs(10), rd.read_to_end(&mut answer))
+            .await
+            .context("the broker never closed")?;
+        let text = String::from_utf8_lossy(&answer);
+        assert!(
+            end.is_ok(),
+            "round {round}: the answer was cut by {end:?} after {} bytes: {text:?}",
+            answer.len()
+        );
+        assert!(text.starts_with("HTTP/1.1 400"), "round {round}: {text:?}");
+        assert!(text.contains("invalid port"), "round {round}: {text:?}");
+        writer.abort();
+    }
+    Ok(())
+}
+
 /// A dial that cannot complete → 504 within the agent's `max_dial_timeout`.
 ///
 /// How the dial is made to hang: every address outside loopback answers at once in the

@@ -14,6 +14,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use tether_tunnel::lingering::{LINGER_TIMEOUT, close_gracefully};
 use tether_tunnel::pump::AbortableWrite;
 use tether_tunnel::pump::{AsyncChunkReader, ResettableWriteHalf, TcpChunkReader, splice};
 use tether_tunnel::wire::DialErrorKind;
@@ -189,7 +190,7 @@ pub async fn serve_plain(broker: Arc<Broker>, mut tcp: TcpStream) {
             Ok(x) => x,
             Err(e) => {
                 let _ = tcp.write_all(&error_response(&e)).await;
-                let _ = tcp.shutdown().await;
+                let _ = close_gracefully(&mut tcp, LINGER_TIMEOUT).await;
                 return;
             }
         };
@@ -242,7 +243,7 @@ pub async fn serve_tls<S: TcpBacked + AsyncRead + AsyncWrite + Unpin + Send + 's
             Ok(x) => x,
             Err(e) => {
                 let _ = io.write_all(&error_response(&e)).await;
-                let _ = io.shutdown().await;
+                let _ = close_gracefully(&mut io, LINGER_TIMEOUT).await;
                 return;
             }
         };

@@ -12,7 +12,9 @@
 //! [`LingeringClose`] wraps a transport. Reads and writes pass straight through; its
 //! `poll_shutdown` first shuts the inner transport's write side (the FIN), then reads until the
 //! peer's EOF, an error, or `timeout` — so the caller (h2's connection, via TLS) finishes only
-//! when the peer has everything, and the socket closes cleanly afterwards.
+//! when the peer has everything, and the socket closes cleanly afterwards. [`close_gracefully`]
+//! does the same once for a connection answered with an error (the broker's CONNECT front end:
+//! a client may have sent its first bytes right behind its request).
 
 use std::future::Future as _;
 use std::io;
@@ -121,6 +123,16 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for LingeringClose<T> {
             }
         }
     }
+}
+
+/// Shuts `io` down and lingers (see the module docs) — for a connection answered with an error
+/// while its peer may still be sending.
+pub async fn close_gracefully<S>(io: &mut S, timeout: Duration) -> io::Result<()>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    use tokio::io::AsyncWriteExt as _;
+    LingeringClose::new(io, timeout).shutdown().await
 }
 
 #[cfg(test)]
