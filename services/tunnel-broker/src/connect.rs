@@ -319,21 +319,7 @@ impl<S: TcpBacked + AsyncRead + Unpin> AsyncRead for ResetOnDrop<S> {
 }
 
 impl<S: TcpBacked + AsyncWrite + Unpin> AsyncWrite for ResetOnDrop<S> {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
-    }
+    tether_tunnel::forward_writes!(io);
 }
 
 /// The write half of a [`ResetOnDrop`] stream: an abort marks it for reset.
@@ -343,21 +329,7 @@ struct AbortFlagWriteHalf<W> {
 }
 
 impl<W: AsyncWrite + Unpin> AsyncWrite for AbortFlagWriteHalf<W> {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().wr).poll_write(cx, buf)
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().wr).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().wr).poll_shutdown(cx)
-    }
+    tether_tunnel::forward_writes!(wr);
 }
 
 impl<W: AsyncWrite + Unpin + Send> AbortableWrite for AbortFlagWriteHalf<W> {

@@ -20,9 +20,11 @@
 //! - [`lingering`]: a closing end reads until the peer's EOF, so its close is never a reset
 //!   that destroys the bytes it sent last.
 //! - [`keepalive`]: HTTP/2 PING liveness checks (and the adaptive window's BDP samples).
+//! - [`forward_writes!`]: the write pass-through of transport wrappers.
 //! - [`window`]: adaptive receive windows sized to the tunnel's bandwidth × round trip.
 
 pub mod address;
+mod forward;
 pub mod keepalive;
 pub mod lingering;
 pub mod pattern;
@@ -36,3 +38,20 @@ pub mod wire;
 pub use address::{AddressError, Dest, Target};
 pub use settings::TunnelSettings;
 pub use wire::{DialError, DialErrorKind};
+
+#[doc(hidden)]
+pub use tokio as __tokio;
+
+/// Helpers shared by this crate's unit tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use tokio::net::{TcpListener, TcpStream};
+
+    /// Two ends of a real loopback TCP connection (port 0).
+    pub async fn tcp_pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (b, _) = l.accept().await.unwrap();
+        (a, b)
+    }
+}

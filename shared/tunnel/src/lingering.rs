@@ -72,29 +72,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for LingeringClose<T> {
 }
 
 impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for LingeringClose<T> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
+    crate::forward_writes!(inner, except_shutdown);
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
@@ -139,14 +117,8 @@ where
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::{TcpListener, TcpStream};
 
-    async fn pair() -> (TcpStream, TcpStream) {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let a = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
-        let (b, _) = l.accept().await.unwrap();
-        (a, b)
-    }
+    use crate::testing::tcp_pair as pair;
 
     /// The closing end has unread bytes from its peer; its last bytes must still arrive whole,
     /// and its shutdown ends at the peer's EOF, not at the timeout.

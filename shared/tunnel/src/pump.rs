@@ -502,14 +502,8 @@ pub async fn splice<R: ChunkReader, W: AbortableWrite>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::net::{TcpListener, TcpStream};
 
-    async fn pair() -> (TcpStream, TcpStream) {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let a = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
-        let (b, _) = l.accept().await.unwrap();
-        (a, b)
-    }
+    use crate::testing::tcp_pair as pair;
 
     #[tokio::test]
     async fn tcp_reader_recycles_and_releases_buffers() {
