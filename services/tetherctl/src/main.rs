@@ -22,6 +22,7 @@
 //! `tether-admin` NATS user.
 
 mod addons;
+mod cert;
 mod clients;
 mod events;
 mod init;
@@ -93,6 +94,11 @@ enum Cmd {
     Init(init::InitArgs),
     /// Write a bootstrap kubeconfig for a managed cluster.
     Join(init::JoinArgs),
+    /// Certificates for hub components, signed by the hub CA (files only).
+    Cert {
+        #[command(subcommand)]
+        what: CertCmd,
+    },
     /// Accept a cluster: approve its CSRs and set spec.hubAcceptsClient=true.
     Accept {
         cluster: String,
@@ -151,6 +157,12 @@ enum Cmd {
         after_help = "Examples:\n  tetherctl completions bash > /etc/bash_completion.d/tetherctl\n  tetherctl completions zsh > \"${fpath[1]}/_tetherctl\""
     )]
     Completions { shell: clap_complete::Shell },
+}
+
+#[derive(Subcommand, Debug)]
+enum CertCmd {
+    /// Issue a broker (server + client auth) or static hub client certificate.
+    Issue(cert::IssueArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -293,6 +305,9 @@ async fn main() {
     let r = match cli.cmd {
         Cmd::Init(a) => init::init(a),
         Cmd::Join(a) => init::join(a),
+        Cmd::Cert {
+            what: CertCmd::Issue(a),
+        } => cert::issue(a),
         Cmd::Accept { cluster, hub } => ops::admin(&hub, &cluster, true).await,
         Cmd::Deny { cluster, hub } => ops::admin(&hub, &cluster, false).await,
         Cmd::Get { what } => match what {

@@ -326,6 +326,32 @@ pub struct CertInfo {
     pub serial_hex: String,
     pub public_key_raw: Vec<u8>,
     pub is_ca: bool,
+    /// Subject alternative names: DNS names as written, IP addresses in their text form.
+    pub sans: Vec<String>,
+}
+
+fn subject_alt_names(cert: &X509Certificate<'_>) -> Vec<String> {
+    use x509_parser::extensions::GeneralName;
+    let Ok(Some(ext)) = cert.subject_alternative_name() else {
+        return Vec::new();
+    };
+    ext.value
+        .general_names
+        .iter()
+        .filter_map(|n| match n {
+            GeneralName::DNSName(d) => Some(d.to_string()),
+            GeneralName::IPAddress(b) => match b.len() {
+                4 => <[u8; 4]>::try_from(*b)
+                    .ok()
+                    .map(|a| std::net::IpAddr::from(a).to_string()),
+                16 => <[u8; 16]>::try_from(*b)
+                    .ok()
+                    .map(|a| std::net::IpAddr::from(a).to_string()),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect()
 }
 
 impl CertInfo {
@@ -367,6 +393,7 @@ impl CertInfo {
             serial_hex: cert.raw_serial_as_string().replace(':', ""),
             public_key_raw: cert.public_key().subject_public_key.data.to_vec(),
             is_ca: cert.is_ca(),
+            sans: subject_alt_names(&cert),
         })
     }
 
@@ -548,14 +575,25 @@ impl HubCa {
     /// Issues a TLS server certificate (e.g. for hub NATS) for the given DNS names / IPs.
     /// Returns (cert PEM, key PEM).
     pub fn issue_server(&self, names: &[String], lifetime: Duration) -> Result<(String, String)> {
+        let cn = names.first().map(String::as_str).unwrap_or("tether-hub");
+        self.issue(cn, names, true, lifetime)
+    }
+
+    /// Issues a certificate with common name `cn` (a hub component's identity, e.g.
+    /// `tether:broker:b1`), the given DNS names / IPs as SANs, client-auth usage and, when
+    /// `server` is set, server-auth usage too. Returns (cert PEM, key PEM).
+    pub fn issue(
+        &self,
+        cn: &str,
+        names: &[String],
+        server: bool,
+        lifetime: Duration,
+    ) -> Result<(String, String)> {
         let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)
             .map_err(|e| PkiError::KeyGeneration(e.to_string()))?;
         let mut params = CertificateParams::default();
         let mut dn = DistinguishedName::new();
-        dn.push(
-            DnType::CommonName,
-            names.first().map(String::as_str).unwrap_or("tether-hub"),
-        );
+        dn.push(DnType::CommonName, cn);
         params.distinguished_name = dn;
         for n in names {
             let san = match n.parse::<std::net::IpAddr>() {
@@ -568,10 +606,15 @@ impl HubCa {
             };
             params.subject_alt_names.push(san);
         }
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
+        params.extended_key_usages = if server {
+            vec![
+                ExtendedKeyUsagePurpose::ServerAuth,
+                ExtendedKeyUsagePurpose::ClientAuth,
+            ]
+        } else {
+            vec![ExtendedKeyUsagePurpose::ClientAuth]
+        };
+        params.use_authority_key_identifier_extension = true;
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         params.serial_number = Some(random_serial());
         validity(&mut params, lifetime);

@@ -3,7 +3,7 @@
 //! - [`backoff`]: jittered exponential backoff with a reset after a healthy period, used by every
 //!   retry loop (agent connectors, NATS reconnects, registration).
 //! - [`process`]: the actix system on a multi-thread tokio runtime, ready files, and the glibc
-//!   tunable launchers give data-plane processes.
+//!   tunable launchers give data-plane processes, atomic file writes with a mode.
 //! - [`shutdown`]: a root [`CancellationToken`](tokio_util::sync::CancellationToken) cancelled on
 //!   SIGTERM or SIGINT, from which every component derives its own child token.
 
@@ -13,6 +13,7 @@ pub mod shutdown;
 
 pub use backoff::{Backoff, BackoffConfig};
 pub use process::{
-    GLIBC_TUNABLES_DATA_PLANE, actix_system, glibc_tunables_for_child, write_ready_file,
+    GLIBC_TUNABLES_DATA_PLANE, actix_system, glibc_tunables_for_child, write_atomic,
+    write_ready_file,
 };
 pub use shutdown::shutdown_token;

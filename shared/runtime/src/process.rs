@@ -23,6 +23,35 @@ pub fn write_ready_file(path: &Path, json: &serde_json::Value) -> std::io::Resul
     std::fs::rename(&tmp, path)
 }
 
+/// Writes `contents` to `path` atomically with permission `mode`: a temp file beside it
+/// (`.<name>.tmp`), fsync, rename. Creates the parent directory. A reader never sees half a
+/// file, and a key is never readable with a wider mode, even briefly.
+pub fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+    if let Some(dir) = dir {
+        std::fs::create_dir_all(dir)?;
+    }
+    let name = path
+        .file_name()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "no file name"))?;
+    let tmp = path.with_file_name(format!(".{}.tmp", name.to_string_lossy()));
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(&tmp)?;
+        // A leftover temp file keeps its old mode: set it explicitly.
+        f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))?;
+        f.write_all(contents)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)
+}
+
 /// glibc tunable the data-plane processes (broker, agent) should run with: `memcpy` uses its
 /// vector loop below 1 MiB instead of `rep movsb` from 2 KiB up. On AMD EPYC with glibc 2.36
 /// (Debian bookworm) `rep movsb` is slow for the mutually misaligned copies userspace TLS makes

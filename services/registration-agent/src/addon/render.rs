@@ -174,21 +174,7 @@ pub fn sha256_hex(b: &[u8]) -> String {
 
 /// Writes `contents` to `dir/name` atomically (temp file + rename) with `mode`.
 pub fn write_atomic(dir: &Path, name: &str, contents: &str, mode: u32) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(".{name}.tmp"));
-    {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(mode)
-            .open(&tmp)?;
-        f.write_all(contents.as_bytes())?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, dir.join(name))
+    tether_runtime::write_atomic(&dir.join(name), contents.as_bytes(), mode)
 }
 
 #[cfg(test)]
