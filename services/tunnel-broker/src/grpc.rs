@@ -2,10 +2,11 @@
 //!
 //! - `tether.tunnel.v1.Dialer/Dial` — the native API: first frame `dial`, answer `result`, then
 //!   `data` both ways; half-close by ending the request stream; abort is a non-OK status.
-//! - `/ProxyService/Proxy` — konnectivity-compatible: DIAL_REQ → DIAL_RSP (error set on
-//!   failure), DATA both ways, CLOSE_REQ → CLOSE_RSP; a broken stream ends with CLOSE_RSP
-//!   carrying the error and a non-OK status. One RPC carries one connection, as konnectivity's
-//!   `CreateSingleUseGrpcTunnel` does.
+//! - `/ProxyService/Proxy` — konnectivity-compatible, in [`konnectivity`]: DIAL_REQ → DIAL_RSP,
+//!   DATA both ways, CLOSE_REQ → graceful close → CLOSE_RSP. One RPC carries one connection.
+//!
+//! Both services accept messages up to [`MAX_MESSAGE_BYTES`] (gRPC's default is 4 MiB), so an
+//! over-large konnectivity DATA gets Tether's own error packet rather than a transport abort.
 //!
 //! Authentication: the TLS client certificate (put into request extensions per connection), or
 //! `authorization: Bearer <token>` metadata. Each RPC's outbound frames go through a bounded
@@ -36,6 +37,13 @@ use tracing::Instrument;
 use crate::auth::ClientId;
 use crate::dial::{Broker, OpenStream};
 
+mod konnectivity;
+
+pub use konnectivity::{CLOSE_GRACE, MAX_DATA_BYTES};
+
+/// Largest gRPC message decoded (gRPC's default, 4 MiB, would abort a 4 MiB konnectivity DATA).
+pub const MAX_MESSAGE_BYTES: usize = 4 * MAX_DATA_BYTES;
+
 /// Frames buffered towards one gRPC client before backpressure reaches the tunnel stream.
 pub const OUTBOUND_FRAMES: usize = 8;
 /// Time a gRPC client has to send its first (dial) message.
@@ -56,12 +64,16 @@ pub struct GrpcFrontEnd {
 
 impl GrpcFrontEnd {
     pub fn new(broker: Arc<Broker>) -> Self {
-        let routes = tonic::service::Routes::new(pb::dialer_server::DialerServer::new(DialerSvc(
-            Arc::clone(&broker),
-        )))
-        .add_service(k::proxy_service_server::ProxyServiceServer::new(
-            KonnectivitySvc(Arc::clone(&broker)),
-        ));
+        let routes = tonic::service::Routes::new(
+            pb::dialer_server::DialerServer::new(DialerSvc(Arc::clone(&broker)))
+                .max_decoding_message_size(MAX_MESSAGE_BYTES),
+        )
+        .add_service(
+            k::proxy_service_server::ProxyServiceServer::new(konnectivity::KonnectivitySvc(
+                Arc::clone(&broker),
+            ))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES),
+        );
         Self { routes, broker }
     }
 
@@ -147,8 +159,6 @@ fn code_of(kind: DialErrorKind) -> pb::DialErrorCode {
 /// What a client message means for the tunnel stream.
 enum Inbound {
     Data(Bytes),
-    /// Close the connection (konnectivity CLOSE_REQ).
-    Close,
     /// Reset the connection (native API `abort`).
     Abort(String),
     Ignore,
@@ -164,9 +174,8 @@ async fn pump<In, Out>(
     out: &mpsc::Sender<Result<Out, Status>>,
     classify: impl Fn(In) -> Inbound,
     wrap: impl Fn(Bytes) -> Out,
-) -> (Result<SpliceStats, SpliceError>, bool) {
+) -> Result<SpliceStats, SpliceError> {
     let mut stats = SpliceStats::default();
-    let mut closed_by_client = false;
     let mut down_bytes = 0u64;
     let result = {
         let up = async {
@@ -180,10 +189,6 @@ async fn pump<In, Out>(
                             if let Some(c) = &broker.counters.to_tunnel {
                                 c.inc_by(n);
                             }
-                        }
-                        Inbound::Close => {
-                            closed_by_client = true;
-                            return Err(AbortReason::Cancelled("client sent CLOSE_REQ".into()));
                         }
                         Inbound::Abort(reason) => {
                             return Err(AbortReason::Cancelled(format!(
@@ -210,6 +215,9 @@ async fn pump<In, Out>(
             while let Some(next) = rx.data().await {
                 let data = next.map_err(|e| h2_abort_reason(&e))?;
                 let n = data.len();
+                if n == 0 {
+                    continue;
+                }
                 if out.send(Ok(wrap(data))).await.is_err() {
                     return Err(AbortReason::Cancelled("client went away".into()));
                 }
@@ -235,10 +243,10 @@ async fn pump<In, Out>(
     };
     stats.from_tunnel_bytes = down_bytes;
     match result {
-        Ok(()) => (Ok(stats), false),
+        Ok(()) => Ok(stats),
         Err(reason) => {
             tx.send_reset(h2::Reason::CANCEL);
-            (Err(SpliceError { reason, stats }), closed_by_client)
+            Err(SpliceError { reason, stats })
         }
     }
 }
@@ -337,7 +345,7 @@ impl pb::dialer_server::Dialer for DialerSvc {
         )));
         tokio::spawn(
             async move {
-                let (r, _) = pump(
+                let r = pump(
                     &broker,
                     inbound,
                     send,
@@ -362,148 +370,6 @@ impl pb::dialer_server::Dialer for DialerSvc {
                         .await;
                 }
                 broker.finish(&ticket, &r);
-            }
-            .instrument(span),
-        );
-        Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))
-    }
-}
-
-struct KonnectivitySvc(Arc<Broker>);
-
-fn packet(kind: k::PacketType, payload: k::packet::Payload) -> k::Packet {
-    k::Packet {
-        r#type: kind as i32,
-        payload: Some(payload),
-    }
-}
-
-#[tonic::async_trait]
-impl k::proxy_service_server::ProxyService for KonnectivitySvc {
-    type ProxyStream = FrameStream<k::Packet>;
-
-    async fn proxy(
-        &self,
-        req: Request<Streaming<k::Packet>>,
-    ) -> Result<Response<Self::ProxyStream>, Status> {
-        let broker = Arc::clone(&self.0);
-        let stream_id = broker.next_stream_id();
-        let connect_id = stream_id as i64;
-        let span = tracing::info_span!(
-            "konnectivity_stream",
-            stream = stream_id,
-            cluster = tracing::field::Empty,
-            target = tracing::field::Empty,
-            client = tracing::field::Empty
-        );
-        let client = authenticate(&broker, &req).map_err(|e| {
-            broker.record_failure("konnectivity", &e);
-            status_of(&e)
-        })?;
-        let mut inbound = req.into_inner();
-        let first = tokio::time::timeout(FIRST_MESSAGE_TIMEOUT, inbound.message())
-            .await
-            .map_err(|_| Status::deadline_exceeded("no DIAL_REQ received"))??;
-        let Some(k::Packet {
-            payload: Some(k::packet::Payload::DialRequest(d)),
-            ..
-        }) = first
-        else {
-            return Err(Status::invalid_argument(
-                "the first packet must be DIAL_REQ",
-            ));
-        };
-        let random = d.random;
-        let (out_tx, out_rx) = mpsc::channel(OUTBOUND_FRAMES);
-        let opened = async {
-            if d.protocol != "tcp" {
-                return Err(DialError::new(
-                    DialErrorKind::BadRequest,
-                    format!("protocol {:?} is not supported (tcp only)", d.protocol),
-                ));
-            }
-            let target = Target::parse(&d.address)
-                .map_err(|e| DialError::new(DialErrorKind::BadRequest, e.to_string()))?;
-            span.record("cluster", target.cluster.as_str());
-            span.record("target", tracing::field::display(&target));
-            span.record("client", client.name.as_str());
-            broker
-                .dial("konnectivity", &client, &target, stream_id, None)
-                .await
-        }
-        .instrument(span.clone())
-        .await;
-        let dial_rsp = |error: String, connect_id: i64| {
-            packet(
-                k::PacketType::DialRsp,
-                k::packet::Payload::DialResponse(k::DialResponse {
-                    error,
-                    connect_id,
-                    random,
-                }),
-            )
-        };
-        let OpenStream { send, recv, ticket } = match opened {
-            Ok(o) => o,
-            Err(e) => {
-                if e.kind == DialErrorKind::BadRequest {
-                    broker.record_failure("konnectivity", &e);
-                }
-                let _ = out_tx.try_send(Ok(dial_rsp(e.to_string(), 0)));
-                return Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))));
-            }
-        };
-        let _ = out_tx.try_send(Ok(dial_rsp(String::new(), connect_id)));
-        tokio::spawn(
-            async move {
-                let (r, closed_by_client) = pump(
-                    &broker,
-                    inbound,
-                    send,
-                    recv,
-                    &out_tx,
-                    |m: k::Packet| match m.payload {
-                        Some(k::packet::Payload::Data(d)) => Inbound::Data(d.data),
-                        Some(k::packet::Payload::CloseRequest(_)) => Inbound::Close,
-                        _ => Inbound::Ignore,
-                    },
-                    |b| {
-                        packet(
-                            k::PacketType::Data,
-                            k::packet::Payload::Data(k::Data {
-                                connect_id,
-                                error: String::new(),
-                                data: b,
-                            }),
-                        )
-                    },
-                )
-                .await;
-                let error = match (&r, closed_by_client) {
-                    (Ok(_), _) | (Err(_), true) => String::new(),
-                    (Err(e), false) => e.reason.to_string(),
-                };
-                let aborted = !error.is_empty();
-                let _ = out_tx
-                    .send(Ok(packet(
-                        k::PacketType::CloseRsp,
-                        k::packet::Payload::CloseResponse(k::CloseResponse {
-                            error: error.clone(),
-                            connect_id,
-                        }),
-                    )))
-                    .await;
-                if aborted {
-                    let _ = out_tx
-                        .send(Err(Status::aborted(format!("stream aborted: {error}"))))
-                        .await;
-                }
-                let outcome = if closed_by_client {
-                    Ok(r.clone().unwrap_or_else(|e| e.stats))
-                } else {
-                    r
-                };
-                broker.finish(&ticket, &outcome);
             }
             .instrument(span),
         );

@@ -24,6 +24,8 @@ pub struct BrokerMetrics {
     pub hub_clients: IntGauge,
     pub tunnels_closed_by_hub: IntCounter,
     pub tunnel_window_changes: IntCounter,
+    /// konnectivity packets answered with an error, cancelled dials and close timeouts.
+    pub konnectivity_errors: IntCounterVec,
 }
 
 impl BrokerMetrics {
@@ -115,6 +117,13 @@ impl BrokerMetrics {
                 "tether_broker_tunnel_window_changes_total",
                 "Changes of a tunnel's adaptive receive window (raised to fit bandwidth x round trip, or back to the base after idling).",
             )?,
+            konnectivity_errors: IntCounterVec::new(
+                Opts::new(
+                    "tether_broker_konnectivity_errors_total",
+                    "konnectivity Proxy events by kind: second_dial, unknown_connect_id, oversize_data (answered with an error packet), dial_cancelled (DIAL_CLS or stream end during a dial), close_timeout (target still open 5 s after CLOSE_REQ, reset), unexpected_packet (ignored).",
+                ),
+                &["kind"],
+            )?,
         };
         tether_telemetry::register_all(
             registry,
@@ -134,6 +143,7 @@ impl BrokerMetrics {
                 Box::new(m.hub_clients.clone()),
                 Box::new(m.tunnels_closed_by_hub.clone()),
                 Box::new(m.tunnel_window_changes.clone()),
+                Box::new(m.konnectivity_errors.clone()),
             ],
         )?;
         Ok(m)
