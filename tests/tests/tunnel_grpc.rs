@@ -2,58 +2,16 @@
 //! over TLS that trusts the test CA: the konnectivity-compatible `ProxyService/Proxy` and the
 //! native `tether.tunnel.v1.Dialer/Dial`, plus the `tether-client` crate's `Dialer`.
 
+mod grpc_support;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{SinkExt as _, StreamExt as _};
+use grpc_support::{channel, next_packet, packet, streaming_request};
 use tether_e2e::{OPS_TOKEN, Payload, Setup, echo_transfer, metric, qualified, rate};
 use tether_proto::konnectivity as k;
 use tether_proto::tunnel::v1 as pb;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
-
-/// A tonic channel to the broker's client TLS port (server name `localhost`, test CA).
-async fn channel(setup: &Setup) -> anyhow::Result<Channel> {
-    let ca = std::fs::read_to_string(setup.hub.pki.ca_path())?;
-    let tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(ca))
-        .domain_name("localhost");
-    Ok(
-        Endpoint::from_shared(format!("https://{}", setup.broker.client_tls_addr))?
-            .tls_config(tls)?
-            .connect_timeout(Duration::from_secs(10))
-            .connect()
-            .await?,
-    )
-}
-
-/// A request whose messages come from the returned sender, with `authorization` metadata.
-fn streaming_request<T: Send + 'static>(
-    token: Option<&str>,
-) -> (
-    futures::channel::mpsc::Sender<T>,
-    tonic::Request<futures::channel::mpsc::Receiver<T>>,
-) {
-    let (tx, rx) = futures::channel::mpsc::channel(16);
-    let mut req = tonic::Request::new(rx);
-    if let Some(t) = token {
-        req.metadata_mut()
-            .insert("authorization", format!("Bearer {t}").parse().unwrap());
-    }
-    (tx, req)
-}
-
-fn packet(t: k::PacketType, payload: k::packet::Payload) -> k::Packet {
-    k::Packet {
-        r#type: t as i32,
-        payload: Some(payload),
-    }
-}
-
-async fn next_packet(inbound: &mut tonic::Streaming<k::Packet>) -> anyhow::Result<k::Packet> {
-    tokio::time::timeout(Duration::from_secs(10), inbound.message())
-        .await??
-        .ok_or_else(|| anyhow::anyhow!("the broker ended the konnectivity stream"))
-}
 
 /// konnectivity round trip: DIAL_REQ → DIAL_RSP (connectID, random echoed), DATA echoed,
 /// CLOSE_REQ → CLOSE_RSP without error; then a failing dial answers DIAL_RSP with the reason,

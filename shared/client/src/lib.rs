@@ -33,6 +33,10 @@ pub const SEND_QUEUE_FRAMES: usize = 8;
 /// Largest data frame sent.
 pub const MAX_FRAME_BYTES: usize = 256 * 1024;
 
+/// How long a stream dropped after `shutdown()` (before the target's EOF) keeps its call open
+/// so that everything written before `shutdown()` still reaches the target.
+pub const LINGER_AFTER_SHUTDOWN: Duration = Duration::from_secs(30);
+
 /// A bearer token. `Debug` never shows it.
 #[derive(Clone)]
 pub struct Token(pub String);
@@ -182,7 +186,7 @@ impl Dialer {
         Ok(DialStream {
             abort: Some(abort_tx),
             tx: PollSender::new(tx),
-            rx: inbound,
+            rx: Some(inbound),
             pending: Bytes::new(),
             eof: false,
             stream_id: result.stream_id,
@@ -295,7 +299,8 @@ pub struct DialStream {
     /// Fired on drop without shutdown (see [`RequestFrames`]).
     abort: Option<tokio::sync::oneshot::Sender<()>>,
     tx: PollSender<pb::DialFrame>,
-    rx: tonic::Streaming<pb::DialFrame>,
+    /// The response stream; taken only by `Drop`.
+    rx: Option<tonic::Streaming<pb::DialFrame>>,
     pending: Bytes,
     eof: bool,
     stream_id: u64,
@@ -336,7 +341,10 @@ impl AsyncRead for DialStream {
             if self.eof {
                 return Poll::Ready(Ok(()));
             }
-            match ready!(Pin::new(&mut self.rx).poll_next(cx)) {
+            let Some(rx) = self.rx.as_mut() else {
+                return Poll::Ready(Ok(()));
+            };
+            match ready!(Pin::new(rx).poll_next(cx)) {
                 Some(Ok(pb::DialFrame {
                     kind: Some(pb::dial_frame::Kind::Data(b)),
                 })) => self.pending = b,
@@ -386,10 +394,28 @@ impl AsyncWrite for DialStream {
 
 impl Drop for DialStream {
     fn drop(&mut self) {
-        if let Some(abort) = self.abort.take()
-            && !self.eof
-        {
-            let _ = abort.send(());
+        if self.eof {
+            return;
         }
+        if let Some(abort) = self.abort.take() {
+            let _ = abort.send(());
+            return;
+        }
+        // Shut down gracefully but dropped before the target's EOF: dropping the response
+        // stream now would cancel the call and the frames still queued (written before
+        // `shutdown()`) would never reach the target. Read on, discarding, until the broker
+        // ends the call, for at most `LINGER_AFTER_SHUTDOWN`.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let Some(mut rx) = self.rx.take() else {
+            return;
+        };
+        rt.spawn(async move {
+            let _ = tokio::time::timeout(LINGER_AFTER_SHUTDOWN, async {
+                while let Ok(Some(_)) = rx.message().await {}
+            })
+            .await;
+        });
     }
 }
