@@ -94,7 +94,7 @@ async fn read_head<S: AsyncRead + Unpin>(s: &mut S) -> Result<(Head, Bytes), Dia
                 Err(e) => {
                     return Err(DialError::new(
                         DialErrorKind::BadRequest,
-                        format!("malformed request: {e}"),
+                        describe_malformed(&buf, e),
                     ));
                 }
             }
@@ -108,6 +108,42 @@ async fn read_head<S: AsyncRead + Unpin>(s: &mut S) -> Result<(Head, Bytes), Dia
                 format!("no complete request head within {HEAD_TIMEOUT:?}"),
             )
         })?
+}
+
+/// Names what is wrong with a head httparse rejected (its own messages, such as "invalid
+/// token" for a bare `CONNECT`, read like an authentication failure).
+fn describe_malformed(buf: &[u8], e: httparse::Error) -> String {
+    const USAGE: &str = "send `CONNECT <host>:<port> HTTP/1.1`";
+    if buf.first() == Some(&0x16) {
+        return "this looks like a TLS handshake: this port speaks plain HTTP CONNECT (use the                 client TLS port for TLS)"
+            .into();
+    }
+    let end = buf
+        .windows(2)
+        .position(|w| w == b"\r\n")
+        .unwrap_or(buf.len());
+    let line = String::from_utf8_lossy(&buf[..end.min(200)]);
+    let words: Vec<&str> = line.split(' ').filter(|w| !w.is_empty()).collect();
+    match (e, words.as_slice()) {
+        (httparse::Error::TooManyHeaders, _) => {
+            format!("malformed request: more than {MAX_HEADERS} header lines")
+        }
+        (httparse::Error::HeaderName | httparse::Error::HeaderValue, _) => {
+            format!("malformed request: a header line is not `name: value` ({e})")
+        }
+        (_, []) => format!("malformed request: empty request line; {USAGE}"),
+        (_, [m]) => format!(
+            "malformed request line {line:?}: the method {m:?} has no target and no HTTP \
+             version; {USAGE}"
+        ),
+        (_, [_, _]) => {
+            format!("malformed request line {line:?}: no HTTP version after the target; {USAGE}")
+        }
+        (_, [_, _, v]) if !v.starts_with("HTTP/1.") => {
+            format!("malformed request line {line:?}: unsupported HTTP version {v:?}; {USAGE}")
+        }
+        _ => format!("malformed request line {line:?} ({e}); {USAGE}"),
+    }
 }
 
 fn error_response(e: &DialError) -> Vec<u8> {
@@ -335,5 +371,38 @@ impl<W: AsyncWrite + Unpin> AsyncWrite for AbortFlagWriteHalf<W> {
 impl<W: AsyncWrite + Unpin + Send> AbortableWrite for AbortFlagWriteHalf<W> {
     fn abort(&mut self) {
         self.aborted.store(true, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn head_error(head: &[u8]) -> String {
+        let mut s = head;
+        match read_head(&mut s).await {
+            Err(e) => e.message,
+            Ok(_) => panic!("{:?} parsed", String::from_utf8_lossy(head)),
+        }
+    }
+
+    #[tokio::test]
+    async fn malformed_heads_name_the_problem() {
+        let bare = head_error(b"CONNECT\r\n\r\n").await;
+        assert!(bare.contains("no target and no HTTP version"), "{bare}");
+        assert!(!bare.contains("token"), "{bare}");
+        let no_version = head_error(b"CONNECT c1:443\r\n\r\n").await;
+        assert!(no_version.contains("no HTTP version"), "{no_version}");
+        let version = head_error(b"CONNECT c1:443 HTTP/2.0\r\n\r\n").await;
+        assert!(
+            version.contains("unsupported HTTP version \"HTTP/2.0\""),
+            "{version}"
+        );
+        let header = head_error(b"CONNECT c1:443 HTTP/1.1\r\nbad header\r\n\r\n").await;
+        assert!(header.contains("name: value"), "{header}");
+        let tls = head_error(&[0x16, 3, 1, 0, 5, 1, 2, 3, 4, 5]).await;
+        assert!(tls.contains("TLS handshake"), "{tls}");
+        let method = head_error(b"GET / HTTP/1.1\r\n\r\n").await;
+        assert!(method.contains("method GET not supported"), "{method}");
     }
 }
