@@ -115,7 +115,8 @@ async fn read_head<S: AsyncRead + Unpin>(s: &mut S) -> Result<(Head, Bytes), Dia
 fn describe_malformed(buf: &[u8], e: httparse::Error) -> String {
     const USAGE: &str = "send `CONNECT <host>:<port> HTTP/1.1`";
     if buf.first() == Some(&0x16) {
-        return "this looks like a TLS handshake: this port speaks plain HTTP CONNECT (use the                 client TLS port for TLS)"
+        return "malformed request: this looks like a TLS handshake, but this port speaks \
+                plain HTTP CONNECT (use the client TLS port for TLS)"
             .into();
     }
     let end = buf
