@@ -1,5 +1,5 @@
 //! `tetherctl cert issue`: certificates for hub components (brokers, static hub clients such as
-//! the health-prober) signed by the hub CA that `tetherctl init` wrote. Files only, no network:
+//! the health-prober) and static tunnel-agents, signed by the hub CA that `tetherctl init` wrote. Files only, no network:
 //! what the compose init service and the Helm bootstrap Job run instead of host `openssl`.
 //!
 //! Output in `--out`: `<name>.crt`, `<name>.key` (mode 0600 unless `--key-mode`), `ca.crt`.
@@ -16,14 +16,16 @@ use tether_tls::Identity;
 
 #[derive(clap::Args, Debug)]
 #[command(
-    after_help = "Examples:\n  tetherctl cert issue --dir hub --identity broker:b1 --san broker-b1 --san localhost --out certs\n  tetherctl cert issue --dir hub --identity client:health-prober --out certs --if-valid"
+    after_help = "Examples:\n  tetherctl cert issue --dir hub --identity broker:b1 --san broker-b1 --san localhost --out certs\n  tetherctl cert issue --dir hub --identity client:health-prober --out certs --if-valid\n  tetherctl cert issue --dir hub --identity agent:c1:agent-0 --out certs"
 )]
 pub struct IssueArgs {
     /// The hub directory `tetherctl init` wrote (its CA signs the certificate).
     #[arg(long, default_value = "hub")]
     pub dir: PathBuf,
-    /// Who the certificate names: `broker:<id>` (server and client auth) or `client:<name>`
-    /// (client auth only).
+    /// Who the certificate names: `broker:<id>` (server and client auth), `client:<name>`
+    /// (client auth only) or `agent:<cluster>:<agent>` (a static tunnel-agent, CN
+    /// `system:open-cluster-management:cluster:<cluster>:addon:cluster-proxy:agent:<agent>`;
+    /// client auth only).
     #[arg(long)]
     pub identity: String,
     /// DNS names / IP addresses peers dial (repeatable; brokers need the names agents,
@@ -58,8 +60,23 @@ fn parse_mode(s: &str) -> Result<u32, String> {
 /// The identity a `--identity` value names, and whether it gets server-auth usage.
 fn parse_identity(s: &str) -> anyhow::Result<(Identity, bool)> {
     let (kind, name) = s.split_once(':').with_context(|| {
-        format!("invalid --identity {s:?}: expected broker:<id> or client:<name>")
+        format!("invalid --identity {s:?}: expected broker:<id>, client:<name> or agent:<cluster>:<agent>")
     })?;
+    if kind == "agent" {
+        // A static tunnel-agent certificate (OCM add-on agent CN, longer than openssl's
+        // 64-character limit for commonName): client-auth usage only.
+        let (cluster, agent) = name
+            .split_once(':')
+            .filter(|(c, a)| {
+                tether_pki::subject::is_dns_label(c) && tether_pki::subject::is_dns_label(a)
+            })
+            .with_context(|| {
+                format!(
+                    "invalid --identity {s:?}: expected agent:<cluster>:<agent>, both DNS-1123 labels"
+                )
+            })?;
+        return Ok((Identity::tunnel_agent(cluster, agent), false));
+    }
     if !tether_pki::subject::is_dns_label(name) {
         bail!(
             "invalid --identity {s:?}: {name:?} is not a DNS-1123 label (a-z, 0-9, '-', at most 63)"
@@ -78,7 +95,7 @@ fn parse_identity(s: &str) -> anyhow::Result<(Identity, bool)> {
             },
             false,
         )),
-        _ => bail!("invalid --identity {s:?}: kind {kind:?} is neither broker nor client"),
+        _ => bail!("invalid --identity {s:?}: kind {kind:?} is not broker, client or agent"),
     }
 }
 
@@ -92,6 +109,7 @@ pub fn issue(a: IssueArgs) -> anyhow::Result<()> {
     let ca = HubCa::from_pem(&ca_cert, &ca_key).context("loading the hub CA")?;
     let stem = a.name.clone().unwrap_or_else(|| match &identity {
         Identity::Broker { id } => format!("broker-{id}"),
+        Identity::AddonAgent { cluster, agent, .. } => format!("agent-{cluster}-{agent}"),
         _ => identity_name(&a.identity),
     });
     let cert_path = a.out.join(format!("{stem}.crt"));
@@ -165,7 +183,15 @@ mod tests {
         let e = parse_identity("b1").unwrap_err().to_string();
         assert!(e.contains("broker:<id>"), "{e}");
         let e = parse_identity("peer:b1").unwrap_err().to_string();
-        assert!(e.contains("neither broker nor client"), "{e}");
+        assert!(e.contains("not broker, client or agent"), "{e}");
+        let agent = parse_identity("agent:c1:agent-0").unwrap();
+        assert_eq!(
+            agent.0.common_name(),
+            "system:open-cluster-management:cluster:c1:addon:cluster-proxy:agent:agent-0"
+        );
+        assert!(!agent.1, "agent certificates are client-only");
+        let e = parse_identity("agent:c1").unwrap_err().to_string();
+        assert!(e.contains("agent:<cluster>:<agent>"), "{e}");
         let e = parse_identity("broker:B_1").unwrap_err().to_string();
         assert!(e.contains("DNS-1123"), "{e}");
         assert_eq!(parse_mode("0640"), Ok(0o640));
