@@ -485,3 +485,58 @@ async fn konnectivity_dial_cls_cancels_pending_dial() -> anyhow::Result<()> {
     println!("DIAL_CLS ended the pending dial in {took:?}");
     Ok(())
 }
+
+/// A target that reads to the FIN and then keeps its side open: the client still gets
+/// CLOSE_RSP after the broker's 5 s close grace (the tunnel stream is then reset), every byte
+/// and the FIN arrived first, and the timeout is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn konnectivity_close_is_bounded_when_the_target_stays_open() -> anyhow::Result<()> {
+    let setup = Setup::start("c1", "", "").await?;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let target = l.local_addr()?;
+    let (seen_tx, mut seen_rx) = mpsc::channel(1);
+    tokio::spawn(async move {
+        let Ok((mut s, _)) = l.accept().await else {
+            return;
+        };
+        let mut got = Vec::new();
+        let fin = s.read_to_end(&mut got).await.is_ok();
+        // The test holds the socket open.
+        let _ = seen_tx.send((got, fin, s)).await;
+    });
+    let mut client = k::proxy_service_client::ProxyServiceClient::new(channel(&setup).await?);
+    let (mut tx, req) = streaming_request::<k::Packet>(Some(OPS_TOKEN));
+    tx.send(dial_req(qualified("c1", target), 3)).await?;
+    let mut inbound = client.proxy(req).await?.into_inner();
+    let connect_id = match next_packet(&mut inbound).await?.payload {
+        Some(k::packet::Payload::DialResponse(d)) if d.error.is_empty() => d.connect_id,
+        other => anyhow::bail!("expected a successful DIAL_RSP, got {other:?}"),
+    };
+    let started = Instant::now();
+    tx.send(data(connect_id, Bytes::from_static(b"all of it")))
+        .await?;
+    tx.send(close_req(connect_id)).await?;
+    let (got, fin, held) = tokio::time::timeout(Duration::from_secs(10), seen_rx.recv())
+        .await?
+        .expect("the target reports");
+    assert_eq!(got, b"all of it");
+    assert!(fin, "the target saw a FIN before anything else");
+    let rsp = tokio::time::timeout(Duration::from_secs(20), inbound.message()).await??;
+    let took = started.elapsed();
+    match rsp.and_then(|p| p.payload) {
+        Some(k::packet::Payload::CloseResponse(c)) => {
+            assert_eq!(c.connect_id, connect_id);
+            assert_eq!(c.error, "");
+        }
+        other => panic!("expected CLOSE_RSP, got {other:?}"),
+    }
+    let grace = tunnel_broker::grpc::CLOSE_GRACE;
+    assert!(
+        took >= grace && took < grace + Duration::from_secs(10),
+        "CLOSE_RSP after the close grace, took {took:?}"
+    );
+    let text = metrics_text(&setup).await?;
+    assert_eq!(konnectivity_errors(&text, "close_timeout"), 1.0);
+    drop(held);
+    Ok(())
+}
