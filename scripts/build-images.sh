@@ -21,7 +21,8 @@
 #
 # Usage: bash scripts/build-images.sh [--force-base]   (--force-base re-creates the rootfs images)
 # Environment: TETHER_IMAGE_CACHE, TETHER_DEBIAN_MIRROR (default: the first URI of
-# /etc/apt/sources.list*), TETHER_SKIP_CARGO=1, TETHER_PROFILE=release|debug.
+# /etc/apt/sources.list*), TETHER_SKIP_CARGO=1, TETHER_PROFILE=release|debug, TETHER_BIN_DIR
+# (take the binaries from this directory as they are; tests/tests/compose_stack.rs uses it).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -148,7 +149,10 @@ fi
 
 # --- tether:dev (host-built binaries) ---
 profile=${TETHER_PROFILE:-}
-if [ -z "$profile" ]; then
+bin_dir=${TETHER_BIN_DIR:-}
+if [ -n "$bin_dir" ]; then
+  profile=given
+elif [ -z "$profile" ]; then
   profile=release
   for b in "${bins[@]}"; do [ -x "$root/target/release/$b" ] || profile=debug; done
 fi
@@ -158,12 +162,13 @@ if [ "$profile" = debug ] && [ "${TETHER_SKIP_CARGO:-0}" != 1 ]; then
   log "cargo build --bins ${pkgs[*]} (debug)"
   (cd "$root" && cargo build --bins "${pkgs[@]}")
 fi
+[ -n "$bin_dir" ] || bin_dir=$root/target/$profile
 for b in "${bins[@]}"; do
-  [ -x "$root/target/$profile/$b" ] || die "target/$profile/$b missing"
+  [ -x "$bin_dir/$b" ] || die "$bin_dir/$b missing (cargo build --bins -p $b)"
   # Debug info is most of a debug binary; symbols stay for backtraces.
-  objcopy --strip-debug "$root/target/$profile/$b" "$ctx/bin/$b"
+  objcopy --strip-debug "$bin_dir/$b" "$ctx/bin/$b"
 done
-log "tether:dev from target/$profile ($(du -sh "$ctx/bin" | cut -f1) of binaries)"
+log "tether:dev from $bin_dir ($(du -sh "$ctx/bin" | cut -f1) of binaries)"
 docker build -q --target prebuilt --build-arg RUNTIME_BASE=tether-base:$suite \
   -t tether:dev -f "$root/compose/Dockerfile" "$ctx" >/dev/null
 rm -rf "$ctx"
