@@ -11,7 +11,9 @@
 #                      edge-2's HTTPS proxy certificate and basic-auth files, and each cluster's
 #                      bootstrap kubeconfig (tetherctl join, through its proxy)
 set -eu
-umask 077
+# Directories 0750 (group 65532: squid-edge-2 runs with that supplementary group to read its key
+# and password hashes); keys are written 0600 by tetherctl unless --key-mode says otherwise.
+umask 027
 hub=/etc/tether/hub certs=/etc/tether/certs sim=/etc/tether/sim
 
 if [ ! -f "$hub/hub.yaml" ]; then
@@ -46,6 +48,7 @@ tetherctl cert issue --dir "$sim/ca" --identity broker:squid-edge-2 --san squid 
   --san squid-edge-2 --out "$sim/edge-2" --name proxy --key-mode 0640 --if-valid
 if [ ! -f "$sim/edge-2/proxy.password" ]; then
   head -c 24 /dev/urandom | base64 | tr -d '/+=' >"$sim/edge-2/proxy.password"
+  chmod 0600 "$sim/edge-2/proxy.password"
 fi
 # squid's basic_ncsa_auth reads MD5-crypt hashes; perl-base is part of every Debian system.
 PW=$(cat "$sim/edge-2/proxy.password") perl -e \
@@ -66,6 +69,4 @@ if [ ! -f "$sim/edge-2/bootstrap.kubeconfig" ]; then
     --proxy-url "https://tether:$(cat "$sim/edge-2/proxy.password")@squid:3129" \
     --proxy-ca-file "$sim/ca/ca.crt" --out "$sim/edge-2/bootstrap.kubeconfig"
 fi
-# The agents and workloads read their files as uid 65532 (this container's user).
-chmod -R go-w "$sim" "$certs"
 echo "init: done"

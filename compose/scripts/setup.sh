@@ -3,11 +3,14 @@
 # idempotent). ClusterManagementAddOn with Manual install; each cluster's ManagedClusterAddOn
 # names its own AddOnDeploymentConfig, i.e. its own proxy: edge-1 an HTTP proxy, edge-2 an
 # HTTPS proxy with basic auth whose CA (caBundle) is the simulated clusters' CA.
+# A ManagedClusterAddOn lives in its cluster's namespace: the hub removes one whose cluster
+# does not exist (yet), so those are applied once both clusters have joined (auto-accepted).
 set -eu
 hub=/etc/tether/hub sim=/etc/tether/sim
 pw=$(cat "$sim/edge-2/proxy.password")
 ca=$(sed 's/^/      /' "$sim/ca/ca.crt")
-tetherctl apply --hub-dir "$hub" -f - <<YAML
+apply() { tetherctl apply --hub-dir "$hub" -f -; }
+apply <<YAML
 apiVersion: addon.open-cluster-management.io/v1alpha1
 kind: ClusterManagementAddOn
 metadata: {name: cluster-proxy}
@@ -43,7 +46,20 @@ spec:
     httpsProxy: "https://tether:$pw@squid:3129"
     caBundle: |
 $ca
----
+YAML
+
+# Both clusters accepted (bounded wait: the agents join within seconds of their proxy).
+deadline=$(($(date +%s) + ${SETUP_WAIT_SECONDS:-600}))
+until tetherctl get clusters --hub-dir "$hub" -o json >/tmp/clusters.json 2>/dev/null &&
+  grep -q '"edge-1"' /tmp/clusters.json && grep -q '"edge-2"' /tmp/clusters.json; do
+  if [ "$(date +%s)" -gt "$deadline" ]; then
+    echo "setup: edge-1 and edge-2 did not join within ${SETUP_WAIT_SECONDS:-600}s" >&2
+    exit 1
+  fi
+  sleep 1
+done
+
+apply <<YAML
 apiVersion: addon.open-cluster-management.io/v1alpha1
 kind: ManagedClusterAddOn
 metadata: {name: cluster-proxy, namespace: edge-1}
