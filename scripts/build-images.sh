@@ -119,11 +119,17 @@ find_nats() {
 
 # --- base images (debootstrap, cached) ---
 rootfs_image tether-base:$suite ca-certificates,busybox,socat
+# squid and prometheus side by side (their own packages differ; the common ones are in the
+# package cache from the base by now).
 rootfs_image tether-squid:dev ca-certificates,busybox,squid \
-  --change 'USER proxy' --change 'CMD ["squid", "-N", "-f", "/etc/squid/squid.conf"]'
+  --change 'USER proxy' --change 'CMD ["squid", "-N", "-f", "/etc/squid/squid.conf"]' &
+squid_job=$!
 rootfs_image tether-prometheus:dev ca-certificates,busybox,prometheus \
-  --change 'USER prometheus' --change 'WORKDIR /prometheus' \
-  --change 'CMD ["prometheus", "--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus"]'
+  --change 'USER prometheus' --change 'WORKDIR /var/lib/prometheus' \
+  --change 'CMD ["prometheus", "--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/var/lib/prometheus/metrics2"]' &
+prometheus_job=$!
+wait "$squid_job" || die "tether-squid:dev failed"
+wait "$prometheus_job" || die "tether-prometheus:dev failed"
 
 ctx=$root/target/image-context
 rm -rf "$ctx"

@@ -450,7 +450,10 @@ fn compose_stack_end_to_end() -> anyhow::Result<()> {
                 String::from_utf8_lossy(&o.stdout)
             );
         }
-        let o = stack.sh(&agent, "for n in nats broker-b1 broker-b2; do timeout 5 getent hosts $n; done")?;
+        let o = stack.sh(
+            &agent,
+            "for n in nats broker-b1 broker-b2; do timeout 5 getent hosts $n; done",
+        )?;
         assert!(
             String::from_utf8_lossy(&o.stdout).trim().is_empty(),
             "{agent} resolves hub names: {}",
