@@ -263,7 +263,11 @@ mod tests {
             }
         }));
         let store = KubeSecretStore::new(client, "agent-ns", "hub-kubeconfig-secret");
-        assert_eq!(store.load().await.unwrap(), HubSecret::default(), "404: empty");
+        assert_eq!(
+            store.load().await.unwrap(),
+            HubSecret::default(),
+            "404: empty"
+        );
         let mut s = HubSecret::default();
         s.set(KEY_KUBECONFIG, "kc");
         s.set(KEY_TLS_KEY, "key");
@@ -291,7 +295,10 @@ mod tests {
         assert_eq!(apply.body["data"][KEY_TLS_KEY], b64("key"));
         // An API error names the Secret.
         let (client, _) = mock::client(std::sync::Arc::new(|_: &mock::Seen| {
-            (500, serde_json::json!({"kind":"Status","status":"Failure","message":"etcd down","code":500}))
+            (
+                500,
+                serde_json::json!({"kind":"Status","status":"Failure","message":"etcd down","code":500}),
+            )
         }));
         let e = KubeSecretStore::new(client, "agent-ns", "hub-kubeconfig-secret")
             .load()

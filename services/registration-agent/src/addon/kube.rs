@@ -97,7 +97,10 @@ pub fn secret_object(addon: &str, ns: &str, r: &RenderedAgent) -> Secret {
 fn labels(addon: &str) -> BTreeMap<String, String> {
     [
         ("app".to_string(), format!("{addon}-agent")),
-        ("app.kubernetes.io/part-of".to_string(), "tether".to_string()),
+        (
+            "app.kubernetes.io/part-of".to_string(),
+            "tether".to_string(),
+        ),
         (
             "app.kubernetes.io/component".to_string(),
             "tunnel-agent".to_string(),
@@ -490,7 +493,10 @@ mod tests {
         assert_eq!(d["apiVersion"], "apps/v1");
         assert_eq!(d["spec"]["replicas"], 2);
         let pod = &d["spec"]["template"];
-        assert_eq!(pod["metadata"]["annotations"][CONFIG_HASH_ANNOTATION], "abc123");
+        assert_eq!(
+            pod["metadata"]["annotations"][CONFIG_HASH_ANNOTATION],
+            "abc123"
+        );
         let spec = &pod["spec"];
         assert_eq!(spec["automountServiceAccountToken"], false);
         assert_eq!(spec["securityContext"]["runAsNonRoot"], true);
@@ -503,10 +509,17 @@ mod tests {
         // The image has no ENTRYPOINT: the command names the binary.
         assert_eq!(
             c["command"],
-            serde_json::json!(["tunnel-agent", "--config", format!("/etc/tether/addon/{CONFIG_FILE}")])
+            serde_json::json!([
+                "tunnel-agent",
+                "--config",
+                format!("/etc/tether/addon/{CONFIG_FILE}")
+            ])
         );
         assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);
-        assert_eq!(c["securityContext"]["capabilities"]["drop"], serde_json::json!(["ALL"]));
+        assert_eq!(
+            c["securityContext"]["capabilities"]["drop"],
+            serde_json::json!(["ALL"])
+        );
         assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
         assert!(c["resources"]["limits"]["memory"].is_string());
         let env = c["env"].as_array().unwrap();
@@ -527,8 +540,8 @@ mod tests {
     async fn observe_reports_the_hash_only_once_rolled_out() {
         let dir = tempfile::tempdir().unwrap();
         let r = rendered(dir.path());
-        let mut d = serde_json::to_value(deployment_object("cluster-proxy", "addon-ns", "i", &r))
-            .unwrap();
+        let mut d =
+            serde_json::to_value(deployment_object("cluster-proxy", "addon-ns", "i", &r)).unwrap();
         d["metadata"]["generation"] = 3.into();
         d["status"] = serde_json::json!({"observedGeneration": 3, "updatedReplicas": 2, "availableReplicas": 1});
         let (client, log) = mock::client(echo(Some(d.clone())));
