@@ -46,6 +46,7 @@ agent=obj({
  "claims":{"type":"object","additionalProperties":{"type":"string"}},
  "bootstrap":obj({"secretName":SUB,"secretKey":{"type":"string","pattern":"^[-._a-zA-Z0-9]+$"}}),
  "proxy":obj({"httpProxy":{"type":"string"},"httpsProxy":{"type":"string"},"noProxy":{"type":"string"}}),
+ "secretStore":{"enum":["kube","file"]},"addonRuntime":{"enum":["kube","local"]},
  "hubKubeconfigSecret":SUB,
  "addon":obj({"name":LABEL,"installNamespace":LABEL,"createInstallNamespace":BOOL,"image":{"type":"string","minLength":1},
    "apiserver":{"type":"string","pattern":"^[^\\s:]+:[0-9]+$"},"leaseSeconds":{"type":"integer","minimum":1},"resync":DUR}),
