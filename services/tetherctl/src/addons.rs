@@ -103,13 +103,10 @@ fn keep_identity(meta: &mut ObjectMeta, old: &serde_json::Value) {
     }
 }
 
-pub async fn apply(hub: &HubArgs, file: &str) -> anyhow::Result<()> {
-    let text = if file == "-" {
-        std::io::read_to_string(std::io::stdin()).context("reading stdin")?
-    } else {
-        std::fs::read_to_string(file).with_context(|| format!("reading {file}"))?
-    };
-    let resources = validate_all(documents(&text)?)?;
+/// Stores the add-on resources of `text` (the content of `tetherctl apply -f`, already read:
+/// stdin can be read only once).
+pub async fn apply(hub: &HubArgs, text: &str) -> anyhow::Result<()> {
+    let resources = validate_all(documents(text)?)?;
     let (_, conn) = connect_admin(hub).await?;
     let store = HubStore::open(conn.client.clone()).await?;
     for mut r in resources {

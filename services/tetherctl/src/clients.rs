@@ -217,7 +217,7 @@ pub async fn apply(hub: &HubArgs, file: &str) -> anyhow::Result<()> {
     };
     let docs = crate::addons::documents(&text)?;
     if !docs.iter().any(is_client_kind) {
-        return crate::addons::apply(hub, file).await;
+        return crate::addons::apply(hub, &text).await;
     }
     let mut policies = Vec::new();
     let mut others = Vec::new();
@@ -245,12 +245,7 @@ pub async fn apply(hub: &HubArgs, file: &str) -> anyhow::Result<()> {
         // Validate the add-on documents too before storing anything, then let the add-on
         // apply store them.
         crate::addons::validate_all(others.clone())?;
-        let tmp = tempfile::Builder::new()
-            .prefix("tetherctl-apply-")
-            .suffix(".json")
-            .tempfile()?;
-        std::fs::write(tmp.path(), serde_json::to_vec(&others)?)?;
-        crate::addons::apply(hub, tmp.path().to_str().context("temp path")?).await?;
+        crate::addons::apply(hub, &serde_json::to_string(&others)?).await?;
     }
     let (_, conn) = connect_admin(hub).await?;
     let store = HubStore::open(conn.client.clone()).await?;
