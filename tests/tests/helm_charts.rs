@@ -169,7 +169,7 @@ fn restricted_violations(name: &str, spec: &Value, labels: &Value) -> Vec<String
     let mut bad = |m: String| v.push(format!("{name}: {m}"));
     for k in ["hostNetwork", "hostPID", "hostIPC"] {
         if spec[k] == true {
-            bad(format!("{k}"));
+            bad(k.to_string());
         }
     }
     let pod_sc = &spec["securityContext"];
