@@ -1,3 +1,10 @@
+#!/usr/bin/env python3
+"""Writes every chart's values.schema.json (run from helm/: `python3 gen-schemas.py`).
+
+One place for the shared rules (DNS-1123 names, ports, durations, resources) so the four
+schemas agree; unknown keys are rejected (additionalProperties: false). After a change, run
+`helm dependency build tether` too (the umbrella's subchart archives carry the schemas).
+"""
 import json
 LABEL={"type":"string","pattern":"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$","maxLength":63}
 SUB={"type":"string","pattern":"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$","maxLength":253}
