@@ -23,11 +23,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use registration_support::*;
-use tether_control::brokers::BrokerPresence;
-use tether_control::connect::{self, ConnectConfig, Credentials};
-use tether_control::hub::{ADMIN_USER, HubDir};
-use tether_control::resources::rfc3339;
-use tether_control::store::{Bucket, HubStore};
 use tether_test_support::{Child, Pki, bin, wait_until};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -146,38 +141,16 @@ fn available(m: &serde_json::Value) -> bool {
     status(m, "Available") == "True" && status(m, "Progressing") == "False"
 }
 
-async fn admin_store(hub: &Hub) -> anyhow::Result<HubStore> {
-    let dir = HubDir::load(&hub.hub_dir)?;
-    let password = dir.read(&dir.config.nats.admin_password_file)?;
-    let endpoint = dir.endpoint(Some(&hub.nats_url()))?;
-    let cfg = ConnectConfig::new(
-        endpoint,
-        Credentials::HubUser {
-            user: ADMIN_USER.into(),
-            password: password.trim().to_string(),
-        },
-        "test",
-    );
-    let conn = connect::connect(&cfg).await?;
-    Ok(HubStore::open(conn.client).await?)
-}
-
-/// Announces a broker in `tether-brokers` (what the broker's own presence does; a long lease so
-/// the test needs no renewal loop).
-async fn announce(store: &HubStore, b: &tether_e2e::Broker) -> anyhow::Result<()> {
-    let now = rfc3339(std::time::SystemTime::now());
-    let p = BrokerPresence {
-        id: b.id.clone(),
-        agent_addresses: vec![b.agent_addr.to_string()],
-        server_name: "tether-broker".into(),
-        client_addresses: vec![format!("http://{}", b.client_addr)],
-        started_at: now.clone(),
-        renew_time: now,
-        lease_duration_seconds: 3600,
-        ..Default::default()
-    };
-    store.put(Bucket::Brokers, &b.id, &p).await?;
-    Ok(())
+/// The `control_plane` section of a broker config: the broker announces itself (and the
+/// clusters it holds tunnels of) in `tether-brokers` through the hub's NATS.
+fn control_plane_yaml(hub: &Hub) -> String {
+    format!(
+        "control_plane:\n  nats_url: {}\n  server_name: {}\n  ca: {}\n  password_file: {}\n  advertise:\n    server_name: tether-broker\n",
+        hub.nats_url(),
+        hub.opts.hub_host,
+        hub.hub_dir.join("ca.crt").display(),
+        hub.hub_dir.join("hub-user.password").display(),
+    )
 }
 
 /// The registration hub's CA as a test PKI, so brokers and the fake API server chain to the
@@ -289,10 +262,8 @@ fn proxy_connects(hub: &Hub, proxy: &str, target: &str) -> usize {
 async fn addon_is_delivered_through_a_proxy_and_follows_its_config() -> anyhow::Result<()> {
     let hub = Hub::start(HubOpts::default())?;
     let tpki = hub_pki(&hub)?;
-    let broker = tpki.start_broker("b1", "")?;
+    let broker = tpki.start_broker("b1", &control_plane_yaml(&hub))?;
     let api = tether_e2e::apiserver::FakeApiServer::start(&tpki).await?;
-    let store = admin_store(&hub).await?;
-    announce(&store, &broker).await?;
 
     // Three proxies: registration (bootstrap kubeconfig), then the ADC's first and second.
     let reg_proxy = start_proxy(
@@ -487,8 +458,7 @@ async fn addon_is_delivered_through_a_proxy_and_follows_its_config() -> anyhow::
 
     // A second broker announces itself: the agent gets a tunnel to it too (notify → config →
     // reload), and Available names both.
-    let broker2 = tpki.start_broker("b2", "")?;
-    announce(&store, &broker2).await?;
+    let broker2 = tpki.start_broker("b2", &control_plane_yaml(&hub))?;
     wait_addon(&hub, "edge-1", "Available through b1 and b2", |m| {
         cond(m, "Available").is_some_and(|(s, _, msg)| s == "True" && msg.contains("b2"))
     })?;
@@ -670,10 +640,8 @@ async fn addon_certificate_rotates_without_dropping_tunnels() -> anyhow::Result<
         ..Default::default()
     })?;
     let tpki = hub_pki(&hub)?;
-    let broker = tpki.start_broker("b1", "")?;
+    let broker = tpki.start_broker("b1", &control_plane_yaml(&hub))?;
     let api = tether_e2e::apiserver::FakeApiServer::start(&tpki).await?;
-    let store = admin_store(&hub).await?;
-    announce(&store, &broker).await?;
     let p = start_proxy(
         &hub.logs,
         "proxy-1",

@@ -19,6 +19,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
+mod helm_support;
+
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
@@ -153,114 +155,22 @@ fn compose_service_configs_load_with_the_real_config_types() {
     }
 }
 
-/// A tiny subset of Helm's template language, enough for the charts' embedded configs:
-/// `{{ .Values.x.y }}`, `{{ .Release.Namespace }}`, `{{ include "<chart>.name" . }}`,
-/// `{{- toYaml .Values.x | nindent N }}` (rendered as a JSON flow value) and whole-line
-/// `{{- if .Values.x }}` / `{{- end }}`.
-fn render(template: &str, values: &Value) -> String {
-    let lookup = |path: &str| -> Value {
-        let mut v = values;
-        for k in path.trim_start_matches(".Values.").split('.') {
-            v = v
-                .get(k)
-                .unwrap_or_else(|| panic!("values.yaml has no {path}"));
-        }
-        v.clone()
-    };
-    let truthy = |v: &Value| match v {
-        Value::Null => false,
-        Value::Bool(b) => *b,
-        Value::String(s) => !s.is_empty(),
-        Value::Array(a) => !a.is_empty(),
-        Value::Object(o) => !o.is_empty(),
-        Value::Number(_) => true,
-    };
-    let mut out = String::new();
-    let mut skipping: Vec<bool> = Vec::new();
-    for line in template.lines() {
-        let t = line.trim();
-        if let Some(cond) = t
-            .strip_prefix("{{- if ")
-            .and_then(|r| r.strip_suffix(" }}"))
-        {
-            skipping.push(!truthy(&lookup(cond.trim())));
-            continue;
-        }
-        if t == "{{- end }}" {
-            skipping.pop().expect("unbalanced end");
-            continue;
-        }
-        if skipping.iter().any(|s| *s) {
-            continue;
-        }
-        let mut rest = line;
-        let mut rendered = String::new();
-        while let Some(start) = rest.find("{{") {
-            let end = rest[start..].find("}}").expect("unclosed {{") + start;
-            let mut expr = rest[start + 2..end].trim();
-            let mut before = &rest[..start];
-            if let Some(e) = expr.strip_prefix('-') {
-                expr = e.trim();
-                before = before.trim_end();
-            }
-            rendered.push_str(before);
-            let value = if let Some(v) = expr.strip_prefix("toYaml ") {
-                let path = v.split('|').next().unwrap().trim();
-                format!(" {}", serde_json::to_string(&lookup(path)).unwrap())
-            } else if expr.starts_with("include ") {
-                "hub".to_string()
-            } else if expr == ".Release.Namespace" {
-                "tether".to_string()
-            } else if expr.starts_with(".Values.") {
-                match lookup(expr) {
-                    Value::String(s) => s,
-                    v => v.to_string(),
-                }
-            } else {
-                panic!("template expression this test cannot render: {expr}")
-            };
-            rendered.push_str(&value);
-            rest = &rest[end + 2..];
-        }
-        rendered.push_str(rest);
-        out.push_str(&rendered);
-        out.push('\n');
-    }
-    assert!(skipping.is_empty(), "unbalanced if");
-    out
-}
-
-/// The block scalar under `key: |` in a template file, dedented.
-fn block(template: &str, key: &str) -> String {
-    let mut lines = template.lines();
-    let head = lines
-        .by_ref()
-        .find(|l| l.trim() == format!("{key}: |"))
-        .unwrap_or_else(|| panic!("no `{key}: |` block"));
-    let indent = head.len() - head.trim_start().len();
-    let body: Vec<&str> = lines
-        .take_while(|l| l.trim().is_empty() || l.len() - l.trim_start().len() > indent)
-        .collect();
-    let inner = body
-        .iter()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| l.len() - l.trim_start().len())
-        .min()
-        .unwrap();
-    body.iter()
-        .map(|l| l.get(inner..).unwrap_or(""))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
 #[test]
 fn helm_embedded_configs_load_with_the_real_config_types() {
-    let chart = root().join("helm/tether-hub");
-    let values = yaml(&chart.join("values.yaml"));
-
-    let t = read(&chart.join("templates/broker-configmap.yaml"));
-    let broker_yaml =
-        render(&block(&t, "broker.yaml.tmpl"), &values).replace("__BROKER_ID__", "hub-broker-0");
+    if !helm_support::have("helm", &["version"]) {
+        return;
+    }
+    let charts = helm_support::Charts::build();
+    let d = helm_support::docs(
+        &charts
+            .template("tether-hub", "hub", "tether", None, &[])
+            .unwrap_or_else(|e| panic!("{e}")),
+    );
+    let data = helm_support::config_data(&d, "hub-broker");
+    let broker_yaml = data["broker.yaml.tmpl"]
+        .as_str()
+        .expect("broker.yaml.tmpl")
+        .replace("__BROKER_ID__", "hub-broker-0");
     let cfg: tunnel_broker::config::BrokerConfig =
         tether_config::from_str(&broker_yaml, Path::new("helm broker.yaml"))
             .unwrap_or_else(|e| panic!("{e}\n{broker_yaml}"));
@@ -270,12 +180,13 @@ fn helm_embedded_configs_load_with_the_real_config_types() {
         cp.advertise.agent_addresses,
         ["hub-broker-0.hub.example.com:8091"]
     );
+    assert_eq!(cp.nats_url, "tls://hub-nats.tether.svc:4222");
     assert_eq!(cfg.clients[0].name, "health-prober");
 
-    let t = read(&chart.join("templates/health-prober.yaml"));
-    let prober_yaml = render(&block(&t, "prober.yaml"), &values);
+    let data = helm_support::config_data(&d, "hub-health-prober");
+    let prober_yaml = data["prober.yaml"].as_str().expect("prober.yaml");
     let cfg: health_prober::config::ProberConfig =
-        tether_config::from_str(&prober_yaml, Path::new("helm prober.yaml"))
+        tether_config::from_str(prober_yaml, Path::new("helm prober.yaml"))
             .unwrap_or_else(|e| panic!("{e}\n{prober_yaml}"));
     assert!(cfg.nats.is_some() && cfg.apiserver_ca.is_none());
 }
@@ -289,7 +200,7 @@ fn every_yaml_and_json_artifact_parses() {
             n += 1;
         }
     }
-    for chart in ["tether-hub", "tether-agent"] {
+    for chart in helm_support::CHARTS {
         for f in ["values.yaml", "Chart.yaml"] {
             let v = yaml(&root().join("helm").join(chart).join(f));
             assert!(v.is_object(), "helm/{chart}/{f}");
@@ -469,26 +380,32 @@ fn every_flag_in_compose_and_helm_exists() {
             }
         }
     }
-    // Helm: the list-form commands of the Deployments.
-    for f in [
-        "helm/tether-hub/templates/addon-manager.yaml",
-        "helm/tether-agent/templates/deployment.yaml",
-    ] {
-        let text = read(&root().join(f));
-        let mut lines = text.lines().skip_while(|l| l.trim() != "command:").skip(1);
-        let bin = lines
-            .next()
-            .unwrap()
-            .trim()
-            .trim_start_matches("- ")
-            .to_string();
-        let args: Vec<String> = lines
-            .map(str::trim)
-            .take_while(|l| l.starts_with("- --") || l.starts_with("{{"))
-            .filter_map(|l| l.strip_prefix("- ").map(str::to_string))
-            .collect();
-        assert!(args.len() >= 3, "{f}: {args:?}");
-        uses.push((bin, args, f.to_string()));
+    // Helm: the list-form commands of every rendered container (the umbrella with the agent,
+    // with both secret stores / runtimes).
+    if helm_support::have("helm", &["version"]) {
+        let charts = helm_support::Charts::build();
+        for sets in [
+            &["tether-agent.enabled=true"][..],
+            &[
+                "tether-agent.enabled=true",
+                "tether-agent.secretStore=file",
+                "tether-agent.addonRuntime=local",
+            ][..],
+        ] {
+            let d = helm_support::docs(
+                &charts
+                    .template("tether", "t", "tether", None, sets)
+                    .unwrap(),
+            );
+            for (name, spec, _) in helm_support::pods(&d) {
+                for c in spec["containers"].as_array().into_iter().flatten() {
+                    let cmd = strings(&c["command"]);
+                    if let Some(bin) = cmd.first().filter(|b| TETHER_BINS.contains(&b.as_str())) {
+                        uses.push((bin.clone(), cmd[1..].to_vec(), format!("helm {name}")));
+                    }
+                }
+            }
+        }
     }
     let mut seen = BTreeSet::new();
     for (bin, args, origin) in &uses {

@@ -9,8 +9,11 @@
 //! `status.configReferences` with the desired spec hashes, and sets the conditions:
 //! - Progressing=True until the agent reports the desired hashes as applied on
 //!   `tether.v1.cluster.<c>.addon.<a>.status`, then False;
-//! - Available from the add-on lease (`tether-addon-leases`, key `<cluster>.<addon>`), and
-//!   Unknown whenever the cluster itself is Unknown;
+//! - Available from the add-on lease (`tether-addon-leases`, key `<cluster>.<addon>`) and the
+//!   data plane: True only while every live, non-draining broker reports in its presence
+//!   (`tether-brokers`, `clusters`) that it holds a tunnel of the cluster - whatever runtime the
+//!   agent runs in, nothing the agent reports about its tunnels is trusted; Unknown whenever the
+//!   cluster itself is Unknown;
 //! - Degraded=True when a referenced config does not exist.
 //!
 //! The actor coalesces changes: KV watches on every input bucket send [`ChangedKey`] (or
@@ -359,6 +362,21 @@ async fn record_report(store: &HubStore, msg: StatusReport) -> Result<(), Contro
     )))
 }
 
+/// The serving brokers that report (presence `clusters`) holding a tunnel of `cluster`, and
+/// those that do not.
+fn holders<'a>(
+    serving: &'a [tether_control::brokers::BrokerPresence],
+    cluster: &str,
+) -> (Vec<&'a str>, Vec<&'a str>) {
+    let (with, without): (Vec<_>, Vec<_>) = serving
+        .iter()
+        .partition(|b| b.clusters.iter().any(|c| c == cluster));
+    let ids = |v: Vec<&'a tether_control::brokers::BrokerPresence>| {
+        v.into_iter().map(|b| b.id.as_str()).collect()
+    };
+    (ids(with), ids(without))
+}
+
 fn accepted(mc: &ManagedCluster) -> bool {
     mc.spec.hub_accepts_client
 }
@@ -687,17 +705,9 @@ pub async fn reconcile(
                         && !left.is_zero()
                     {
                         next_deadline = Some(next_deadline.map_or(left, |d| d.min(left)));
-                        let connected: Vec<&str> = lease
-                            .metadata
-                            .annotations
-                            .get(addons::CONNECTED_BROKERS_ANNOTATION)
-                            .map(|s| s.split(',').filter(|x| !x.is_empty()).collect())
-                            .unwrap_or_default();
-                        let missing: Vec<&str> = serving_ids
-                            .iter()
-                            .map(String::as_str)
-                            .filter(|id| !connected.contains(id))
-                            .collect();
+                        // What the data plane says, not what the agent says: the live
+                        // brokers that report holding a tunnel of this cluster.
+                        let (connected, missing) = holders(&serving, &cluster);
                         if missing.is_empty() {
                             set_condition(
                                 conds,

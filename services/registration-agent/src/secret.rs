@@ -207,7 +207,7 @@ impl HubSecretStore for KubeSecretStore {
             data: Some(data),
             ..Default::default()
         };
-        let pp = kube::api::PatchParams::apply("tether-registration-agent").force();
+        let pp = kube::api::PatchParams::apply(crate::addon::kube::FIELD_MANAGER).force();
         self.api
             .patch(&self.name, &pp, &kube::api::Patch::Apply(&secret))
             .await
@@ -239,5 +239,72 @@ mod tests {
         store.save(&s).await.unwrap();
         assert!(!dir.path().join("hub/tls.key").exists());
         assert!(!format!("{s:?}").contains("key\""));
+    }
+
+    /// The Kubernetes store against a mocked API service: the real paths, verbs, field
+    /// manager and bodies (never run against a real API server).
+    #[tokio::test]
+    async fn kube_store_gets_and_applies_its_one_secret() {
+        use crate::addon::kube::mock;
+        use base64::Engine;
+        let stored = std::sync::Arc::new(std::sync::Mutex::new(None::<serde_json::Value>));
+        let st = std::sync::Arc::clone(&stored);
+        let (client, log) = mock::client(std::sync::Arc::new(move |s: &mock::Seen| {
+            let mut cur = st.lock().unwrap();
+            match s.method.as_str() {
+                "GET" => cur
+                    .clone()
+                    .map_or_else(|| mock::not_found("hub-kubeconfig-secret"), |v| (200, v)),
+                "PATCH" => {
+                    *cur = Some(s.body.clone());
+                    (200, s.body.clone())
+                }
+                _ => (405, serde_json::json!({})),
+            }
+        }));
+        let store = KubeSecretStore::new(client, "agent-ns", "hub-kubeconfig-secret");
+        assert_eq!(
+            store.load().await.unwrap(),
+            HubSecret::default(),
+            "404: empty"
+        );
+        let mut s = HubSecret::default();
+        s.set(KEY_KUBECONFIG, "kc");
+        s.set(KEY_TLS_KEY, "key");
+        store.save(&s).await.unwrap();
+        assert_eq!(store.load().await.unwrap(), s);
+        let log = log.lock().unwrap().clone();
+        let calls: Vec<(&str, &str)> = log
+            .iter()
+            .map(|r| (r.method.as_str(), r.path.as_str()))
+            .collect();
+        let path = "/api/v1/namespaces/agent-ns/secrets/hub-kubeconfig-secret";
+        assert_eq!(calls, [("GET", path), ("PATCH", path), ("GET", path)]);
+        let apply = &log[1];
+        assert_eq!(apply.content_type, "application/apply-patch+yaml");
+        assert_eq!(
+            apply.param("fieldManager").as_deref(),
+            Some(crate::addon::kube::FIELD_MANAGER)
+        );
+        assert_eq!(apply.param("force").as_deref(), Some("true"));
+        assert_eq!(apply.body["kind"], "Secret");
+        assert_eq!(apply.body["type"], "Opaque");
+        assert_eq!(apply.body["metadata"]["namespace"], "agent-ns");
+        let b64 = |v: &str| base64::engine::general_purpose::STANDARD.encode(v);
+        assert_eq!(apply.body["data"][KEY_KUBECONFIG], b64("kc"));
+        assert_eq!(apply.body["data"][KEY_TLS_KEY], b64("key"));
+        // An API error names the Secret.
+        let (client, _) = mock::client(std::sync::Arc::new(|_: &mock::Seen| {
+            (
+                500,
+                serde_json::json!({"kind":"Status","status":"Failure","message":"etcd down","code":500}),
+            )
+        }));
+        let e = KubeSecretStore::new(client, "agent-ns", "hub-kubeconfig-secret")
+            .load()
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("agent-ns/hub-kubeconfig-secret"), "{e}");
     }
 }

@@ -26,6 +26,7 @@ mod cert;
 mod clients;
 mod events;
 mod init;
+mod kube_secret;
 mod ops;
 mod proxy;
 
@@ -94,6 +95,11 @@ enum Cmd {
     Init(init::InitArgs),
     /// Write a bootstrap kubeconfig for a managed cluster.
     Join(init::JoinArgs),
+    /// A directory of files to / from a Kubernetes Secret (the Helm bootstrap Job).
+    KubeSecret {
+        #[command(subcommand)]
+        what: kube_secret::KubeSecretCmd,
+    },
     /// Certificates for hub components, signed by the hub CA (files only).
     Cert {
         #[command(subcommand)]
@@ -308,6 +314,7 @@ async fn main() {
         Cmd::Cert {
             what: CertCmd::Issue(a),
         } => cert::issue(a),
+        Cmd::KubeSecret { what } => kube_secret::run(what).await,
         Cmd::Accept { cluster, hub } => ops::admin(&hub, &cluster, true).await,
         Cmd::Deny { cluster, hub } => ops::admin(&hub, &cluster, false).await,
         Cmd::Get { what } => match what {

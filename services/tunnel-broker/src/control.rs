@@ -186,6 +186,7 @@ impl ControlPlane {
         p.renew_time = rfc3339(SystemTime::now());
         p.draining = *self.draining.borrow();
         p.tunnels = self.routes.borrow().tunnel_count() as u64;
+        p.clusters = crate::presence::held_clusters(&self.routes.borrow());
         p.streams = self.broker.open_stream_count().max(0) as u64;
         p
     }

@@ -66,10 +66,23 @@ pub fn template(
         draining: false,
         tunnels: 0,
         streams: 0,
+        clusters: Vec::new(),
         started_at: now.clone(),
         renew_time: now,
         lease_duration_seconds: PRESENCE_RENEW.as_secs().max(1) as u32,
     }
+}
+
+/// The clusters `routes` holds a tunnel of, sorted (presence `clusters`).
+pub fn held_clusters(routes: &crate::registry::RouteTable) -> Vec<String> {
+    let mut v: Vec<String> = routes
+        .clusters
+        .iter()
+        .filter(|(_, t)| !t.is_empty())
+        .map(|(c, _)| c.clone())
+        .collect();
+    v.sort();
+    v
 }
 
 /// The relay peers discovered from presence.

@@ -7,8 +7,8 @@
 //! Who reads it:
 //! - brokers: their relay peers are the other live brokers (`relayAddress`);
 //! - addon-manager: the tunnel-agent config it delivers lists every live broker's
-//!   `agentAddresses`, and an add-on is Available only when its agent reports a tunnel to every
-//!   live, non-draining broker;
+//!   `agentAddresses`, and an add-on is Available only when every live, non-draining broker
+//!   reports (`clusters`) that it holds a tunnel of the add-on's cluster;
 //! - tetherctl / hub clients: `clientAddresses` to reach any broker.
 
 use std::time::{Duration, SystemTime};
@@ -51,6 +51,10 @@ pub struct BrokerPresence {
     /// Streams currently open (load).
     #[serde(default)]
     pub streams: u64,
+    /// Clusters this broker holds at least one registered tunnel of (sorted); what add-on
+    /// Available is computed from, whatever runtime the agent runs in.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub clusters: Vec<String>,
     /// RFC 3339.
     pub started_at: String,
     /// RFC 3339, the last renewal.

@@ -16,6 +16,7 @@
 //!    cluster deleted): stops the agent and deletes its credentials and config.
 
 pub mod credentials;
+pub mod kube;
 pub mod render;
 pub mod runtime;
 

@@ -6,8 +6,8 @@
 //!   jittered backoff; on stop it gets SIGTERM by PID, then SIGKILL after
 //!   [`STOP_GRACE`]. What the agent runs is read from its admin `/debug/agent` (address from
 //!   its ready file): `configSha256` and `connectedBrokers`.
-//! - [`KubeRuntime`]: a Secret (`<addon>-hub-kubeconfig` + the config) and a Deployment in the
-//!   add-on's install namespace, through `kube`. Compiled, not runnable without a cluster.
+//! - [`KubeRuntime`] (in [`super::kube`]): a Secret (`<addon>-hub-kubeconfig` + the config) and
+//!   a Deployment in the add-on's install namespace, through `kube`.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -16,6 +16,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
+pub use super::kube::KubeRuntime;
 use super::render::{self, CONFIG_FILE, HUB_CA_FILE, PROXY_CA_FILE, RenderedAgent};
 
 /// Time a stopped tunnel-agent gets between SIGTERM and SIGKILL.
@@ -330,217 +331,6 @@ impl AddOnRuntime for LocalRuntime {
                     tracing::warn!(addon = %self.addon, error = %e, "cannot remove the add-on agent config")
                 }
             }
-        }
-    }
-}
-
-/// The add-on agent as a Kubernetes Deployment (image `image`, `replicas` from the hub) with
-/// its config and credentials in a Secret, in the add-on's install namespace. The proxy
-/// settings also go into the environment (`HTTP_PROXY`/`HTTPS_PROXY`/`NO_PROXY`, both cases).
-/// Not runnable without a cluster: the end-to-end tests use [`LocalRuntime`].
-pub struct KubeRuntime {
-    client: kube::Client,
-    addon: String,
-    image: String,
-    namespace: Option<String>,
-}
-
-impl KubeRuntime {
-    pub fn new(client: kube::Client, addon: &str, image: &str) -> Self {
-        Self {
-            client,
-            addon: addon.into(),
-            image: image.into(),
-            namespace: None,
-        }
-    }
-
-    fn names(&self) -> (String, String) {
-        (
-            format!("{}-agent", self.addon),
-            format!("{}-hub-kubeconfig", self.addon),
-        )
-    }
-}
-
-/// In-pod paths of the mounted Secret.
-const POD_SECRET_DIR: &str = "/etc/tether/addon";
-
-impl AddOnRuntime for KubeRuntime {
-    fn describe(&self) -> String {
-        format!("kubernetes deployment {}-agent", self.addon)
-    }
-
-    async fn apply(&mut self, r: &RenderedAgent) -> Result<(), RuntimeError> {
-        use k8s_openapi::ByteString;
-        use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
-        use k8s_openapi::api::core::v1::{
-            Container, EnvVar, PodSpec, PodTemplateSpec, Secret, SecretVolumeSource, Volume,
-            VolumeMount,
-        };
-        use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
-        use kube::api::{ObjectMeta, Patch, PatchParams};
-        let ns = if r.desired.install_namespace.is_empty() {
-            tether_control::addons::DEFAULT_INSTALL_NAMESPACE.to_string()
-        } else {
-            r.desired.install_namespace.clone()
-        };
-        self.namespace = Some(ns.clone());
-        let (deploy_name, secret_name) = self.names();
-        // The config refers to files: rewrite the paths to where the Secret is mounted.
-        let yaml = r
-            .config_yaml
-            .replace(&r.credentials_dir.display().to_string(), POD_SECRET_DIR);
-        let mut data = std::collections::BTreeMap::new();
-        for k in ["tls.crt", "tls.key", "kubeconfig", "cluster-name"] {
-            if let Ok(v) = std::fs::read(r.credentials_dir.join(k)) {
-                data.insert(k.to_string(), ByteString(v));
-            }
-        }
-        data.insert(CONFIG_FILE.into(), ByteString(yaml.into_bytes()));
-        data.insert(
-            HUB_CA_FILE.into(),
-            ByteString(r.hub_ca_pem.clone().into_bytes()),
-        );
-        if let Some(p) = &r.proxy_ca_pem {
-            data.insert(PROXY_CA_FILE.into(), ByteString(p.clone().into_bytes()));
-        }
-        let secret = Secret {
-            metadata: ObjectMeta {
-                name: Some(secret_name.clone()),
-                namespace: Some(ns.clone()),
-                ..Default::default()
-            },
-            type_: Some("Opaque".into()),
-            data: Some(data),
-            ..Default::default()
-        };
-        let pp = PatchParams::apply("tether-registration-agent").force();
-        let secrets: kube::Api<Secret> = kube::Api::namespaced(self.client.clone(), &ns);
-        secrets
-            .patch(&secret_name, &pp, &Patch::Apply(&secret))
-            .await
-            .map_err(|e| RuntimeError::Kube(e.to_string()))?;
-        let labels: std::collections::BTreeMap<String, String> =
-            [("app".to_string(), deploy_name.clone())].into();
-        let env: Vec<EnvVar> = r
-            .desired
-            .proxy
-            .as_ref()
-            .map(|p| p.env())
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(name, value)| EnvVar {
-                name,
-                value: Some(value),
-                ..Default::default()
-            })
-            .collect();
-        let deployment = Deployment {
-            metadata: ObjectMeta {
-                name: Some(deploy_name.clone()),
-                namespace: Some(ns.clone()),
-                ..Default::default()
-            },
-            spec: DeploymentSpec {
-                replicas: Some(r.desired.replicas.max(1) as i32),
-                selector: LabelSelector {
-                    match_labels: Some(labels.clone()),
-                    ..Default::default()
-                },
-                template: PodTemplateSpec {
-                    metadata: Some(ObjectMeta {
-                        labels: Some(labels),
-                        // A new config hash rolls the pods (the agent also reloads in place).
-                        annotations: Some(
-                            [("tether.io/config-sha256".to_string(), r.sha256.clone())].into(),
-                        ),
-                        ..Default::default()
-                    }),
-                    spec: Some(PodSpec {
-                        containers: vec![Container {
-                            name: "tunnel-agent".into(),
-                            image: Some(self.image.clone()),
-                            args: Some(vec![
-                                "--config".into(),
-                                format!("{POD_SECRET_DIR}/{CONFIG_FILE}"),
-                            ]),
-                            env: Some(env),
-                            volume_mounts: Some(vec![VolumeMount {
-                                name: "addon".into(),
-                                mount_path: POD_SECRET_DIR.into(),
-                                read_only: Some(true),
-                                ..Default::default()
-                            }]),
-                            ..Default::default()
-                        }],
-                        volumes: Some(vec![Volume {
-                            name: "addon".into(),
-                            secret: Some(SecretVolumeSource {
-                                secret_name: Some(secret_name),
-                                ..Default::default()
-                            }),
-                            ..Default::default()
-                        }]),
-                        ..Default::default()
-                    }),
-                },
-                ..Default::default()
-            },
-            ..Default::default()
-        };
-        let deployments: kube::Api<Deployment> = kube::Api::namespaced(self.client.clone(), &ns);
-        deployments
-            .patch(&deploy_name, &pp, &Patch::Apply(&deployment))
-            .await
-            .map_err(|e| RuntimeError::Kube(e.to_string()))?;
-        Ok(())
-    }
-
-    async fn observe(&mut self) -> Option<Observed> {
-        use k8s_openapi::api::apps::v1::Deployment;
-        let ns = self.namespace.clone()?;
-        let (deploy_name, _) = self.names();
-        let api: kube::Api<Deployment> = kube::Api::namespaced(self.client.clone(), &ns);
-        let d = api.get_opt(&deploy_name).await.ok()??;
-        let status = d.status.clone()?;
-        let want = d.spec.replicas.unwrap_or(1);
-        let rolled = status.observed_generation >= d.metadata.generation
-            && status.updated_replicas.unwrap_or(0) >= want
-            && status.available_replicas.unwrap_or(0) >= want;
-        let hash = d
-            .spec
-            .template
-            .metadata?
-            .annotations?
-            .get("tether.io/config-sha256")?
-            .clone();
-        // Pods' admin ports are not reachable from here: connected brokers are unknown.
-        rolled.then_some(Observed {
-            config_sha256: hash,
-            connected_brokers: vec![],
-            config_error: None,
-        })
-    }
-
-    async fn stop(&mut self, remove: bool) {
-        use k8s_openapi::api::apps::v1::Deployment;
-        use k8s_openapi::api::core::v1::Secret;
-        if !remove {
-            return; // the Deployment keeps running while the registration-agent restarts
-        }
-        let Some(ns) = self.namespace.clone() else {
-            return;
-        };
-        let (deploy_name, secret_name) = self.names();
-        let dp = kube::api::DeleteParams::default();
-        let d: kube::Api<Deployment> = kube::Api::namespaced(self.client.clone(), &ns);
-        if let Err(e) = d.delete(&deploy_name, &dp).await {
-            tracing::warn!(addon = %self.addon, error = %e, "cannot delete the add-on deployment");
-        }
-        let s: kube::Api<Secret> = kube::Api::namespaced(self.client.clone(), &ns);
-        if let Err(e) = s.delete(&secret_name, &dp).await {
-            tracing::warn!(addon = %self.addon, error = %e, "cannot delete the add-on secret");
         }
     }
 }
