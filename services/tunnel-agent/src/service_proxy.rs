@@ -302,7 +302,11 @@ impl tower_service::Service<Uri> for UpstreamConnector {
             let (dial, name, connector) = if authority == inner.apiserver {
                 (authority, inner.apiserver_name.clone(), &inner.api_tls)
             } else {
-                let dial = inner.addresses.get(&authority).cloned().unwrap_or(authority);
+                let dial = inner
+                    .addresses
+                    .get(&authority)
+                    .cloned()
+                    .unwrap_or(authority);
                 (dial, host, &inner.svc_tls)
             };
             let work = async {

@@ -29,7 +29,10 @@ pub fn is_upgrade(h: &HeaderMap) -> bool {
     h.contains_key(header::UPGRADE)
         && h.get_all(header::CONNECTION).iter().any(|v| {
             v.to_str()
-                .map(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case("upgrade")))
+                .map(|s| {
+                    s.split(',')
+                        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+                })
                 .unwrap_or(false)
         })
 }
@@ -52,7 +55,10 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
         h.remove(n);
     }
     if upgrade {
-        h.insert(header::CONNECTION, header::HeaderValue::from_static("upgrade"));
+        h.insert(
+            header::CONNECTION,
+            header::HeaderValue::from_static("upgrade"),
+        );
     } else {
         h.remove(header::CONNECTION);
         h.remove(header::UPGRADE);
@@ -80,8 +86,9 @@ where
         tokio::spawn(async move {
             match tokio::try_join!(downstream, upstream) {
                 Ok((d, u)) => {
-                    let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(d), &mut TokioIo::new(u))
-                        .await;
+                    let _ =
+                        tokio::io::copy_bidirectional(&mut TokioIo::new(d), &mut TokioIo::new(u))
+                            .await;
                 }
                 Err(e) => tracing::debug!(error = %e, "upgrade did not complete"),
             }
