@@ -307,6 +307,8 @@ impl ServiceProxy {
                 format!("bad request path {pq:?}"),
             ))
         })?;
+        // The pool speaks HTTP/1.1 to the agent, whatever the client spoke.
+        *req.version_mut() = http::Version::HTTP_11;
         let h = req.headers_mut();
         let stripped = strip_client_controlled(h);
         if stripped > 0 {
