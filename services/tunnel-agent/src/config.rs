@@ -352,6 +352,28 @@ mod tests {
     use super::*;
 
     #[test]
+    fn service_proxy_section() {
+        let base = "cluster: c1\ntls: {cert: c, key: k, ca: a}\nbrokers:\n  - addresses: ['b:1']\n    server_name: b\n";
+        let parse = |extra: &str| {
+            tether_config::from_str::<AgentConfig>(
+                &format!("{base}{extra}"),
+                std::path::Path::new("agent.yaml"),
+            )
+        };
+        assert!(parse("").unwrap().service_proxy.is_none());
+        let sp = parse("service_proxy: {token_file: /t}\n")
+            .unwrap()
+            .service_proxy
+            .unwrap();
+        assert_eq!(sp.apiserver_ca, PathBuf::from(DEFAULT_SA_CA));
+        assert_eq!(sp.apiserver_server_name, DEFAULT_APISERVER_NAME);
+        let e = parse("service_proxy:\n  service_addresses: {'web.default.svc:80': 'nowhere'}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("service_proxy.service_addresses"), "{e}");
+    }
+
+    #[test]
     fn policy_patterns() {
         let p = TargetPolicy {
             allow: vec!["*.svc:8080".into(), "db:5432".into()],

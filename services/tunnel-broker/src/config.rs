@@ -382,6 +382,29 @@ mod tests {
     }
 
     #[test]
+    fn service_proxy_is_optional_and_validated() {
+        assert!(parse("").unwrap().service_proxy.is_none());
+        let sp = parse("service_proxy:\n  listen: 127.0.0.1:0\n")
+            .unwrap()
+            .service_proxy
+            .unwrap();
+        assert!(sp.allow_services.is_empty());
+        assert_eq!(sp.impersonate_groups, vec!["tether:clients".to_string()]);
+        assert_eq!(sp.max_header_bytes, DEFAULT_SERVICE_PROXY_MAX_HEADER_BYTES);
+        let e = parse("service_proxy:\n  listen: 127.0.0.1:0\n  allow_services:\n    - {clusters: ['*'], namespace: Bad, name: web}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("service_proxy.allow_services[0].namespace"),
+            "{e}"
+        );
+        let e = parse("service_proxy:\n  listen: 127.0.0.1:0\n  max_header_bytes: 100\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("service_proxy.max_header_bytes"), "{e}");
+    }
+
+    #[test]
     fn control_plane_is_optional_and_validated() {
         assert!(parse("").unwrap().control_plane.is_none());
         let cp = parse(
