@@ -50,6 +50,9 @@ use crate::metrics::BrokerMetrics;
 
 pub use allowlist::Allowlist;
 
+/// Time a client has to send a complete HTTP/1.1 request head.
+pub const HEAD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Impersonated user of a hub client: `tether:client:<name>` (its certificate CN).
 pub const IMPERSONATE_USER_PREFIX: &str = "tether:client:";
 
@@ -187,7 +190,10 @@ impl ServiceProxy {
         });
         let max = self.inner.cfg.max_header_bytes;
         let mut b = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-        b.http1().max_buf_size(max.max(8192));
+        b.http1()
+            .max_buf_size(max.max(8192))
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(HEAD_TIMEOUT);
         b.http2()
             .max_header_list_size(u32::try_from(max).unwrap_or(u32::MAX));
         if let Err(e) = b
