@@ -14,7 +14,8 @@
 //!   the client's own token and no impersonation);
 //! - a watch whose second event is only produced after the first was printed (streaming);
 //! - `exec -i echo -- cat` over a WebSocket upgrade that echoes;
-//! - the service is refused with a clear message until `tetherctl apply -f` allows it;
+//! - the service is refused with a clear message until `tetherctl apply -f` allows it; a bad
+//!   KV update keeps the last good allowlist; `tetherctl delete` denies it again;
 //! - broker → agent connections are pooled (fewer tunnel dials than requests), and the agent
 //!   speaks HTTP/2 to the target.
 //!
@@ -333,6 +334,59 @@ async fn kubectl_through_the_service_proxy() -> anyhow::Result<()> {
         if Instant::now() > deadline {
             bail!("service still refused 20 s after tetherctl apply: {err}");
         }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // A bad update keeps the last good list; deleting the allowlist denies the service again.
+    let admin = cp.admin().await?;
+    let store = tether_control::store::HubStore::open(admin.client.clone()).await?;
+    let mut bad = serde_json::json!({"apiVersion": "proxy.tether.io/v1alpha1", "kind": "ServiceProxyAllowlist",
+        "metadata": {"name": "web"}, "spec": {"services": [{"clusters": ["c1"], "namespace": "default", "name": "web"}]}});
+    bad["spec"]["services"][0]["ports"] = serde_json::json!([0]);
+    store
+        .put(
+            tether_control::store::Bucket::ServiceProxyAllowlists,
+            "web",
+            &bad,
+        )
+        .await?;
+    let rejected = || {
+        metric(
+            broker.admin_addr,
+            "tether_broker_service_proxy_allowlist_rejected_total",
+            &[],
+        )
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while rejected().await? < 1.0 {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the broker never saw the bad allowlist update"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let out = kubectl_ok(&hub_kc, &svc).await?;
+    assert_eq!(
+        out.trim(),
+        "hello from web /hello",
+        "the last good allowlist was not kept"
+    );
+    let deleted = cp.tetherctl(&["delete", "serviceproxyallowlist", "web"])?;
+    assert!(
+        deleted.contains("serviceproxyallowlist/web deleted"),
+        "{deleted}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (ok, _, err) = kubectl(&hub_kc, &svc, None).await?;
+        if !ok {
+            assert!(err.contains("not in the service proxy allowlist"), "{err}");
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "service still allowed 20 s after the allowlist was deleted"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
