@@ -11,7 +11,8 @@
 //!   (pass-through);
 //! - `--as admin --as-group system:masters`: those headers never reach the target; the target
 //!   sees the agent's credential and `Impersonate-User: tether:client:ops` (or, passed through,
-//!   the client's own token and no impersonation);
+//!   the client's own token and no impersonation); a hub client certificate from
+//!   `tetherctl client create --cert-out` is impersonated as `tether:client:bot`;
 //! - a watch whose second event is only produced after the first was printed (streaming);
 //! - `exec -i echo -- cat` over a WebSocket upgrade that echoes;
 //! - the service is refused with a clear message until `tetherctl apply -f` allows it; a bad
@@ -248,6 +249,45 @@ async fn kubectl_through_the_service_proxy() -> anyhow::Result<()> {
         .await?
             >= 4.0
     );
+
+    // A hub client certificate (issued by the hub) is a hub identity too.
+    let bot = dir.path().join("bot");
+    cp.tetherctl(&[
+        "client",
+        "create",
+        "bot",
+        "--cert-out",
+        bot.to_str().context("path")?,
+    ])?;
+    let cert_kc = dir.path().join("cert.kubeconfig");
+    let (crt, key) = (bot.join("tls.crt"), bot.join("tls.key"));
+    write_kubeconfig(
+        &cp,
+        &server,
+        &cert_kc,
+        &[
+            "--cert",
+            crt.to_str().context("path")?,
+            "--key",
+            key.to_str().context("path")?,
+        ],
+    )?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        // The broker learns the new HubClient from KV: retry until it has.
+        let (ok, _, err) = kubectl(&cert_kc, &whoami, None).await?;
+        if ok {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "client certificate never accepted: {err}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let seen = api.seen();
+    assert_eq!(seen.impersonate_user.as_deref(), Some("tether:client:bot"));
+    assert_eq!(seen.impersonate_groups, vec!["tether:clients".to_string()]);
 
     // A watch streams: the second event exists only after the first was printed.
     let mut w = std::process::Command::new("kubectl")
