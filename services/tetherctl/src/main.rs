@@ -17,16 +17,21 @@
 //! - `get brokers`: broker presence (live, draining, load, client addresses).
 //! - `client create|delete`, `get clients`: hub client credentials; `apply -f` also takes
 //!   ClientAccessPolicy documents (`delete clientaccesspolicy NAME`).
+//! - `kubeconfig <cluster> --server https://broker:port`: a kubeconfig for the brokers' HTTP
+//!   service proxy (plain kubectl, no proxy-url); `apply -f` also takes ServiceProxyAllowlist
+//!   documents (`delete serviceproxyallowlist NAME`).
 //!
 //! Hub commands read `<hub dir>/hub.yaml` (`--hub-dir`, env `TETHER_HUB_DIR`) and connect as the
 //! `tether-admin` NATS user.
 
 mod addons;
+mod allowlist;
 mod cert;
 mod clients;
 mod events;
 mod init;
 mod kube_secret;
+mod kubeconfig;
 mod ops;
 mod proxy;
 
@@ -158,6 +163,11 @@ enum Cmd {
         after_help = "Examples:\n  tetherctl events edge-1\n  tetherctl events --watch\n  tetherctl events --watch --subject 'tether.v1.events.health.>' -o json\n  tetherctl events --watch --durable ops-audit   # resumes where it stopped"
     )]
     Events(events::EventsArgs),
+    /// Write a kubeconfig whose server is the brokers' service proxy path for CLUSTER.
+    #[command(
+        after_help = "Examples:\n  tetherctl kubeconfig edge-1 --server https://broker.hub:8443 --token-file ops.token -o edge-1.kubeconfig\n  tetherctl kubeconfig edge-1 --server https://broker.hub:8443 --cert ops.crt --key ops.key -o edge-1.kubeconfig\n  kubectl --kubeconfig edge-1.kubeconfig get --raw /version"
+    )]
+    Kubeconfig(kubeconfig::KubeconfigArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     #[command(
         after_help = "Examples:\n  tetherctl completions bash > /etc/bash_completion.d/tetherctl\n  tetherctl completions zsh > \"${fpath[1]}/_tetherctl\""
@@ -340,8 +350,9 @@ async fn main() {
                 addons::get_cmas(&hub, output).await
             }
         },
-        Cmd::Apply { file, hub } => clients::apply(&hub, &file).await,
-        Cmd::Delete { kind, name, hub } => clients::delete(&hub, &kind, &name).await,
+        Cmd::Apply { file, hub } => allowlist::apply(&hub, &file).await,
+        Cmd::Delete { kind, name, hub } => allowlist::delete(&hub, &kind, &name).await,
+        Cmd::Kubeconfig(a) => kubeconfig::run(&a),
         Cmd::Client { what } => clients::run(what).await,
         Cmd::Proxy { what } => match what {
             ProxyCmd::Health {

@@ -50,6 +50,56 @@ pub struct AgentConfig {
     /// Time open streams get to finish on SIGTERM.
     #[serde(default = "default_grace", with = "humantime_serde")]
     pub shutdown_grace: Duration,
+    /// The agent end of the brokers' HTTP service proxy (docs/service-proxy.md). Absent: the
+    /// agent refuses service-proxy streams.
+    #[serde(default)]
+    pub service_proxy: Option<ServiceProxySettings>,
+}
+
+/// Default CA of the in-cluster API server (the pod's service account).
+pub const DEFAULT_SA_CA: &str = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt";
+/// Default name in the API server's certificate.
+pub const DEFAULT_APISERVER_NAME: &str = "kubernetes.default.svc";
+/// Default bound of a service-proxy request head (request line and headers).
+pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
+
+/// The agent end of the service proxy: it terminates the broker's HTTP/1.1 on a tunnel stream
+/// and re-originates each request over pooled connections to the API server (TLS verified with
+/// `apiserver_ca`, HTTP/2 when the server offers it) or to an allowed service.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceProxySettings {
+    /// CA bundle verifying the API server.
+    #[serde(default = "default_sa_ca")]
+    pub apiserver_ca: PathBuf,
+    /// Name expected in the API server's certificate.
+    #[serde(default = "default_apiserver_name")]
+    pub apiserver_server_name: String,
+    /// The add-on's own credential in the managed cluster (a service-account token file,
+    /// re-read every minute as projected tokens rotate). Requests of hub identities carry it
+    /// with the broker's `Impersonate-*` headers; absent, only token pass-through works.
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+    /// CA bundle verifying `https:` services (default: `apiserver_ca`).
+    #[serde(default)]
+    pub services_ca: Option<PathBuf>,
+    /// Where `<svc>.<ns>.svc:<port>` is dialled when cluster DNS is absent (local and compose
+    /// runs): `"<svc>.<ns>.svc:<port>": "host:port"`. Others resolve through DNS.
+    #[serde(default)]
+    pub service_addresses: std::collections::BTreeMap<String, String>,
+    /// Largest request head accepted from the broker.
+    #[serde(default = "default_max_header_bytes")]
+    pub max_header_bytes: usize,
+}
+
+fn default_sa_ca() -> PathBuf {
+    DEFAULT_SA_CA.into()
+}
+fn default_apiserver_name() -> String {
+    DEFAULT_APISERVER_NAME.into()
+}
+fn default_max_header_bytes() -> usize {
+    DEFAULT_MAX_HEADER_BYTES
 }
 
 /// Proxy settings, as OCM's AddOnDeploymentConfig `proxyConfig`.
@@ -269,6 +319,27 @@ impl Validate for AgentConfig {
             return Err(ConfigError::invalid("max_dial_timeout", "must be > 0"));
         }
         self.proxy_settings()?;
+        if let Some(sp) = &self.service_proxy {
+            if sp.max_header_bytes < 8192 {
+                return Err(ConfigError::invalid(
+                    "service_proxy.max_header_bytes",
+                    "must be at least 8192",
+                ));
+            }
+            for (k, v) in &sp.service_addresses {
+                for s in [k, v] {
+                    if s.rsplit_once(':')
+                        .and_then(|(_, p)| p.parse::<u16>().ok())
+                        .is_none()
+                    {
+                        return Err(ConfigError::invalid(
+                            format!("service_proxy.service_addresses[{k:?}]"),
+                            format!("{s:?} is not host:port"),
+                        ));
+                    }
+                }
+            }
+        }
         self.tunnel
             .validate("tunnel.")
             .map_err(|(f, m)| ConfigError::invalid(f, m))?;
@@ -279,6 +350,28 @@ impl Validate for AgentConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn service_proxy_section() {
+        let base = "cluster: c1\ntls: {cert: c, key: k, ca: a}\nbrokers:\n  - addresses: ['b:1']\n    server_name: b\n";
+        let parse = |extra: &str| {
+            tether_config::from_str::<AgentConfig>(
+                &format!("{base}{extra}"),
+                std::path::Path::new("agent.yaml"),
+            )
+        };
+        assert!(parse("").unwrap().service_proxy.is_none());
+        let sp = parse("service_proxy: {token_file: /t}\n")
+            .unwrap()
+            .service_proxy
+            .unwrap();
+        assert_eq!(sp.apiserver_ca, PathBuf::from(DEFAULT_SA_CA));
+        assert_eq!(sp.apiserver_server_name, DEFAULT_APISERVER_NAME);
+        let e = parse("service_proxy:\n  service_addresses: {'web.default.svc:80': 'nowhere'}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("service_proxy.service_addresses"), "{e}");
+    }
 
     #[test]
     fn policy_patterns() {

@@ -6,6 +6,7 @@
 //! - [`connector`]: one supervised actix actor per broker endpoint (reconnect, backoff, drain).
 //! - [`tunnel`]: one tunnel connection: TLS client + HTTP/2 server, request handlers, dialling.
 //! - [`metrics`]: Prometheus metrics.
+//! - [`service_proxy`]: the agent end of the brokers' HTTP service proxy (`service_proxy`).
 //!
 //! [`run`] is what `main` calls, and what tests call in-process.
 //!
@@ -24,6 +25,7 @@
 pub mod config;
 pub mod connector;
 pub mod metrics;
+pub mod service_proxy;
 pub mod tunnel;
 
 use std::collections::BTreeMap;
@@ -64,6 +66,8 @@ pub enum AgentError {
     Metrics(#[from] prometheus::Error),
     #[error("proxy settings: {0}")]
     Proxy(tether_config::ConfigError),
+    #[error("{0}")]
+    ServiceProxy(#[from] service_proxy::ServiceProxyError),
 }
 
 /// What `/debug/agent` shows about the config.
@@ -138,8 +142,8 @@ fn shared_fingerprint(cfg: &AgentConfig) -> String {
         )
     });
     format!(
-        "{proxy:?}|{}|{:?}|{:?}|{:?}",
-        cfg.apiserver, cfg.policy, cfg.max_dial_timeout, cfg.tunnel
+        "{proxy:?}|{}|{:?}|{:?}|{:?}|{:?}",
+        cfg.apiserver, cfg.policy, cfg.max_dial_timeout, cfg.tunnel, cfg.service_proxy
     )
 }
 
@@ -162,7 +166,16 @@ fn build_shared(
             "brokers are reached through a forward proxy unless NO_PROXY exempts them"
         );
     }
+    let service_proxy = cfg
+        .service_proxy
+        .as_ref()
+        .map(|s| {
+            service_proxy::ServiceProxy::new(&cfg.cluster, &cfg.apiserver, &cfg.policy, s)
+                .map(Arc::new)
+        })
+        .transpose()?;
     Ok(Arc::new(AgentShared {
+        service_proxy,
         cluster: cfg.cluster.clone(),
         agent: agent.to_string(),
         apiserver: cfg.apiserver.clone(),

@@ -36,6 +36,8 @@ pub struct AgentShared {
     pub proxy: tether_proxy::ProxySettings,
     /// Trust anchors for an https:// proxy's certificate.
     pub proxy_roots: Arc<rustls::RootCertStore>,
+    /// The agent end of the HTTP service proxy (`service_proxy` in the config).
+    pub service_proxy: Option<Arc<crate::service_proxy::ServiceProxy>>,
 }
 
 /// Events a tunnel reports to its connector.
@@ -348,6 +350,9 @@ async fn handle_dial(
         .unwrap_or(shared.max_dial_timeout)
         .min(shared.max_dial_timeout);
     async move {
+        if target == wire::SERVICE_PROXY_DEST {
+            return serve_service_proxy(req, respond, &shared).await;
+        }
         let started = Instant::now();
         let dialled = dial(&shared, &target, timeout).await;
         shared
@@ -406,6 +411,50 @@ async fn handle_dial(
     }
     .instrument(span)
     .await
+}
+
+/// Bytes buffered between a service-proxy tunnel stream and its HTTP server.
+pub const SERVICE_PROXY_PIPE_BYTES: usize = 256 * 1024;
+
+/// A service-proxy stream: HTTP/1.1 from the broker, served by [`AgentShared::service_proxy`]
+/// through an in-memory pipe spliced to the tunnel stream (same flow control, half-close and
+/// abort as any stream).
+async fn serve_service_proxy(
+    req: Request<h2::RecvStream>,
+    mut respond: SendResponse<Bytes>,
+    shared: &AgentShared,
+) {
+    let Some(proxy) = shared.service_proxy.clone() else {
+        let e = DialError::new(
+            DialErrorKind::AgentPolicy,
+            format!(
+                "the agent of cluster {} has no service_proxy section: the service proxy is off",
+                shared.cluster
+            ),
+        );
+        let _ = respond.send_response(wire::error_response(&e), true);
+        return;
+    };
+    let Ok(send) = respond.send_response(Response::new(()), false) else {
+        return;
+    };
+    let (ours, theirs) = tokio::io::duplex(SERVICE_PROXY_PIPE_BYTES);
+    tokio::spawn(proxy.serve(theirs));
+    shared.metrics.open_streams.inc();
+    let (rd, wr) = tokio::io::split(ours);
+    let r = splice(
+        tether_tunnel::pump::AsyncChunkReader::new(rd, shared.settings.read_chunk_bytes),
+        wr,
+        send,
+        req.into_body(),
+        shared.settings.write_stall_timeout,
+        &shared.counters,
+    )
+    .await;
+    shared.metrics.open_streams.dec();
+    if let Err(e) = r {
+        tracing::debug!(reason = %e.reason, "service-proxy stream aborted");
+    }
 }
 
 /// Resolves and dials a target, classifying failures.

@@ -51,6 +51,48 @@ pub struct BrokerConfig {
     /// Hub control plane (NATS). Absent: the broker runs from this file alone.
     #[serde(default)]
     pub control_plane: Option<ControlPlaneConfig>,
+    /// The HTTP service proxy (kube clients by URL, docs/service-proxy.md). Absent: off.
+    #[serde(default)]
+    pub service_proxy: Option<ServiceProxyConfig>,
+}
+
+/// Default bound of a service-proxy request head.
+pub const DEFAULT_SERVICE_PROXY_MAX_HEADER_BYTES: usize = 64 * 1024;
+
+/// The HTTP service proxy front end: its own TLS listener (ALPN h2 and http/1.1, client
+/// certificate optional) serving `/<cluster>/…` URLs.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceProxyConfig {
+    pub listen: SocketAddr,
+    /// Services allowed without the hub (merged with the hub's ServiceProxyAllowlists).
+    #[serde(default)]
+    pub allow_services: Vec<tether_control::service_proxy::AllowedService>,
+    /// Largest request head (HTTP/1.1 buffer, HTTP/2 header list).
+    #[serde(default = "default_sp_header_bytes")]
+    pub max_header_bytes: usize,
+    /// `Impersonate-Group` values sent for hub identities.
+    #[serde(default = "default_sp_groups")]
+    pub impersonate_groups: Vec<String>,
+    /// Idle pooled tunnel streams are closed after this.
+    #[serde(default = "default_sp_idle", with = "humantime_serde")]
+    pub pool_idle_timeout: Duration,
+    /// Idle pooled tunnel streams kept per cluster.
+    #[serde(default = "default_sp_idle_per_cluster")]
+    pub pool_max_idle_per_cluster: usize,
+}
+
+fn default_sp_header_bytes() -> usize {
+    DEFAULT_SERVICE_PROXY_MAX_HEADER_BYTES
+}
+fn default_sp_groups() -> Vec<String> {
+    vec!["tether:clients".into()]
+}
+fn default_sp_idle() -> Duration {
+    Duration::from_secs(90)
+}
+fn default_sp_idle_per_cluster() -> usize {
+    32
 }
 
 /// The broker's connection to hub NATS (user `tether-hub`): presence in `tether-brokers`,
@@ -292,6 +334,33 @@ impl Validate for BrokerConfig {
                 }
             }
         }
+        if let Some(sp) = &self.service_proxy {
+            if !(8192..=1 << 20).contains(&sp.max_header_bytes) {
+                return Err(ConfigError::invalid(
+                    "service_proxy.max_header_bytes",
+                    "must be between 8192 and 1048576",
+                ));
+            }
+            let doc = tether_control::service_proxy::ServiceProxyAllowlist::new(
+                "config",
+                sp.allow_services.clone(),
+            );
+            tether_control::service_proxy::validate(&doc).map_err(|e| {
+                ConfigError::invalid(
+                    format!(
+                        "service_proxy.allow_services{}",
+                        e.field.trim_start_matches("spec.services")
+                    ),
+                    e.message,
+                )
+            })?;
+            if sp.impersonate_groups.iter().any(|g| g.is_empty()) {
+                return Err(ConfigError::invalid(
+                    "service_proxy.impersonate_groups",
+                    "must not contain empty names",
+                ));
+            }
+        }
         self.tunnel
             .validate("tunnel.")
             .map_err(|(f, m)| ConfigError::invalid(f, m))?;
@@ -310,6 +379,29 @@ mod tests {
             &format!("{BASE}{extra}"),
             std::path::Path::new("broker.yaml"),
         )
+    }
+
+    #[test]
+    fn service_proxy_is_optional_and_validated() {
+        assert!(parse("").unwrap().service_proxy.is_none());
+        let sp = parse("service_proxy:\n  listen: 127.0.0.1:0\n")
+            .unwrap()
+            .service_proxy
+            .unwrap();
+        assert!(sp.allow_services.is_empty());
+        assert_eq!(sp.impersonate_groups, vec!["tether:clients".to_string()]);
+        assert_eq!(sp.max_header_bytes, DEFAULT_SERVICE_PROXY_MAX_HEADER_BYTES);
+        let e = parse("service_proxy:\n  listen: 127.0.0.1:0\n  allow_services:\n    - {clusters: ['*'], namespace: Bad, name: web}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("service_proxy.allow_services[0].namespace"),
+            "{e}"
+        );
+        let e = parse("service_proxy:\n  listen: 127.0.0.1:0\n  max_header_bytes: 100\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("service_proxy.max_header_bytes"), "{e}");
     }
 
     #[test]

@@ -104,6 +104,17 @@ impl Broker {
         self.open(frontend, target, stream_id, timeout, true).await
     }
 
+    /// Opens a stream a front end authorised itself (the service proxy's tunnel streams to an
+    /// agent's service proxy): local tunnel or relay peer, default dial timeout.
+    pub async fn dial_trusted(
+        &self,
+        frontend: &'static str,
+        target: &Target,
+        stream_id: u64,
+    ) -> Result<OpenStream, DialError> {
+        self.open(frontend, target, stream_id, None, true).await
+    }
+
     /// Opens a stream for a peer broker's relay: local tunnels only, never relayed further.
     /// The peer authorised its client already.
     pub async fn dial_for_peer(

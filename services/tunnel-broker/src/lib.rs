@@ -14,6 +14,8 @@
 //! - [`presence`]: this broker's `tether-brokers` entry and the relay peers discovered from
 //!   the others'.
 //! - [`clusters`]: the clusters the hub knows (tunnel admission, "unknown cluster" answers).
+//! - [`service_proxy`]: the HTTP service proxy (`/<cluster>/…` URLs for kube clients), its
+//!   tunnel-stream connection pool and the default-deny service allowlist.
 //! - [`linger`]: plain CONNECT clients of a killed broker see a reset, not a clean EOF.
 //! - [`metrics`]: Prometheus metrics.
 //!
@@ -33,6 +35,7 @@ pub mod metrics;
 pub mod peers;
 pub mod presence;
 pub mod registry;
+pub mod service_proxy;
 pub mod tunnel;
 
 use std::sync::Arc;
@@ -78,6 +81,8 @@ pub struct Listeners {
     pub client: Option<TcpListener>,
     pub client_tls: Option<TcpListener>,
     pub admin: TcpListener,
+    /// `service_proxy.listen` (None when the service proxy is off).
+    pub service_proxy: Option<TcpListener>,
 }
 
 /// Runs the broker until `shutdown`, then drains: stops accepting, tells every agent to move,
@@ -145,6 +150,31 @@ pub async fn run(
     let readiness = Readiness::new();
     let (draining_tx, draining_rx) = tokio::sync::watch::channel(false);
     let cp_exit = CancellationToken::new();
+    if let (Some(sp), Some(l)) = (&cfg.service_proxy, listeners.service_proxy) {
+        let allowlist = Arc::new(service_proxy::Allowlist::new(
+            sp.allow_services.clone(),
+            metrics.service_proxy_allowlist_entries.clone(),
+            metrics.service_proxy_allowlist_rejected.clone(),
+        ));
+        if let Some(connect) = cp_connect.clone() {
+            tokio::spawn(service_proxy::allowlist::follow(
+                Arc::clone(&allowlist),
+                connect,
+                cp_exit.clone(),
+            ));
+        }
+        let front = service_proxy::ServiceProxy::new(Arc::clone(&broker), sp.clone(), allowlist);
+        let acceptor = TlsAcceptor::from(Arc::new(tls.server_config(false, &CLIENT_ALPN)?));
+        let hs = cfg.tunnel.handshake_timeout;
+        tokio::spawn(accept_loop(l, accepting.clone(), move |tcp| {
+            let (acceptor, front) = (acceptor.clone(), front.clone());
+            async move {
+                if let Some((tls, peer)) = accept_client_tls(&acceptor, tcp, hs).await {
+                    front.serve_connection(tls, peer).await;
+                }
+            }
+        }));
+    }
     let mut cp_task = None;
     if let (Some(cp), Some(connect)) = (&cfg.control_plane, cp_connect) {
         let me = presence::template(
@@ -230,21 +260,10 @@ pub async fn run(
             let broker = Arc::clone(&broker);
             let grpc = grpc.clone();
             async move {
-                let _ = tcp.set_nodelay(true);
-                let tls = match tokio::time::timeout(hs, acceptor.accept(tcp)).await {
-                    Ok(Ok(s)) => s,
-                    Ok(Err(e)) => {
-                        tracing::debug!(error = %e, "client TLS handshake failed");
-                        return;
-                    }
-                    Err(_) => return,
+                let Some((tls, peer)) = accept_client_tls(&acceptor, tcp, hs).await else {
+                    return;
                 };
-                let (_, conn) = tls.get_ref();
-                let peer = conn
-                    .peer_certificates()
-                    .and_then(|c| c.first())
-                    .and_then(auth::PeerCert::from_der);
-                if conn.alpn_protocol() == Some(b"h2") {
+                if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
                     grpc.serve_connection(tls, peer).await;
                 } else {
                     connect::serve_tls(broker, tls, peer).await;
@@ -307,6 +326,33 @@ pub async fn run(
     }
     admin_stop.cancel();
     Ok(())
+}
+
+/// A client TLS handshake (bounded by `timeout`) and the verified client certificate, if any.
+async fn accept_client_tls(
+    acceptor: &TlsAcceptor,
+    tcp: tokio::net::TcpStream,
+    timeout: Duration,
+) -> Option<(
+    tokio_rustls::server::TlsStream<tokio::net::TcpStream>,
+    Option<auth::PeerCert>,
+)> {
+    let _ = tcp.set_nodelay(true);
+    let tls = match tokio::time::timeout(timeout, acceptor.accept(tcp)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "client TLS handshake failed");
+            return None;
+        }
+        Err(_) => return None,
+    };
+    let peer = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .and_then(auth::PeerCert::from_der);
+    Some((tls, peer))
 }
 
 /// Accepts connections until `stop`, running `handle` for each in its own task; at most

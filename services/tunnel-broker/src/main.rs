@@ -67,6 +67,10 @@ fn main() -> anyhow::Result<()> {
                 None => None,
             },
             admin: bind(cfg.admin_listen, "admin_listen").await?,
+            service_proxy: match &cfg.service_proxy {
+                Some(sp) => Some(bind(sp.listen, "service_proxy.listen").await?),
+                None => None,
+            },
         };
         if let Some(path) = &args.ready_file {
             let addr = |l: &Option<TcpListener>| {
@@ -79,6 +83,7 @@ fn main() -> anyhow::Result<()> {
                 "client": addr(&listeners.client),
                 "client_tls": addr(&listeners.client_tls),
                 "admin": listeners.admin.local_addr()?.to_string(),
+                "service_proxy": addr(&listeners.service_proxy),
             });
             tether_runtime::write_ready_file(path, &info)
                 .with_context(|| format!("write ready file {}", path.display()))?;

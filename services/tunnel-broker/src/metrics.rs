@@ -26,6 +26,11 @@ pub struct BrokerMetrics {
     pub tunnel_window_changes: IntCounter,
     /// konnectivity packets answered with an error, cancelled dials and close timeouts.
     pub konnectivity_errors: IntCounterVec,
+    pub service_proxy_requests: IntCounterVec,
+    pub service_proxy_duration: HistogramVec,
+    pub service_proxy_stripped_headers: IntCounter,
+    pub service_proxy_allowlist_entries: IntGauge,
+    pub service_proxy_allowlist_rejected: IntCounter,
 }
 
 impl BrokerMetrics {
@@ -124,6 +129,36 @@ impl BrokerMetrics {
                 ),
                 &["kind"],
             )?,
+            service_proxy_requests: IntCounterVec::new(
+                Opts::new(
+                    "tether_broker_service_proxy_requests_total",
+                    "Service-proxy requests by cluster (empty before the cluster was admitted) and status code.",
+                ),
+                &["cluster", "code"],
+            )?,
+            service_proxy_duration: HistogramVec::new(
+                HistogramOpts::new(
+                    "tether_broker_service_proxy_request_duration_seconds",
+                    "Time from a service-proxy request to its response head, by cluster.",
+                )
+                .buckets(vec![
+                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0,
+                ]),
+                &["cluster"],
+            )?,
+            service_proxy_stripped_headers: IntCounter::new(
+                "tether_broker_service_proxy_stripped_headers_total",
+                "Client-supplied Impersonate-* and tether-* headers removed by the service proxy.",
+            )?,
+            service_proxy_allowlist_entries: IntGauge::new(
+                "tether_broker_service_proxy_allowlist_entries",
+                "Services in the service proxy's effective allowlist (config plus hub).",
+            )?,
+            service_proxy_allowlist_rejected: IntCounter::new(
+                "tether_broker_service_proxy_allowlist_rejected_total",
+                "ServiceProxyAllowlist updates ignored as invalid (the last good version stays).",
+            )?,
         };
         tether_telemetry::register_all(
             registry,
@@ -144,6 +179,11 @@ impl BrokerMetrics {
                 Box::new(m.tunnels_closed_by_hub.clone()),
                 Box::new(m.tunnel_window_changes.clone()),
                 Box::new(m.konnectivity_errors.clone()),
+                Box::new(m.service_proxy_requests.clone()),
+                Box::new(m.service_proxy_duration.clone()),
+                Box::new(m.service_proxy_stripped_headers.clone()),
+                Box::new(m.service_proxy_allowlist_entries.clone()),
+                Box::new(m.service_proxy_allowlist_rejected.clone()),
             ],
         )?;
         Ok(m)

@@ -14,6 +14,7 @@
 //! - [`addons`]: add-on resources (OCM-shaped), validation, and the agent ↔ hub add-on messages.
 //! - [`brokers`]: broker presence (`tether-brokers` KV).
 //! - [`clients`]: hub client credentials and access policy resources.
+//! - [`service_proxy`]: the HTTP service proxy's allowlist (`ServiceProxyAllowlist`).
 //! - [`health`]: health-prober results (`tether-health`, `tether.v1.health.get`) and the
 //!   `proxy health` table.
 //! - [`store`]: JetStream KV buckets and the events stream.
@@ -33,6 +34,7 @@ pub mod kubeconfig;
 /// Forward-proxy dialling lives in its own crate; re-exported under its old path.
 pub use tether_proxy as proxy;
 pub mod resources;
+pub mod service_proxy;
 pub mod store;
 pub mod subjects;
 pub mod trace;

@@ -14,6 +14,8 @@
 //!   renewed every couple of seconds; old keys age out)
 //! - `tether-hubclients` — key `<client>` → [`crate::clients::HubClient`]
 //! - `tether-clientaccesspolicies` — key `<policy>` → [`crate::clients::ClientAccessPolicy`]
+//! - `tether-serviceproxyallowlists` — key `<name>` →
+//!   [`crate::service_proxy::ServiceProxyAllowlist`]
 //!
 //! Stream `TETHER_EVENTS` on `tether.v1.events.>` receives an [`Event`] for every change.
 //! Updates are compare-and-swap on the KV revision ([`HubStore::update`]).
@@ -47,9 +49,10 @@ pub enum Bucket {
     Brokers,
     HubClients,
     ClientAccessPolicies,
+    ServiceProxyAllowlists,
 }
 
-const ALL_BUCKETS: [Bucket; 12] = [
+const ALL_BUCKETS: [Bucket; 13] = [
     Bucket::Clusters,
     Bucket::Leases,
     Bucket::Csrs,
@@ -62,6 +65,7 @@ const ALL_BUCKETS: [Bucket; 12] = [
     Bucket::Brokers,
     Bucket::HubClients,
     Bucket::ClientAccessPolicies,
+    Bucket::ServiceProxyAllowlists,
 ];
 
 impl Bucket {
@@ -79,6 +83,7 @@ impl Bucket {
             Bucket::Brokers => subjects::BUCKET_BROKERS,
             Bucket::HubClients => subjects::BUCKET_HUB_CLIENTS,
             Bucket::ClientAccessPolicies => subjects::BUCKET_CLIENT_ACCESS_POLICIES,
+            Bucket::ServiceProxyAllowlists => subjects::BUCKET_SERVICE_PROXY_ALLOWLISTS,
         }
     }
 

@@ -158,6 +158,9 @@ pub const ADMIN_CLIENT_DELETE: &str = "tether.v1.admin.client.delete";
 pub const BUCKET_HUB_CLIENTS: &str = "tether-hubclients";
 /// KV bucket of client access policies (key `<policy>`, [`crate::clients::ClientAccessPolicy`]).
 pub const BUCKET_CLIENT_ACCESS_POLICIES: &str = "tether-clientaccesspolicies";
+/// KV bucket of the service proxy's allowlists (key `<name>`,
+/// [`crate::service_proxy::ServiceProxyAllowlist`]).
+pub const BUCKET_SERVICE_PROXY_ALLOWLISTS: &str = "tether-serviceproxyallowlists";
 
 #[cfg(test)]
 mod tests {

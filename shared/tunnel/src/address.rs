@@ -118,11 +118,24 @@ impl Target {
         Ok(Self::host_port(cluster, host.to_ascii_lowercase(), port))
     }
 
+    /// The agent's HTTP service proxy ([`crate::wire::SERVICE_PROXY_DEST`]); only the broker's
+    /// service-proxy front end opens it (client addresses never parse to port 0).
+    pub fn service_proxy(cluster: impl Into<String>) -> Self {
+        let (host, port) = crate::wire::SERVICE_PROXY_DEST
+            .rsplit_once(':')
+            .expect("SERVICE_PROXY_DEST is host:port");
+        Self::host_port(cluster, host, port.parse().unwrap_or(0))
+    }
+
     /// Rebuilds a target from the tunnel's `tether-cluster` and `tether-target` headers.
     pub fn from_wire(cluster: &str, dest: &str) -> Result<Self, AddressError> {
         if dest == crate::wire::APISERVER_DEST {
             check_cluster(cluster)?;
             return Ok(Self::api_server(cluster));
+        }
+        if dest == crate::wire::SERVICE_PROXY_DEST {
+            check_cluster(cluster)?;
+            return Ok(Self::service_proxy(cluster));
         }
         let (host, port) = dest
             .rsplit_once(':')

@@ -21,10 +21,13 @@
 //!   that destroys the bytes it sent last.
 //! - [`keepalive`]: HTTP/2 PING liveness checks (and the adaptive window's BDP samples).
 //! - [`forward_writes!`]: the write pass-through of transport wrappers.
+//! - [`http_proxy`]: hop-by-hop headers and upgrade-aware forwarding for the HTTP service
+//!   proxy (broker and agent ends).
 //! - [`window`]: adaptive receive windows sized to the tunnel's bandwidth × round trip.
 
 pub mod address;
 mod forward;
+pub mod http_proxy;
 pub mod keepalive;
 pub mod lingering;
 pub mod pattern;

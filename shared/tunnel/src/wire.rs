@@ -34,6 +34,16 @@ pub const HEADER_ERROR_MESSAGE: &str = "tether-error-message";
 
 /// Wire value of [`crate::Dest::ApiServer`].
 pub const APISERVER_DEST: &str = "apiserver";
+/// `tether-target` of a stream to the agent's HTTP service proxy (the broker's service-proxy
+/// front end speaks HTTP/1.1 on it; docs/service-proxy.md). Port 0 is never a real target.
+pub const SERVICE_PROXY_DEST: &str = "tether-service-proxy:0";
+/// Service-proxy request header (broker → agent): `apiserver`, or `http(s)://host:port` of a
+/// service.
+pub const HEADER_UPSTREAM: &str = "tether-upstream";
+/// Service-proxy request header (broker → agent): `agent` = authenticate to the API server
+/// with the agent's own credentials (the broker set `Impersonate-*`); absent = pass the
+/// client's `Authorization` through.
+pub const HEADER_CREDENTIALS: &str = "tether-credentials";
 
 /// Why a dial failed. `metric_label` names it in metrics and on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

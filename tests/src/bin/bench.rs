@@ -79,7 +79,8 @@ struct Args {
     /// (`GLIBC_TUNABLES`, see tether_runtime::GLIBC_TUNABLES_DATA_PLANE), to measure its effect.
     #[arg(long)]
     glibc_default: bool,
-    /// Run only these sections: tput1, tput8, rr, open, stall, idle, fleet (comma-separated).
+    /// Run only these sections: tput1, tput8, rr, open, stall, idle, fleet, sproxy
+    /// (comma-separated).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Internal: run as the target server.
@@ -1067,6 +1068,11 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         }
     }
 
+    // HTTP requests: the service proxy vs the same requests through CONNECT.
+    if setup.wants("sproxy") {
+        table.add(sproxy::section(&hub, &setup).await?);
+    }
+
     println!();
     table.print();
     println!(
@@ -1077,6 +1083,221 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The service-proxy section.
+
+/// The `sproxy` section: `GET /version` of an HTTPS API-like server in a cluster
+/// ([`tether_e2e::apiserver::KubeApiServer`], in this process), by [`CLIENTS`] concurrent
+/// HTTP/1.1 clients, (a) through the broker's service proxy (keep-alive TLS to the broker,
+/// `/c3/version`, hub token → impersonation with the agent's token; pooled tunnel streams),
+/// (b) through CONNECT `c3:443` kept alive (one tunnel stream per client, TLS end to end to the
+/// API server, the cluster token), (c) through a new CONNECT, TLS handshake and HTTP connection
+/// per request (cluster-proxy's user-server pattern). Requests/s and p50/p99 per request,
+/// rotated rounds.
+mod sproxy {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use anyhow::Context as _;
+    use http_body_util::BodyExt as _;
+    use hyper_util::rt::TokioIo;
+    use tether_e2e::apiserver::{AGENT_SA_TOKEN, KUBE_TOKEN, KubeApiServer};
+    use tether_e2e::benchkit::percentile;
+    use tether_e2e::{Hub, OPS_TOKEN};
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    use super::{Row, Setup, us};
+
+    /// Concurrent clients per path.
+    pub const CLIENTS: usize = 4;
+    const CLUSTER: &str = "c3";
+
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Path {
+        ServiceProxy,
+        /// One CONNECT stream and TLS connection per client, kept alive.
+        Connect,
+        /// A new CONNECT stream, TLS handshake and HTTP connection for every request (what
+        /// cluster-proxy's user-server does per request).
+        ConnectPerRequest,
+    }
+
+    const PATHS: [Path; 3] = [Path::ServiceProxy, Path::Connect, Path::ConnectPerRequest];
+
+    type Sender = hyper::client::conn::http1::SendRequest<http_body_util::Empty<bytes::Bytes>>;
+
+    async fn client(path: Path, ends: &Ends) -> anyhow::Result<Sender> {
+        let (addr, name) = match path {
+            Path::ServiceProxy => (ends.service_proxy, "localhost"),
+            Path::Connect | Path::ConnectPerRequest => (ends.connect, "kubernetes.default.svc"),
+        };
+        let mut tcp = tokio::net::TcpStream::connect(addr).await?;
+        tcp.set_nodelay(true)?;
+        if path != Path::ServiceProxy {
+            tcp.write_all(
+                format!("CONNECT {CLUSTER}:443 HTTP/1.1\r\nHost: {CLUSTER}:443\r\nProxy-Authorization: Bearer {OPS_TOKEN}\r\n\r\n")
+                    .as_bytes(),
+            )
+            .await?;
+            let mut head = Vec::new();
+            let mut b = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") {
+                anyhow::ensure!(tcp.read(&mut b).await? == 1, "CONNECT closed");
+                head.push(b[0]);
+            }
+            anyhow::ensure!(
+                head.starts_with(b"HTTP/1.1 200"),
+                "CONNECT refused: {}",
+                String::from_utf8_lossy(&head)
+            );
+        }
+        let sni = rustls::pki_types::ServerName::try_from(name)?;
+        let tls = tokio_rustls::TlsConnector::from(Arc::clone(&ends.tls))
+            .connect(sni, tcp)
+            .await?;
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
+        tokio::spawn(conn);
+        Ok(sender)
+    }
+
+    struct Ends {
+        service_proxy: std::net::SocketAddr,
+        connect: std::net::SocketAddr,
+        tls: Arc<rustls::ClientConfig>,
+    }
+
+    /// Sends `GET /version` on every sender until `dur` has passed; latencies.
+    async fn load(
+        path: Path,
+        ends: &Ends,
+        senders: &mut [Sender],
+        dur: Duration,
+    ) -> anyhow::Result<Vec<Duration>> {
+        let (uri, token) = match path {
+            Path::ServiceProxy => (format!("/{CLUSTER}/version"), OPS_TOKEN),
+            Path::Connect | Path::ConnectPerRequest => ("/version".to_string(), KUBE_TOKEN),
+        };
+        let end = Instant::now() + dur;
+        let tasks = senders.iter_mut().map(|s| {
+            let uri = uri.clone();
+            async move {
+                let mut lat = Vec::new();
+                while Instant::now() < end {
+                    let req = hyper::Request::get(&uri)
+                        .header("host", "localhost")
+                        .header("authorization", format!("Bearer {token}"))
+                        .body(http_body_util::Empty::new())?;
+                    let t = Instant::now();
+                    if path == Path::ConnectPerRequest {
+                        *s = client(path, ends).await?;
+                    }
+                    s.ready().await?;
+                    let resp = s.send_request(req).await?;
+                    anyhow::ensure!(resp.status() == 200, "GET {uri}: {}", resp.status());
+                    resp.into_body().collect().await?;
+                    lat.push(t.elapsed());
+                }
+                anyhow::Ok(lat)
+            }
+        });
+        let mut all = Vec::new();
+        for r in futures::future::join_all(tasks).await {
+            all.extend(r?);
+        }
+        Ok(all)
+    }
+
+    pub async fn section(hub: &Hub, setup: &Setup) -> anyhow::Result<Row> {
+        let api = KubeApiServer::start(hub).await?;
+        let broker = hub.start_broker("b3", "service_proxy:\n  listen: 127.0.0.1:0\n")?;
+        let ready = tether_test_support::read_ready_file(
+            &hub.path().join("broker-b3.ready"),
+            Duration::from_secs(5),
+        )?;
+        let service_proxy = ready["service_proxy"]
+            .as_str()
+            .context("no service_proxy address")?
+            .parse()?;
+        let token = hub.path().join("bench-sa.token");
+        std::fs::write(&token, AGENT_SA_TOKEN)?;
+        let agent = hub.start_agent(
+            CLUSTER,
+            CLUSTER,
+            &[vec![broker.agent_addr]],
+            api.addr,
+            &format!(
+                "service_proxy:\n  apiserver_ca: {}\n  token_file: {}\n",
+                hub.pki.ca_path().display(),
+                token.display()
+            ),
+        )?;
+        tether_e2e::wait_agent_ready(&agent).await?;
+        tether_e2e::wait_tunnel(&broker, CLUSTER).await?;
+        let ends = Ends {
+            service_proxy,
+            connect: broker.client_addr,
+            tls: Arc::new(tether_e2e::client_tls_config(
+                &hub.pki.ca_path(),
+                &[b"http/1.1"],
+                None,
+            )?),
+        };
+        let mut senders = Vec::new();
+        for path in PATHS {
+            let mut v = Vec::new();
+            for _ in 0..CLIENTS {
+                v.push(client(path, &ends).await?);
+            }
+            load(path, &ends, &mut v, Duration::from_millis(300)).await?;
+            senders.push(v);
+        }
+        let mut lat = [Vec::new(), Vec::new(), Vec::new()];
+        let mut secs = [0.0f64; 3];
+        for round in 0..setup.rounds * 2 {
+            let mut order = [0, 1, 2];
+            order.rotate_left(round % 3);
+            for i in order {
+                let t = Instant::now();
+                lat[i].extend(load(PATHS[i], &ends, &mut senders[i], setup.secs / 2).await?);
+                secs[i] += t.elapsed().as_secs_f64();
+            }
+        }
+        for l in &mut lat {
+            l.sort();
+        }
+        let rps = |i: usize| lat[i].len() as f64 / secs[i];
+        let cell = |i: usize| {
+            format!(
+                "{:.0} req/s, p50 {} / p99 {}",
+                rps(i),
+                us(percentile(&lat[i], 0.5)),
+                us(percentile(&lat[i], 0.99))
+            )
+        };
+        println!(
+            "  GET /version, {CLIENTS} clients: service proxy {}; CONNECT kept alive {}; CONNECT + TLS per request {}; API server saw {} TLS connections for {} requests",
+            cell(0),
+            cell(1),
+            cell(2),
+            api.connections(),
+            api.requests()
+        );
+        let (vs_keep, vs_new) = (rps(0) / rps(1), rps(0) / rps(2));
+        Ok(Row {
+            what: format!(
+                "HTTP GET, {CLIENTS} clients: service proxy (tunnel col.) vs CONNECT kept alive (direct col.) / new CONNECT + TLS per request (relay col.)"
+            ),
+            direct: cell(1),
+            relay: cell(2),
+            tunnel: cell(0),
+            result: format!("service proxy {vs_keep:.2}× CONNECT kept alive req/s"),
+            vs_relay: format!("{vs_new:.2}× a new tunnel + TLS per request"),
+            target: "ahead of per-request tunnels".into(),
+            ok: Some(vs_new > 1.0),
+        })
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
