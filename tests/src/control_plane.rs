@@ -6,6 +6,10 @@
 //! ([`broker_control_plane_yaml`]), the cluster-proxy add-on resources
 //! ([`cluster_proxy_resources`]), `tetherctl join` ([`join`]) and a registration-agent run
 //! with `--addon cluster-proxy` ([`AddonAgent`]), which supervises the cluster's tunnel-agent.
+//!
+//! A replicated hub: [`init_cluster_hub`] (`tetherctl init --nats-cluster N`), [`NatsCluster`]
+//! (N nats-server processes with routes found through ports files; kill and restart nodes)
+//! and [`start_manager`] (one addon-manager per call, on a seed list).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -140,18 +144,7 @@ impl ControlPlane {
 
     /// A NATS connection as the admin user (what tetherctl uses).
     pub async fn admin(&self) -> anyhow::Result<tether_control::NatsConnection> {
-        use tether_control::connect::{ConnectConfig, Credentials, connect};
-        let dir = tether_control::hub::HubDir::load(&self.hub_dir)?;
-        let password = dir.read(&dir.config.nats.admin_password_file)?;
-        Ok(connect(&ConnectConfig::new(
-            dir.endpoint(Some(&self.nats_url))?,
-            Credentials::HubUser {
-                user: tether_control::hub::ADMIN_USER.into(),
-                password: password.trim().to_string(),
-            },
-            "demo",
-        ))
-        .await?)
+        admin_connection(&self.hub_dir, &self.nats_url).await
     }
 
     /// YAML for a health-prober's `nats` section (cluster list from this hub).
@@ -367,4 +360,180 @@ impl Drop for AddonAgent {
             );
         }
     }
+}
+
+/// One node of a [`NatsCluster`].
+pub struct NatsClusterNode {
+    /// 1-based, as in `nats/node-<i>/nats.conf`.
+    pub index: usize,
+    /// `None` while killed.
+    pub child: Option<Child>,
+    pub client_port: u16,
+    pub cluster_port: u16,
+    /// How many times it was started (log `nats-<i>-<n>.log`).
+    starts: usize,
+}
+
+/// A NATS cluster from `tetherctl init --nats-cluster N --nats-listen 127.0.0.1:-1
+/// --nats-cluster-listen 127.0.0.1:-1 --ports-file-dir DIR`: node 1 starts first (with a route
+/// to a closed port: JetStream wants one configured); the others get `--routes` to the nodes
+/// already up (ports from their ports files). A restarted node
+/// keeps its client and cluster ports (`-p`, `--cluster`) and routes to every other node.
+pub struct NatsCluster {
+    pub hub_dir: PathBuf,
+    pub logs: PathBuf,
+    pub nodes: Vec<NatsClusterNode>,
+}
+
+/// The `nats` and `cluster` ports from nats-server's ports file in `dir`.
+fn nats_ports(dir: &Path, pid: u32) -> anyhow::Result<(u16, u16)> {
+    let ports = dir.join(format!("nats-server_{pid}.ports"));
+    wait_until(START_TIMEOUT, "nats-server ports file", || {
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&ports).ok()?).ok()?;
+        let port = |k: &str| -> Option<u16> { v[k][0].as_str()?.rsplit_once(':')?.1.parse().ok() };
+        Some((port("nats")?, port("cluster")?))
+    })
+}
+
+impl NatsCluster {
+    /// Starts every node of the cluster written into `hub_dir` (logs and ports files in `logs`).
+    pub fn start(hub_dir: &Path, logs: &Path, n: usize) -> anyhow::Result<Self> {
+        let mut c = Self {
+            hub_dir: hub_dir.to_path_buf(),
+            logs: logs.to_path_buf(),
+            nodes: Vec::new(),
+        };
+        for i in 1..=n {
+            c.nodes.push(NatsClusterNode {
+                index: i,
+                child: None,
+                client_port: 0,
+                cluster_port: 0,
+                starts: 0,
+            });
+            c.start_node(i)?;
+        }
+        Ok(c)
+    }
+
+    /// Starts (or restarts) node `i` (1-based).
+    pub fn start_node(&mut self, i: usize) -> anyhow::Result<()> {
+        let mut routes: Vec<String> = self
+            .nodes
+            .iter()
+            .filter(|n| n.index != i && n.cluster_port != 0)
+            .map(|n| format!("nats-route://127.0.0.1:{}", n.cluster_port))
+            .collect();
+        if routes.is_empty() {
+            // A JetStream cluster node needs a configured route to start: the first node gets
+            // one to a closed loopback port (from port 0, released); the others route to it.
+            let closed = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+            routes.push(format!("nats-route://{closed}"));
+        }
+        let node = &mut self.nodes[i - 1];
+        anyhow::ensure!(node.child.is_none(), "nats node {i} is running");
+        let mut cmd = Command::new(nats_server_bin()?);
+        cmd.arg("-c")
+            .arg(self.hub_dir.join(format!("nats/node-{i}/nats.conf")));
+        if node.client_port != 0 {
+            cmd.args(["-p", &node.client_port.to_string()]).args([
+                "--cluster",
+                &format!("nats://127.0.0.1:{}", node.cluster_port),
+            ]);
+        }
+        cmd.args(["--routes", &routes.join(",")]);
+        node.starts += 1;
+        let child = Child::spawn(&format!("nats-{i}-{}", node.starts), cmd, &self.logs)?;
+        let (client, cluster) = nats_ports(&self.logs, child.pid())?;
+        node.client_port = client;
+        node.cluster_port = cluster;
+        node.child = Some(child);
+        Ok(())
+    }
+
+    /// SIGKILL node `i`.
+    pub fn kill_node(&mut self, i: usize) {
+        if let Some(mut c) = self.nodes[i - 1].child.take() {
+            c.kill();
+        }
+    }
+
+    /// `tls://127.0.0.1:<port>` of node `i`.
+    pub fn node_url(&self, i: usize) -> String {
+        format!("tls://127.0.0.1:{}", self.nodes[i - 1].client_port)
+    }
+
+    /// The seed list of every node.
+    pub fn url(&self) -> String {
+        (1..=self.nodes.len())
+            .map(|i| self.node_url(i))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+/// `tetherctl init` of a hub with a `n`-node NATS cluster on random loopback ports (ports
+/// files in `dir`), in `<dir>/hub`.
+pub fn init_cluster_hub(dir: &Path, n: usize, extra: &[&str]) -> anyhow::Result<PathBuf> {
+    let hub_dir = dir.join("hub");
+    let o = Command::new(bin("tetherctl")?)
+        .args(["init", "--dir"])
+        .arg(&hub_dir)
+        .args(["--hub-host", HUB_HOST, "--nats-listen", "127.0.0.1:-1"])
+        .args(["--nats-cluster", &n.to_string()])
+        .args(["--nats-cluster-listen", "127.0.0.1:-1"])
+        .arg("--ports-file-dir")
+        .arg(dir)
+        .args(["--lease-check-interval", "200ms"])
+        .args(extra)
+        .output()?;
+    if !o.status.success() {
+        bail!("tetherctl init: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    Ok(hub_dir)
+}
+
+/// Starts an addon-manager (`name`, logs in `logs`) on `hub_dir` with NATS at `nats_url` (a
+/// seed list) and waits until it is ready.
+pub fn start_manager(
+    hub_dir: &Path,
+    nats_url: &str,
+    name: &str,
+    logs: &Path,
+) -> anyhow::Result<Child> {
+    let ready = logs.join(format!("{name}.ready"));
+    let _ = std::fs::remove_file(&ready);
+    let mut c = Command::new(bin("addon-manager")?);
+    c.arg("--hub-dir")
+        .arg(hub_dir)
+        .args(["--nats-url", nats_url])
+        .args(["--admin-listen", "127.0.0.1:0"])
+        .arg("--ready-file")
+        .arg(&ready)
+        .env("RUST_LOG", "info,async_nats=warn");
+    let mut child = Child::spawn(name, c, logs)?;
+    child
+        .read_ready_file(&ready, START_TIMEOUT)
+        .with_context(|| format!("{name} did not start"))?;
+    Ok(child)
+}
+
+/// A NATS connection to `nats_url` (a seed list) as the admin user of `hub_dir`.
+pub async fn admin_connection(
+    hub_dir: &Path,
+    nats_url: &str,
+) -> anyhow::Result<tether_control::NatsConnection> {
+    use tether_control::connect::{ConnectConfig, Credentials, connect};
+    let dir = tether_control::hub::HubDir::load(hub_dir)?;
+    let password = dir.read(&dir.config.nats.admin_password_file)?;
+    Ok(connect(&ConnectConfig::new(
+        dir.endpoint(Some(nats_url))?,
+        Credentials::HubUser {
+            user: tether_control::hub::ADMIN_USER.into(),
+            password: password.trim().to_string(),
+        },
+        "test",
+    ))
+    .await?)
 }

@@ -125,7 +125,10 @@ pub async fn run(
         "hub",
     );
     // NATS may start after us.
-    let conn = retry("cannot connect to hub NATS", &shutdown, || connect::connect(&cfg)).await?;
+    let conn = retry("cannot connect to hub NATS", &shutdown, || {
+        connect::connect(&cfg)
+    })
+    .await?;
     tracing::info!("connected to hub NATS");
     let replicas = hub
         .config

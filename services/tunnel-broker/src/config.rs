@@ -255,7 +255,10 @@ impl Validate for BrokerConfig {
             }
         }
         if let Some(cp) = &self.control_plane {
-            if cp.nats_url.split(',').any(|u| !u.trim().starts_with("tls://"))
+            if cp
+                .nats_url
+                .split(',')
+                .any(|u| !u.trim().starts_with("tls://"))
                 || tether_control::kubeconfig::parse_server_list(&cp.nats_url).is_none()
             {
                 return Err(ConfigError::invalid(

@@ -175,7 +175,12 @@ pub struct AdminConfig {
 impl Validate for HubConfig {
     fn validate(&self) -> Result<(), ConfigError> {
         // A random listen port (`-1`) is allowed here; processes then pass the real URL.
-        if self.nats.url.split(',').any(|u| !u.trim().starts_with("tls://")) {
+        if self
+            .nats
+            .url
+            .split(',')
+            .any(|u| !u.trim().starts_with("tls://"))
+        {
             return Err(ConfigError::invalid(
                 "nats.url",
                 "must be tls://host:port or a comma-separated list of them",

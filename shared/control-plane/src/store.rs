@@ -193,8 +193,7 @@ impl HubStore {
                 replica_count(&js, &format!("KV_{}", b.name()), replicas, fallback).await?;
             stores.push(js.create_or_update_key_value(cfg).await.map_err(js_err)?);
         }
-        let num_replicas =
-            replica_count(&js, subjects::STREAM_EVENTS, replicas, fallback).await?;
+        let num_replicas = replica_count(&js, subjects::STREAM_EVENTS, replicas, fallback).await?;
         js.create_or_update_stream(stream::Config {
             name: subjects::STREAM_EVENTS.to_string(),
             subjects: vec![subjects::EVENTS_ALL.to_string()],

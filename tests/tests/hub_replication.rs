@@ -1,0 +1,325 @@
+//! A replicated hub: `tetherctl init --nats-cluster 3`, three real nats-server processes with
+//! TLS routes on loopback, the real addon-manager and real registration-agents, all on the
+//! seed list of the three nodes.
+//!
+//! - Hub state written with one replica (a hub from before replication) is upgraded in place to
+//!   three replicas by the addon-manager: every bucket and the events stream, with every entry
+//!   and event intact (same values, same revisions).
+//! - Each NATS node in turn is SIGKILLed (so whichever node the addon-manager, the auth callout
+//!   and the agents talk to dies at some point): a new cluster joins through the bootstrap
+//!   token and is accepted while the node is down, hub state stays readable and writable, and
+//!   no joined cluster's Available condition ever leaves True (leases of 2 s: Unknown after
+//!   10 s without renewal). The node is restarted and caught up before the next one dies.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use tether_control::resources::{Lease, ManagedCluster, condition};
+use tether_control::store::{Bucket, HubStore, Replicas};
+use tether_control::subjects;
+use tether_e2e::control_plane::{
+    NatsCluster, admin_connection, init_cluster_hub, join, start_manager,
+};
+use tether_test_support::{Child, bin};
+
+/// Every hub bucket with file storage (the broker presence bucket is in memory, soft state).
+const DURABLE_BUCKETS: [Bucket; 11] = [
+    Bucket::Clusters,
+    Bucket::Leases,
+    Bucket::Csrs,
+    Bucket::Tokens,
+    Bucket::ClusterManagementAddOns,
+    Bucket::ManagedClusterAddOns,
+    Bucket::AddOnDeploymentConfigs,
+    Bucket::ProxyConfigurations,
+    Bucket::AddOnLeases,
+    Bucket::HubClients,
+    Bucket::ClientAccessPolicies,
+];
+const SEED_EVENTS: usize = 5;
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Polls `f` every 100 ms until it yields `Some`, failing after `timeout` with `what`.
+async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut f: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Stream names of every hub bucket plus the events stream.
+fn stream_names() -> Vec<String> {
+    DURABLE_BUCKETS
+        .iter()
+        .chain([Bucket::Brokers].iter())
+        .map(|b| format!("KV_{}", b.name()))
+        .chain([subjects::STREAM_EVENTS.to_string()])
+        .collect()
+}
+
+/// `(configured replicas, peers that are current)` of every hub stream; `None` while any
+/// stream info request fails (no leader yet).
+async fn replication(
+    js: &async_nats::jetstream::Context,
+) -> Option<BTreeMap<String, (usize, usize)>> {
+    let mut out = BTreeMap::new();
+    for name in stream_names() {
+        let info = js.get_stream(&name).await.ok()?.cached_info().clone();
+        let current = info.cluster.as_ref().map_or(0, |c| {
+            c.replicas
+                .iter()
+                .filter(|r| r.current && !r.offline)
+                .count()
+                + usize::from(c.leader.is_some())
+        });
+        out.insert(name, (info.config.num_replicas, current));
+    }
+    Some(out)
+}
+
+/// Waits until every hub stream has 3 replicas, all current.
+async fn wait_fully_replicated(js: &async_nats::jetstream::Context) -> anyhow::Result<()> {
+    eventually(
+        DEADLINE,
+        "every hub stream at 3 current replicas",
+        || async {
+            replication(js)
+                .await
+                .filter(|m| m.values().all(|&(want, have)| want == 3 && have == 3))
+        },
+    )
+    .await
+    .map(|_| ())
+}
+
+/// Every entry of every durable bucket: `(bucket, key) → (value, revision)`.
+async fn snapshot(
+    store: &HubStore,
+) -> anyhow::Result<BTreeMap<(String, String), (serde_json::Value, u64)>> {
+    let mut out = BTreeMap::new();
+    for b in DURABLE_BUCKETS {
+        for (k, v, rev) in store.list::<serde_json::Value>(b).await? {
+            out.insert((b.name().to_string(), k), (v, rev));
+        }
+    }
+    Ok(out)
+}
+
+/// Starts a registration-agent for `cluster`, bootstrapping through `tetherctl join` with the
+/// seed list `server`.
+fn start_agent(hub_dir: &Path, dir: &Path, server: &str, cluster: &str) -> anyhow::Result<Child> {
+    let base = dir.join(cluster);
+    std::fs::create_dir_all(&base)?;
+    let bootstrap = base.join("bootstrap.kubeconfig");
+    join(hub_dir, &bootstrap, server, None)?;
+    let mut c = Command::new(bin("registration-agent")?);
+    c.args(["--cluster-name", cluster])
+        .arg("--bootstrap-kubeconfig")
+        .arg(&bootstrap)
+        .arg("--hub-kubeconfig-dir")
+        .arg(base.join("hub-kubeconfig"))
+        .args(["--check-interval", "200ms"])
+        .env("RUST_LOG", "info,async_nats=warn");
+    Child::spawn(cluster, c, dir)
+}
+
+async fn available(store: &HubStore, cluster: &str) -> Option<String> {
+    let (mc, _) = store
+        .get::<ManagedCluster>(Bucket::Clusters, cluster)
+        .await
+        .ok()??;
+    mc.condition(condition::AVAILABLE).map(str::to_string)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicated_hub_upgrades_single_replica_state_and_survives_losing_any_nats_node()
+-> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let dir = tmp.path();
+    let t0 = Instant::now();
+    let hub_dir = init_cluster_hub(
+        dir,
+        3,
+        &["--auto-accept", "c-*", "--lease-duration-seconds", "2"],
+    )?;
+    let mut nats = NatsCluster::start(&hub_dir, dir, 3)?;
+    let seeds = nats.url();
+
+    // A hub from before replication: every bucket and the stream with one replica, with data.
+    let admin = eventually(DEADLINE, "an admin connection", || async {
+        admin_connection(&hub_dir, &seeds).await.ok()
+    })
+    .await?;
+    let old = eventually(DEADLINE, "single-replica hub state", || async {
+        HubStore::open_with(admin.client.clone(), Replicas::Exactly(1))
+            .await
+            .ok()
+    })
+    .await?;
+    for (i, b) in DURABLE_BUCKETS.iter().enumerate() {
+        old.put(
+            *b,
+            &format!("seed-{i}"),
+            &serde_json::json!({ "seed": i, "bucket": b.name() }),
+        )
+        .await?;
+    }
+    let js = old.jetstream().clone();
+    for i in 0..SEED_EVENTS {
+        js.publish(
+            "tether.v1.events.Test.seed",
+            format!("{{\"seed\":{i}}}").into(),
+        )
+        .await?
+        .await?;
+    }
+    let before = replication(&js).await.context("stream info")?;
+    assert!(
+        before.values().all(|&(r, _)| r == 1),
+        "seeded hub should be single-replica: {before:?}"
+    );
+    let seeded = snapshot(&old).await?;
+    assert_eq!(seeded.len(), DURABLE_BUCKETS.len(), "{seeded:?}");
+
+    // The addon-manager upgrades everything in place.
+    let _manager = start_manager(&hub_dir, &seeds, "addon-manager", dir)?;
+    wait_fully_replicated(&js).await?;
+    let store = HubStore::open(admin.client.clone()).await?;
+    let after = snapshot(&store).await?;
+    for (k, v) in &seeded {
+        assert_eq!(after.get(k), Some(v), "{k:?} changed by the upgrade");
+    }
+    let events = js
+        .get_stream(subjects::STREAM_EVENTS)
+        .await?
+        .info()
+        .await?
+        .state
+        .messages;
+    assert!(events >= SEED_EVENTS as u64, "events lost: {events}");
+    eprintln!("upgrade to R3 done at {:?}", t0.elapsed());
+
+    // A first cluster joins on the seed list.
+    let mut agents = vec![start_agent(&hub_dir, dir, &seeds, "c-0")?];
+    eventually(DEADLINE, "c-0 Available", || async {
+        (available(&store, "c-0").await.as_deref() == Some("True")).then_some(())
+    })
+    .await?;
+
+    // Watch every joined cluster: Available must never leave True.
+    let flapped = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let (store, flapped, stop) = (store.clone(), flapped.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut seen = BTreeMap::new();
+            while !stop.load(Ordering::Relaxed) {
+                // Reads fail for a moment while a node dies: only values count.
+                if let Ok(list) = store.list::<ManagedCluster>(Bucket::Clusters).await {
+                    for (name, mc, _) in list {
+                        let a = mc.condition(condition::AVAILABLE).map(str::to_string);
+                        if a.as_deref() == Some("True") {
+                            seen.insert(name, true);
+                        } else if seen.contains_key(&name) {
+                            eprintln!("{name} Available went to {a:?}");
+                            flapped.store(true, Ordering::Relaxed);
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            seen.len()
+        })
+    };
+
+    for node in 1..=3 {
+        let t = Instant::now();
+        nats.kill_node(node);
+        let name = format!("c-{node}");
+        agents.push(start_agent(&hub_dir, dir, &seeds, &name)?);
+        eventually(
+            DEADLINE,
+            &format!("{name} Available with node {node} down"),
+            || async { (available(&store, &name).await.as_deref() == Some("True")).then_some(()) },
+        )
+        .await
+        .with_context(|| {
+            std::fs::read_to_string(dir.join("addon-manager.log"))
+                .map(|l| l.lines().rev().take(20).collect::<Vec<_>>().join("\n"))
+                .unwrap_or_default()
+        })?;
+        // State stays writable with a node down.
+        eventually(DEADLINE, "a write with a node down", || async {
+            store
+                .put(
+                    Bucket::HubClients,
+                    &format!("probe-{node}"),
+                    &serde_json::json!({ "node": node }),
+                )
+                .await
+                .ok()
+        })
+        .await?;
+        eprintln!(
+            "node {node} down: {name} accepted and Available after {:?}",
+            t.elapsed()
+        );
+        nats.start_node(node)?;
+        wait_fully_replicated(&js).await?;
+    }
+
+    // Every lease renews twice more after the last restart (the watcher keeps watching).
+    let renewed = |store: HubStore| async move {
+        let mut m = BTreeMap::new();
+        for (k, l, _) in store.list::<Lease>(Bucket::Leases).await.ok()? {
+            m.insert(k, l.spec.renew_time);
+        }
+        Some(m)
+    };
+    let mut last = renewed(store.clone()).await.context("leases")?;
+    for round in 0..2 {
+        last = eventually(DEADLINE, &format!("lease renewal round {round}"), || {
+            let (store, last) = (store.clone(), last.clone());
+            async move {
+                let now = renewed(store).await?;
+                (now.len() == 4 && now.iter().all(|(k, v)| last.get(k) != Some(v))).then_some(now)
+            }
+        })
+        .await?;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let watched = watcher.await?;
+    assert_eq!(watched, 4, "clusters seen Available");
+    assert!(
+        !flapped.load(Ordering::Relaxed),
+        "a cluster left Available=True"
+    );
+    for c in ["c-0", "c-1", "c-2", "c-3"] {
+        assert_eq!(available(&store, c).await.as_deref(), Some("True"), "{c}");
+    }
+    // Nothing seeded was lost or reverted.
+    let end = snapshot(&store).await?;
+    for (k, v) in &seeded {
+        assert_eq!(end.get(k), Some(v), "{k:?} lost or reverted");
+    }
+    for agent in &mut agents {
+        assert!(agent.try_wait().is_none(), "{} exited", agent.name);
+    }
+    eprintln!("total {:?}", t0.elapsed());
+    Ok(())
+}
