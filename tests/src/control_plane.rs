@@ -494,6 +494,13 @@ pub fn init_cluster_hub(dir: &Path, n: usize, extra: &[&str]) -> anyhow::Result<
     Ok(hub_dir)
 }
 
+/// A running addon-manager replica.
+pub struct Manager {
+    pub child: Child,
+    /// Its admin HTTP address (/metrics).
+    pub admin: std::net::SocketAddr,
+}
+
 /// Starts an addon-manager (`name`, logs in `logs`) on `hub_dir` with NATS at `nats_url` (a
 /// seed list) and waits until it is ready.
 pub fn start_manager(
@@ -501,7 +508,7 @@ pub fn start_manager(
     nats_url: &str,
     name: &str,
     logs: &Path,
-) -> anyhow::Result<Child> {
+) -> anyhow::Result<Manager> {
     let ready = logs.join(format!("{name}.ready"));
     let _ = std::fs::remove_file(&ready);
     let mut c = Command::new(bin("addon-manager")?);
@@ -513,10 +520,14 @@ pub fn start_manager(
         .arg(&ready)
         .env("RUST_LOG", "info,async_nats=warn");
     let mut child = Child::spawn(name, c, logs)?;
-    child
+    let r = child
         .read_ready_file(&ready, START_TIMEOUT)
         .with_context(|| format!("{name} did not start"))?;
-    Ok(child)
+    let admin = r["admin"]
+        .as_str()
+        .and_then(|a| a.parse().ok())
+        .with_context(|| format!("{name} ready file has no admin address: {r}"))?;
+    Ok(Manager { child, admin })
 }
 
 /// A NATS connection to `nats_url` (a seed list) as the admin user of `hub_dir`.

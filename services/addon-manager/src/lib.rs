@@ -69,6 +69,15 @@ pub enum ManagerError {
     ShutDown,
 }
 
+/// Key of the registration controllers' leader lease in `tether-leaders`.
+pub const REGISTRATION_LEADER: &str = "registration";
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "unknown-host".into())
+}
+
 /// Process options that are not in hub.yaml.
 #[derive(Debug, Clone, Default)]
 pub struct RunOptions {
@@ -187,7 +196,33 @@ pub async fn run(
         tokio::spawn(server.serve(listener, shutdown.child_token()));
     }
 
-    let addr = controller::RegistrationController::start_with(ctx.clone());
+    // Several replicas may run: the periodic registration controllers run on the leader only.
+    let (leader, leader_task) = tether_control::leader::spawn(
+        ctx.store.clone(),
+        tether_control::leader::LeaderConfig {
+            name: REGISTRATION_LEADER.into(),
+            holder: format!(
+                "{}/{}/{}",
+                hostname(),
+                std::process::id(),
+                tether_control::auth::new_connection_id()
+            ),
+            ttl: tether_control::leader::DEFAULT_LEADER_TTL,
+        },
+        shutdown.child_token(),
+    );
+    let leader_gauge = {
+        let (mut rx, gauge) = (leader.clone(), ctx.metrics.leader.clone());
+        tokio::spawn(async move {
+            loop {
+                gauge.set(i64::from(*rx.borrow_and_update()));
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+    };
+    let addr = controller::RegistrationController::start_with(ctx.clone(), leader);
     let pumps =
         controller::start_pumps(conn.client.clone(), addr.clone(), shutdown.child_token()).await?;
     let addon_ctl =
@@ -232,6 +267,9 @@ pub async fn run(
     for p in pumps.into_iter().chain(addon_tasks) {
         p.abort();
     }
+    leader_gauge.abort();
+    // The election task releases the leader lease on shutdown (instant failover).
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(3), leader_task).await;
     // NATS may already be gone: never wait long for the final flush.
     let _ = tokio::time::timeout(std::time::Duration::from_secs(2), conn.client.flush()).await;
     Ok(())

@@ -14,6 +14,8 @@
 //!   renewed every couple of seconds; old keys age out)
 //! - `tether-hubclients` — key `<client>` → [`crate::clients::HubClient`]
 //! - `tether-clientaccesspolicies` — key `<policy>` → [`crate::clients::ClientAccessPolicy`]
+//! - `tether-leaders` — key `<controller>` → [`crate::leader::LeaderRecord`] (which hub
+//!   replica runs that controller)
 //!
 //! Stream `TETHER_EVENTS` on `tether.v1.events.>` receives an [`Event`] for every change.
 //! Updates are compare-and-swap on the KV revision ([`HubStore::update`]).
@@ -53,9 +55,10 @@ pub enum Bucket {
     Brokers,
     HubClients,
     ClientAccessPolicies,
+    Leaders,
 }
 
-const ALL_BUCKETS: [Bucket; 12] = [
+const ALL_BUCKETS: [Bucket; 13] = [
     Bucket::Clusters,
     Bucket::Leases,
     Bucket::Csrs,
@@ -68,6 +71,7 @@ const ALL_BUCKETS: [Bucket; 12] = [
     Bucket::Brokers,
     Bucket::HubClients,
     Bucket::ClientAccessPolicies,
+    Bucket::Leaders,
 ];
 
 impl Bucket {
@@ -85,6 +89,7 @@ impl Bucket {
             Bucket::Brokers => subjects::BUCKET_BROKERS,
             Bucket::HubClients => subjects::BUCKET_HUB_CLIENTS,
             Bucket::ClientAccessPolicies => subjects::BUCKET_CLIENT_ACCESS_POLICIES,
+            Bucket::Leaders => subjects::BUCKET_LEADERS,
         }
     }
 

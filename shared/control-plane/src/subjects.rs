@@ -158,6 +158,8 @@ pub const ADMIN_CLIENT_DELETE: &str = "tether.v1.admin.client.delete";
 pub const BUCKET_HUB_CLIENTS: &str = "tether-hubclients";
 /// KV bucket of client access policies (key `<policy>`, [`crate::clients::ClientAccessPolicy`]).
 pub const BUCKET_CLIENT_ACCESS_POLICIES: &str = "tether-clientaccesspolicies";
+/// Controller leader leases of hub replicas (key = controller, e.g. `registration`).
+pub const BUCKET_LEADERS: &str = "tether-leaders";
 
 #[cfg(test)]
 mod tests {
