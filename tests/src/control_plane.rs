@@ -548,3 +548,105 @@ pub async fn admin_connection(
     ))
     .await?)
 }
+
+/// Polls `f` every 100 ms until it yields `Some`, failing after `timeout` with `what`.
+pub async fn eventually<T, F, Fut>(
+    timeout: std::time::Duration,
+    what: &str,
+    mut f: F,
+) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return Ok(v);
+        }
+        if std::time::Instant::now() > deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// Starts a plain registration-agent for `cluster` (logs `<dir>/<cluster>.log`), bootstrapping
+/// through `tetherctl join` with `server` (a seed list is fine).
+pub fn start_registration_agent(
+    hub_dir: &Path,
+    dir: &Path,
+    server: &str,
+    cluster: &str,
+) -> anyhow::Result<Child> {
+    let base = dir.join(cluster);
+    std::fs::create_dir_all(&base)?;
+    let bootstrap = base.join("bootstrap.kubeconfig");
+    join(hub_dir, &bootstrap, server, None)?;
+    let mut c = Command::new(bin("registration-agent")?);
+    c.args(["--cluster-name", cluster])
+        .arg("--bootstrap-kubeconfig")
+        .arg(&bootstrap)
+        .arg("--hub-kubeconfig-dir")
+        .arg(base.join("hub-kubeconfig"))
+        .args(["--check-interval", "200ms"])
+        .env("RUST_LOG", "info,async_nats=warn");
+    Child::spawn(cluster, c, dir)
+}
+
+/// The ManagedCluster's Available status, when readable.
+pub async fn cluster_available(
+    store: &tether_control::store::HubStore,
+    cluster: &str,
+) -> Option<String> {
+    use tether_control::resources::{ManagedCluster, condition};
+    let (mc, _) = store
+        .get::<ManagedCluster>(tether_control::store::Bucket::Clusters, cluster)
+        .await
+        .ok()??;
+    mc.condition(condition::AVAILABLE).map(str::to_string)
+}
+
+/// Polls every ManagedCluster every 200 ms and records any cluster whose Available left True
+/// after it had been True. Reads that fail (a NATS node dying) are skipped.
+pub struct AvailabilityWatch {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<(usize, Vec<String>)>,
+}
+
+impl AvailabilityWatch {
+    pub fn start(store: tether_control::store::HubStore) -> Self {
+        use std::sync::atomic::Ordering;
+        use tether_control::resources::{ManagedCluster, condition};
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let task = tokio::spawn(async move {
+            let mut seen = std::collections::BTreeSet::new();
+            let mut flaps = Vec::new();
+            while !flag.load(Ordering::Relaxed) {
+                if let Ok(list) = store
+                    .list::<ManagedCluster>(tether_control::store::Bucket::Clusters)
+                    .await
+                {
+                    for (name, mc, _) in list {
+                        let a = mc.condition(condition::AVAILABLE).map(str::to_string);
+                        if a.as_deref() == Some("True") {
+                            seen.insert(name);
+                        } else if seen.contains(&name) {
+                            flaps.push(format!("{name}: Available={a:?}"));
+                        }
+                    }
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+            (seen.len(), flaps)
+        });
+        Self { stop, task }
+    }
+
+    /// Stops; how many clusters were seen Available, and every flap.
+    pub async fn finish(self) -> anyhow::Result<(usize, Vec<String>)> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(self.task.await?)
+    }
+}

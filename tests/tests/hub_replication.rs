@@ -12,20 +12,16 @@
 //!   10 s without renewal). The node is restarted and caught up before the next one dies.
 
 use std::collections::BTreeMap;
-use std::path::Path;
-use std::process::Command;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, bail};
-use tether_control::resources::{Lease, ManagedCluster, condition};
+use anyhow::Context as _;
+use tether_control::resources::Lease;
 use tether_control::store::{Bucket, HubStore, Replicas};
 use tether_control::subjects;
 use tether_e2e::control_plane::{
-    NatsCluster, admin_connection, init_cluster_hub, join, start_manager,
+    AvailabilityWatch, NatsCluster, admin_connection, cluster_available, eventually,
+    init_cluster_hub, start_manager, start_registration_agent,
 };
-use tether_test_support::{Child, bin};
 
 /// Every hub bucket with file storage (the broker presence bucket is in memory, soft state).
 const DURABLE_BUCKETS: [Bucket; 11] = [
@@ -43,24 +39,6 @@ const DURABLE_BUCKETS: [Bucket; 11] = [
 ];
 const SEED_EVENTS: usize = 5;
 const DEADLINE: Duration = Duration::from_secs(30);
-
-/// Polls `f` every 100 ms until it yields `Some`, failing after `timeout` with `what`.
-async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut f: F) -> anyhow::Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f().await {
-            return Ok(v);
-        }
-        if Instant::now() > deadline {
-            bail!("timed out after {timeout:?} waiting for {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 /// Stream names of every hub bucket plus the events stream.
 fn stream_names() -> Vec<String> {
@@ -118,32 +96,6 @@ async fn snapshot(
         }
     }
     Ok(out)
-}
-
-/// Starts a registration-agent for `cluster`, bootstrapping through `tetherctl join` with the
-/// seed list `server`.
-fn start_agent(hub_dir: &Path, dir: &Path, server: &str, cluster: &str) -> anyhow::Result<Child> {
-    let base = dir.join(cluster);
-    std::fs::create_dir_all(&base)?;
-    let bootstrap = base.join("bootstrap.kubeconfig");
-    join(hub_dir, &bootstrap, server, None)?;
-    let mut c = Command::new(bin("registration-agent")?);
-    c.args(["--cluster-name", cluster])
-        .arg("--bootstrap-kubeconfig")
-        .arg(&bootstrap)
-        .arg("--hub-kubeconfig-dir")
-        .arg(base.join("hub-kubeconfig"))
-        .args(["--check-interval", "200ms"])
-        .env("RUST_LOG", "info,async_nats=warn");
-    Child::spawn(cluster, c, dir)
-}
-
-async fn available(store: &HubStore, cluster: &str) -> Option<String> {
-    let (mc, _) = store
-        .get::<ManagedCluster>(Bucket::Clusters, cluster)
-        .await
-        .ok()??;
-    mc.condition(condition::AVAILABLE).map(str::to_string)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -215,47 +167,26 @@ async fn replicated_hub_upgrades_single_replica_state_and_survives_losing_any_na
     eprintln!("upgrade to R3 done at {:?}", t0.elapsed());
 
     // A first cluster joins on the seed list.
-    let mut agents = vec![start_agent(&hub_dir, dir, &seeds, "c-0")?];
+    let mut agents = vec![start_registration_agent(&hub_dir, dir, &seeds, "c-0")?];
     eventually(DEADLINE, "c-0 Available", || async {
-        (available(&store, "c-0").await.as_deref() == Some("True")).then_some(())
+        (cluster_available(&store, "c-0").await.as_deref() == Some("True")).then_some(())
     })
     .await?;
 
     // Watch every joined cluster: Available must never leave True.
-    let flapped = Arc::new(AtomicBool::new(false));
-    let stop = Arc::new(AtomicBool::new(false));
-    let watcher = {
-        let (store, flapped, stop) = (store.clone(), flapped.clone(), stop.clone());
-        tokio::spawn(async move {
-            let mut seen = BTreeMap::new();
-            while !stop.load(Ordering::Relaxed) {
-                // Reads fail for a moment while a node dies: only values count.
-                if let Ok(list) = store.list::<ManagedCluster>(Bucket::Clusters).await {
-                    for (name, mc, _) in list {
-                        let a = mc.condition(condition::AVAILABLE).map(str::to_string);
-                        if a.as_deref() == Some("True") {
-                            seen.insert(name, true);
-                        } else if seen.contains_key(&name) {
-                            eprintln!("{name} Available went to {a:?}");
-                            flapped.store(true, Ordering::Relaxed);
-                        }
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            seen.len()
-        })
-    };
+    let watch = AvailabilityWatch::start(store.clone());
 
     for node in 1..=3 {
         let t = Instant::now();
         nats.kill_node(node);
         let name = format!("c-{node}");
-        agents.push(start_agent(&hub_dir, dir, &seeds, &name)?);
+        agents.push(start_registration_agent(&hub_dir, dir, &seeds, &name)?);
         eventually(
             DEADLINE,
             &format!("{name} Available with node {node} down"),
-            || async { (available(&store, &name).await.as_deref() == Some("True")).then_some(()) },
+            || async {
+                (cluster_available(&store, &name).await.as_deref() == Some("True")).then_some(())
+            },
         )
         .await
         .with_context(|| {
@@ -302,15 +233,15 @@ async fn replicated_hub_upgrades_single_replica_state_and_survives_losing_any_na
         })
         .await?;
     }
-    stop.store(true, Ordering::Relaxed);
-    let watched = watcher.await?;
+    let (watched, flaps) = watch.finish().await?;
     assert_eq!(watched, 4, "clusters seen Available");
-    assert!(
-        !flapped.load(Ordering::Relaxed),
-        "a cluster left Available=True"
-    );
+    assert!(flaps.is_empty(), "clusters left Available=True: {flaps:?}");
     for c in ["c-0", "c-1", "c-2", "c-3"] {
-        assert_eq!(available(&store, c).await.as_deref(), Some("True"), "{c}");
+        assert_eq!(
+            cluster_available(&store, c).await.as_deref(),
+            Some("True"),
+            "{c}"
+        );
     }
     // Nothing seeded was lost or reverted.
     let end = snapshot(&store).await?;

@@ -652,7 +652,12 @@ impl HubCtx {
         );
         csr.status.certificate = cert;
         let key = csr_key(cluster, &csr.metadata.name);
-        if self.store.update(Bucket::Csrs, &key, &csr, rev).await?.is_none() {
+        if self
+            .store
+            .update(Bucket::Csrs, &key, &csr, rev)
+            .await?
+            .is_none()
+        {
             return Ok(None);
         }
         self.set_pending(cluster, &csr.metadata.name, false);

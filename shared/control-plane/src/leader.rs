@@ -64,7 +64,10 @@ async fn round(
         renew_time: crate::resources::rfc3339(std::time::SystemTime::now()),
         ttl_ms: u64::try_from(cfg.ttl.as_millis()).unwrap_or(u64::MAX),
     };
-    let held = match store.get::<LeaderRecord>(Bucket::Leaders, &cfg.name).await? {
+    let held = match store
+        .get::<LeaderRecord>(Bucket::Leaders, &cfg.name)
+        .await?
+    {
         None => store
             .create(Bucket::Leaders, &cfg.name, &record)
             .await?
