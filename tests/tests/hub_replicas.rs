@@ -33,11 +33,10 @@ async fn gauge(admin: SocketAddr, name: &str) -> Option<f64> {
 async fn sole_leader(managers: &[Option<Manager>]) -> Option<usize> {
     let mut leaders = Vec::new();
     for (i, m) in managers.iter().enumerate() {
-        if let Some(m) = m {
-            match gauge(m.admin, "tether_hub_controller_leader").await? {
-                v if v == 1.0 => leaders.push(i),
-                _ => {}
-            }
+        if let Some(m) = m
+            && gauge(m.admin, "tether_hub_controller_leader").await? == 1.0
+        {
+            leaders.push(i);
         }
     }
     (leaders.len() == 1).then(|| leaders[0])
