@@ -459,6 +459,23 @@ impl NatsCluster {
         }
     }
 
+    /// Freezes node `i` with SIGSTOP (`stop = true`) or thaws it with SIGCONT: a partition
+    /// without FIN — its TCP connections stay open and silent.
+    pub fn freeze_node(&self, i: usize, stop: bool) -> anyhow::Result<()> {
+        let pid = self.nodes[i - 1]
+            .child
+            .as_ref()
+            .map(Child::pid)
+            .with_context(|| format!("nats node {i} is not running"))?;
+        let sig = if stop {
+            nix::sys::signal::Signal::SIGSTOP
+        } else {
+            nix::sys::signal::Signal::SIGCONT
+        };
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(i32::try_from(pid)?), sig)?;
+        Ok(())
+    }
+
     /// `tls://127.0.0.1:<port>` of node `i`.
     pub fn node_url(&self, i: usize) -> String {
         format!("tls://127.0.0.1:{}", self.nodes[i - 1].client_port)

@@ -8,8 +8,10 @@
 //! - Each NATS node in turn is SIGKILLed (so whichever node the addon-manager, the auth callout
 //!   and the agents talk to dies at some point): a new cluster joins through the bootstrap
 //!   token and is accepted while the node is down, hub state stays readable and writable, and
-//!   no joined cluster's Available condition ever leaves True (leases of 2 s: Unknown after
-//!   10 s without renewal). The node is restarted and caught up before the next one dies.
+//!   no joined cluster's Available condition ever leaves True (leases of 5 s: Unknown after
+//!   25 s without renewal). The node is restarted and caught up before the next one dies.
+//! - Then node 1 is frozen with SIGSTOP (a partition without FIN: connections stay open and
+//!   silent) while another cluster joins; same guarantees.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -107,7 +109,7 @@ async fn replicated_hub_upgrades_single_replica_state_and_survives_losing_any_na
     let hub_dir = init_cluster_hub(
         dir,
         3,
-        &["--auto-accept", "c-*", "--lease-duration-seconds", "2"],
+        &["--auto-accept", "c-*", "--lease-duration-seconds", "5"],
     )?;
     let mut nats = NatsCluster::start(&hub_dir, dir, 3)?;
     let seeds = nats.url();
@@ -214,6 +216,23 @@ async fn replicated_hub_upgrades_single_replica_state_and_survives_losing_any_na
         wait_fully_replicated(&js).await?;
     }
 
+    // A partition without FIN: node 1 frozen (SIGSTOP), its TCP connections open and silent.
+    // Its clients give up on it after a few missed PINGs and move to another seed.
+    let t = Instant::now();
+    nats.freeze_node(1, true)?;
+    agents.push(start_registration_agent(&hub_dir, dir, &seeds, "c-4")?);
+    let frozen = eventually(DEADLINE * 2, "c-4 Available with node 1 frozen", || async {
+        (cluster_available(&store, "c-4").await.as_deref() == Some("True")).then_some(())
+    })
+    .await;
+    nats.freeze_node(1, false)?;
+    frozen?;
+    eprintln!(
+        "node 1 frozen: c-4 accepted and Available after {:?}",
+        t.elapsed()
+    );
+    wait_fully_replicated(&js).await?;
+
     // Every lease renews twice more after the last restart (the watcher keeps watching).
     let renewed = |store: HubStore| async move {
         let mut m = BTreeMap::new();
@@ -228,15 +247,15 @@ async fn replicated_hub_upgrades_single_replica_state_and_survives_losing_any_na
             let (store, last) = (store.clone(), last.clone());
             async move {
                 let now = renewed(store).await?;
-                (now.len() == 4 && now.iter().all(|(k, v)| last.get(k) != Some(v))).then_some(now)
+                (now.len() == 5 && now.iter().all(|(k, v)| last.get(k) != Some(v))).then_some(now)
             }
         })
         .await?;
     }
     let (watched, flaps) = watch.finish().await?;
-    assert_eq!(watched, 4, "clusters seen Available");
+    assert_eq!(watched, 5, "clusters seen Available");
     assert!(flaps.is_empty(), "clusters left Available=True: {flaps:?}");
-    for c in ["c-0", "c-1", "c-2", "c-3"] {
+    for c in ["c-0", "c-1", "c-2", "c-3", "c-4"] {
         assert_eq!(
             cluster_available(&store, c).await.as_deref(),
             Some("True"),

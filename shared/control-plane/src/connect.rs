@@ -24,6 +24,9 @@ use crate::subjects;
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Per request/reply exchange.
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Client PING interval: a server that vanished without FIN (partition, frozen host) is given
+/// up after about three intervals and another seed is tried.
+pub const DEFAULT_PING_INTERVAL: Duration = Duration::from_secs(5);
 /// Server errors kept for inspection.
 const RECENT_ERRORS_CAP: usize = 32;
 
@@ -131,6 +134,7 @@ pub struct ConnectConfig {
     pub role: &'static str,
     pub connect_timeout: Duration,
     pub request_timeout: Duration,
+    pub ping_interval: Duration,
 }
 
 impl ConnectConfig {
@@ -141,6 +145,7 @@ impl ConnectConfig {
             role,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            ping_interval: DEFAULT_PING_INTERVAL,
         }
     }
 }
@@ -403,6 +408,7 @@ pub async fn connect(cfg: &ConnectConfig) -> Result<NatsConnection, ControlError
         .ignore_discovered_servers()
         .connection_timeout(cfg.connect_timeout)
         .request_timeout(Some(cfg.request_timeout))
+        .ping_interval(cfg.ping_interval)
         .reconnect_delay_callback(jittered_reconnect_delay)
         .event_callback(move |ev| {
             let errs = errs.clone();
