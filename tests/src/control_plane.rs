@@ -667,3 +667,151 @@ impl AvailabilityWatch {
         Ok(self.task.await?)
     }
 }
+
+/// Every hub bucket with file storage (the broker presence bucket is in memory, soft state).
+pub const DURABLE_BUCKETS: [tether_control::store::Bucket; 11] = [
+    tether_control::store::Bucket::Clusters,
+    tether_control::store::Bucket::Leases,
+    tether_control::store::Bucket::Csrs,
+    tether_control::store::Bucket::Tokens,
+    tether_control::store::Bucket::ClusterManagementAddOns,
+    tether_control::store::Bucket::ManagedClusterAddOns,
+    tether_control::store::Bucket::AddOnDeploymentConfigs,
+    tether_control::store::Bucket::ProxyConfigurations,
+    tether_control::store::Bucket::AddOnLeases,
+    tether_control::store::Bucket::HubClients,
+    tether_control::store::Bucket::ClientAccessPolicies,
+];
+const CLUSTER_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Stream names of every hub bucket plus the events stream.
+pub fn stream_names() -> Vec<String> {
+    DURABLE_BUCKETS
+        .iter()
+        .chain([tether_control::store::Bucket::Brokers].iter())
+        .map(|b| format!("KV_{}", b.name()))
+        .chain([tether_control::subjects::STREAM_EVENTS.to_string()])
+        .collect()
+}
+
+/// `(configured replicas, peers that are current)` of every hub stream; `None` while any
+/// stream info request fails (no leader yet).
+pub async fn replication(
+    js: &async_nats::jetstream::Context,
+) -> Option<std::collections::BTreeMap<String, (usize, usize)>> {
+    let mut out = std::collections::BTreeMap::new();
+    for name in stream_names() {
+        let info = js.get_stream(&name).await.ok()?.cached_info().clone();
+        let current = info.cluster.as_ref().map_or(0, |c| {
+            c.replicas
+                .iter()
+                .filter(|r| r.current && !r.offline)
+                .count()
+                + usize::from(c.leader.is_some())
+        });
+        out.insert(name, (info.config.num_replicas, current));
+    }
+    Some(out)
+}
+
+/// Waits until every hub stream has 3 replicas, all current.
+pub async fn wait_fully_replicated(js: &async_nats::jetstream::Context) -> anyhow::Result<()> {
+    eventually(
+        CLUSTER_DEADLINE,
+        "every hub stream at 3 current replicas",
+        || async {
+            replication(js)
+                .await
+                .filter(|m| m.values().all(|&(want, have)| want == 3 && have == 3))
+        },
+    )
+    .await
+    .map(|_| ())
+}
+
+/// Every entry of every durable bucket: `(bucket, key) → (value, revision)`.
+pub async fn bucket_snapshot(
+    store: &tether_control::store::HubStore,
+) -> anyhow::Result<std::collections::BTreeMap<(String, String), (serde_json::Value, u64)>> {
+    let mut out = std::collections::BTreeMap::new();
+    for b in DURABLE_BUCKETS {
+        for (k, v, rev) in store.list::<serde_json::Value>(b).await? {
+            out.insert((b.name().to_string(), k), (v, rev));
+        }
+    }
+    Ok(out)
+}
+
+/// Waits until every one of `clusters` leases has been renewed `rounds` more times.
+pub async fn wait_lease_renewals(
+    store: &tether_control::store::HubStore,
+    clusters: usize,
+    rounds: usize,
+) -> anyhow::Result<()> {
+    use tether_control::resources::Lease;
+    let renewed = |store: tether_control::store::HubStore| async move {
+        let l = store
+            .list::<Lease>(tether_control::store::Bucket::Leases)
+            .await
+            .ok()?;
+        Some(
+            l.into_iter()
+                .map(|(k, l, _)| (k, l.spec.renew_time))
+                .collect::<std::collections::BTreeMap<_, _>>(),
+        )
+    };
+    let mut last = renewed(store.clone()).await.unwrap_or_default();
+    for round in 0..rounds {
+        last = eventually(
+            CLUSTER_DEADLINE,
+            &format!("lease renewal round {round}"),
+            || {
+                let (store, last) = (store.clone(), last.clone());
+                async move {
+                    let now = renewed(store).await?;
+                    (now.len() == clusters && now.iter().all(|(k, v)| last.get(k) != Some(v)))
+                        .then_some(now)
+                }
+            },
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// Asserts that every stored CSR carries a certificate and was approved exactly once (one
+/// `CSRApproved` event), and that each `<dir>/<cluster>/hub-kubeconfig/tls.crt` is one of them.
+pub async fn assert_csrs_signed_once(
+    store: &tether_control::store::HubStore,
+    dir: &Path,
+    clusters: &[&str],
+) -> anyhow::Result<()> {
+    use tether_control::resources::CertificateSigningRequest;
+    let events = store.recent_events(100_000, None).await?;
+    let mut approvals: std::collections::BTreeMap<String, usize> = Default::default();
+    for e in &events {
+        if e.reason == "CSRApproved" {
+            *approvals.entry(e.involved_object.name.clone()).or_default() += 1;
+        }
+    }
+    let csrs = store
+        .list::<CertificateSigningRequest>(tether_control::store::Bucket::Csrs)
+        .await?;
+    anyhow::ensure!(csrs.len() >= clusters.len(), "CSRs: {}", csrs.len());
+    for (key, csr, _) in &csrs {
+        anyhow::ensure!(!csr.status.certificate.is_empty(), "{key} not signed");
+        anyhow::ensure!(
+            approvals.get(&csr.metadata.name) == Some(&1),
+            "{key} approvals: {approvals:?}"
+        );
+    }
+    for c in clusters {
+        let held = std::fs::read_to_string(dir.join(c).join("hub-kubeconfig/tls.crt"))?;
+        anyhow::ensure!(
+            csrs.iter()
+                .any(|(_, csr, _)| csr.status.certificate.trim() == held.trim()),
+            "{c} holds a certificate no stored CSR carries"
+        );
+    }
+    Ok(())
+}

@@ -11,16 +11,15 @@
 //!   signed twice (one `CSRApproved` event per CSR, every stored CSR carries the certificate
 //!   its agent holds).
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use tether_control::leader::LeaderRecord;
-use tether_control::resources::CertificateSigningRequest;
 use tether_control::store::{Bucket, HubStore};
 use tether_e2e::control_plane::{
-    AvailabilityWatch, Manager, NatsCluster, admin_connection, cluster_available, eventually,
-    init_cluster_hub, start_manager, start_registration_agent,
+    AvailabilityWatch, Manager, NatsCluster, admin_connection, assert_csrs_signed_once,
+    cluster_available, eventually, init_cluster_hub, start_manager, start_registration_agent,
+    wait_lease_renewals,
 };
 
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -128,60 +127,13 @@ async fn two_addon_managers_share_the_work_and_fail_over_without_flaps_or_double
     assert_eq!(sole_leader(&managers).await, Some(other));
 
     // Leases renew for longer than one grace period (5 × 2 s) with both replicas up.
-    let renewed = |store: HubStore| async move {
-        let l = store
-            .list::<tether_control::resources::Lease>(Bucket::Leases)
-            .await
-            .ok()?;
-        Some(
-            l.into_iter()
-                .map(|(k, l, _)| (k, l.spec.renew_time))
-                .collect::<BTreeMap<_, _>>(),
-        )
-    };
-    let mut last = renewed(store.clone()).await.unwrap_or_default();
-    for round in 0..2 {
-        last = eventually(DEADLINE, &format!("lease renewal round {round}"), || {
-            let (store, last) = (store.clone(), last.clone());
-            async move {
-                let now = renewed(store).await?;
-                (now.len() == 4 && now.iter().all(|(k, v)| last.get(k) != Some(v))).then_some(now)
-            }
-        })
-        .await?;
-    }
+    wait_lease_renewals(&store, 4, 2).await?;
     let (watched, flaps) = watch.finish().await?;
     assert_eq!(watched, 4, "clusters seen Available");
     assert!(flaps.is_empty(), "clusters left Available=True: {flaps:?}");
 
     // Every CSR signed exactly once.
-    let events = store.recent_events(100_000, None).await?;
-    let mut approvals: BTreeMap<String, usize> = BTreeMap::new();
-    for e in &events {
-        if e.reason == "CSRApproved" {
-            *approvals.entry(e.involved_object.name.clone()).or_default() += 1;
-        }
-    }
-    let csrs = store
-        .list::<CertificateSigningRequest>(Bucket::Csrs)
-        .await?;
-    assert!(csrs.len() >= 4, "CSRs: {}", csrs.len());
-    for (key, csr, _) in &csrs {
-        assert!(!csr.status.certificate.is_empty(), "{key} not signed");
-        assert_eq!(
-            approvals.get(&csr.metadata.name),
-            Some(&1),
-            "{key} approvals: {approvals:?}"
-        );
-    }
-    for c in ["c-0", "c-1", "c-2", "c-3"] {
-        let held = std::fs::read_to_string(dir.join(c).join("hub-kubeconfig/tls.crt"))?;
-        assert!(
-            csrs.iter()
-                .any(|(_, csr, _)| csr.status.certificate.trim() == held.trim()),
-            "{c} holds a certificate no stored CSR carries"
-        );
-    }
+    assert_csrs_signed_once(&store, dir, &["c-0", "c-1", "c-2", "c-3"]).await?;
     for a in &mut agents {
         assert!(a.try_wait().is_none(), "{} exited", a.name);
     }

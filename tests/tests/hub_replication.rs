@@ -13,92 +13,19 @@
 //! - Then node 1 is frozen with SIGSTOP (a partition without FIN: connections stay open and
 //!   silent) while another cluster joins; same guarantees.
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use tether_control::resources::Lease;
 use tether_control::store::{Bucket, HubStore, Replicas};
 use tether_control::subjects;
 use tether_e2e::control_plane::{
-    AvailabilityWatch, NatsCluster, admin_connection, cluster_available, eventually,
-    init_cluster_hub, start_manager, start_registration_agent,
+    AvailabilityWatch, DURABLE_BUCKETS, NatsCluster, admin_connection, bucket_snapshot,
+    cluster_available, eventually, init_cluster_hub, replication, start_manager,
+    start_registration_agent, wait_fully_replicated, wait_lease_renewals,
 };
 
-/// Every hub bucket with file storage (the broker presence bucket is in memory, soft state).
-const DURABLE_BUCKETS: [Bucket; 11] = [
-    Bucket::Clusters,
-    Bucket::Leases,
-    Bucket::Csrs,
-    Bucket::Tokens,
-    Bucket::ClusterManagementAddOns,
-    Bucket::ManagedClusterAddOns,
-    Bucket::AddOnDeploymentConfigs,
-    Bucket::ProxyConfigurations,
-    Bucket::AddOnLeases,
-    Bucket::HubClients,
-    Bucket::ClientAccessPolicies,
-];
 const SEED_EVENTS: usize = 5;
 const DEADLINE: Duration = Duration::from_secs(30);
-
-/// Stream names of every hub bucket plus the events stream.
-fn stream_names() -> Vec<String> {
-    DURABLE_BUCKETS
-        .iter()
-        .chain([Bucket::Brokers].iter())
-        .map(|b| format!("KV_{}", b.name()))
-        .chain([subjects::STREAM_EVENTS.to_string()])
-        .collect()
-}
-
-/// `(configured replicas, peers that are current)` of every hub stream; `None` while any
-/// stream info request fails (no leader yet).
-async fn replication(
-    js: &async_nats::jetstream::Context,
-) -> Option<BTreeMap<String, (usize, usize)>> {
-    let mut out = BTreeMap::new();
-    for name in stream_names() {
-        let info = js.get_stream(&name).await.ok()?.cached_info().clone();
-        let current = info.cluster.as_ref().map_or(0, |c| {
-            c.replicas
-                .iter()
-                .filter(|r| r.current && !r.offline)
-                .count()
-                + usize::from(c.leader.is_some())
-        });
-        out.insert(name, (info.config.num_replicas, current));
-    }
-    Some(out)
-}
-
-/// Waits until every hub stream has 3 replicas, all current.
-async fn wait_fully_replicated(js: &async_nats::jetstream::Context) -> anyhow::Result<()> {
-    eventually(
-        DEADLINE,
-        "every hub stream at 3 current replicas",
-        || async {
-            replication(js)
-                .await
-                .filter(|m| m.values().all(|&(want, have)| want == 3 && have == 3))
-        },
-    )
-    .await
-    .map(|_| ())
-}
-
-/// Every entry of every durable bucket: `(bucket, key) → (value, revision)`.
-async fn snapshot(
-    store: &HubStore,
-) -> anyhow::Result<BTreeMap<(String, String), (serde_json::Value, u64)>> {
-    let mut out = BTreeMap::new();
-    for b in DURABLE_BUCKETS {
-        for (k, v, rev) in store.list::<serde_json::Value>(b).await? {
-            out.insert((b.name().to_string(), k), (v, rev));
-        }
-    }
-    Ok(out)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicated_hub_upgrades_single_replica_state_and_survives_losing_any_nats_node()
@@ -147,14 +74,14 @@ async fn replicated_hub_upgrades_single_replica_state_and_survives_losing_any_na
         before.values().all(|&(r, _)| r == 1),
         "seeded hub should be single-replica: {before:?}"
     );
-    let seeded = snapshot(&old).await?;
+    let seeded = bucket_snapshot(&old).await?;
     assert_eq!(seeded.len(), DURABLE_BUCKETS.len(), "{seeded:?}");
 
     // The addon-manager upgrades everything in place.
     let _manager = start_manager(&hub_dir, &seeds, "addon-manager", dir)?;
     wait_fully_replicated(&js).await?;
     let store = HubStore::open(admin.client.clone()).await?;
-    let after = snapshot(&store).await?;
+    let after = bucket_snapshot(&store).await?;
     for (k, v) in &seeded {
         assert_eq!(after.get(k), Some(v), "{k:?} changed by the upgrade");
     }
@@ -234,24 +161,7 @@ async fn replicated_hub_upgrades_single_replica_state_and_survives_losing_any_na
     wait_fully_replicated(&js).await?;
 
     // Every lease renews twice more after the last restart (the watcher keeps watching).
-    let renewed = |store: HubStore| async move {
-        let mut m = BTreeMap::new();
-        for (k, l, _) in store.list::<Lease>(Bucket::Leases).await.ok()? {
-            m.insert(k, l.spec.renew_time);
-        }
-        Some(m)
-    };
-    let mut last = renewed(store.clone()).await.context("leases")?;
-    for round in 0..2 {
-        last = eventually(DEADLINE, &format!("lease renewal round {round}"), || {
-            let (store, last) = (store.clone(), last.clone());
-            async move {
-                let now = renewed(store).await?;
-                (now.len() == 5 && now.iter().all(|(k, v)| last.get(k) != Some(v))).then_some(now)
-            }
-        })
-        .await?;
-    }
+    wait_lease_renewals(&store, 5, 2).await?;
     let (watched, flaps) = watch.finish().await?;
     assert_eq!(watched, 5, "clusters seen Available");
     assert!(flaps.is_empty(), "clusters left Available=True: {flaps:?}");
@@ -263,7 +173,7 @@ async fn replicated_hub_upgrades_single_replica_state_and_survives_losing_any_na
         );
     }
     // Nothing seeded was lost or reverted.
-    let end = snapshot(&store).await?;
+    let end = bucket_snapshot(&store).await?;
     for (k, v) in &seeded {
         assert_eq!(end.get(k), Some(v), "{k:?} lost or reverted");
     }
