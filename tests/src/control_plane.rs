@@ -624,8 +624,10 @@ pub async fn cluster_available(
     mc.condition(condition::AVAILABLE).map(str::to_string)
 }
 
-/// Polls every ManagedCluster every 200 ms and records any cluster whose Available left True
-/// after it had been True. Reads that fail (a NATS node dying) are skipped.
+/// Follows every write to `tether-managedclusters` (a KV watch: JetStream delivers the writes in
+/// order, so a read served by a lagging replica cannot fake a flap) and records any cluster
+/// whose Available left True after it had been True. A watch that ends (its server died) is
+/// re-opened; it replays the latest value of every cluster.
 pub struct AvailabilityWatch {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     task: tokio::task::JoinHandle<(usize, Vec<String>)>,
@@ -633,6 +635,7 @@ pub struct AvailabilityWatch {
 
 impl AvailabilityWatch {
     pub fn start(store: tether_control::store::HubStore) -> Self {
+        use futures::StreamExt;
         use std::sync::atomic::Ordering;
         use tether_control::resources::{ManagedCluster, condition};
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -641,20 +644,30 @@ impl AvailabilityWatch {
             let mut seen = std::collections::BTreeSet::new();
             let mut flaps = Vec::new();
             while !flag.load(Ordering::Relaxed) {
-                if let Ok(list) = store
-                    .list::<ManagedCluster>(tether_control::store::Bucket::Clusters)
+                let Ok(w) = store
+                    .watch::<ManagedCluster>(tether_control::store::Bucket::Clusters)
                     .await
-                {
-                    for (name, mc, _) in list {
-                        let a = mc.condition(condition::AVAILABLE).map(str::to_string);
-                        if a.as_deref() == Some("True") {
-                            seen.insert(name);
-                        } else if seen.contains(&name) {
-                            flaps.push(format!("{name}: Available={a:?}"));
+                else {
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                    continue;
+                };
+                let mut w = std::pin::pin!(w);
+                while !flag.load(Ordering::Relaxed) {
+                    let next =
+                        tokio::time::timeout(std::time::Duration::from_millis(200), w.next());
+                    match next.await {
+                        Ok(Some((name, Some(mc)))) => {
+                            let a = mc.condition(condition::AVAILABLE).map(str::to_string);
+                            if a.as_deref() == Some("True") {
+                                seen.insert(name);
+                            } else if seen.contains(&name) {
+                                flaps.push(format!("{name}: Available={a:?}"));
+                            }
                         }
+                        Ok(Some((_, None))) | Err(_) => {}
+                        Ok(None) => break,
                     }
                 }
-                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
             }
             (seen.len(), flaps)
         });

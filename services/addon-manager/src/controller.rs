@@ -76,6 +76,8 @@ pub struct RegistrationController {
     checking: Arc<AtomicBool>,
     /// Whether this replica leads (runs the periodic controllers).
     leader: tokio::sync::watch::Receiver<bool>,
+    /// Leadership at the last lease check.
+    was_leading: bool,
 }
 
 impl RegistrationController {
@@ -86,12 +88,24 @@ impl RegistrationController {
                 ctx,
                 checking: Arc::new(AtomicBool::new(false)),
                 leader,
+                was_leading: false,
             }
         })
     }
 
     fn leads(&self) -> bool {
         *self.leader.borrow()
+    }
+
+    /// Whether this replica leads; on becoming leader, restarts every lease's grace period
+    /// ([`HubCtx::restart_lease_grace`]).
+    fn leads_lease_monitor(&mut self) -> bool {
+        let leads = self.leads();
+        if leads && !self.was_leading {
+            self.ctx.restart_lease_grace();
+        }
+        self.was_leading = leads;
+        leads
     }
 }
 
@@ -114,7 +128,7 @@ impl Actor for RegistrationController {
         });
         let interval = self.ctx.policy.lease_check_interval;
         ctx.run_interval(interval, |act, _ctx| {
-            if !act.leads() || act.checking.swap(true, Ordering::AcqRel) {
+            if !act.leads_lease_monitor() || act.checking.swap(true, Ordering::AcqRel) {
                 return;
             }
             let hub = act.ctx.clone();

@@ -239,6 +239,22 @@ impl HubCtx {
         }
     }
 
+    /// Starts every lease's grace period afresh (not before now): called when this replica
+    /// becomes the leader, since while it was not leading (or not connected) it may have
+    /// missed renewals. A dead cluster is then detected one grace later, never a live one
+    /// marked Unknown because the hub itself was cut off (Kubernetes' node lifecycle
+    /// controller does the same with its local probe timestamps).
+    pub fn restart_lease_grace(&self) {
+        let now = SystemTime::now();
+        if let Ok(mut m) = self.leases.lock() {
+            for st in m.values_mut() {
+                if st.renew < now {
+                    st.renew = now;
+                }
+            }
+        }
+    }
+
     /// Rebuilds the in-memory lease and pending-CSR tables from KV.
     pub async fn load_leases(&self) -> Result<()> {
         let clusters: HashMap<String, ManagedCluster> = self
@@ -875,8 +891,8 @@ impl HubCtx {
                 renew_time: now_s.clone(),
             },
         };
-        self.store.put(Bucket::Leases, cluster, &lease).await?;
-        self.metrics.lease_renewals_total.inc();
+        // The request itself proves the cluster is alive: record it before storing, so that a
+        // hub-side JetStream outage (the put failing) never counts against the cluster.
         if let Ok(mut m) = self.leases.lock() {
             m.insert(
                 cluster.to_string(),
@@ -888,6 +904,8 @@ impl HubCtx {
                 },
             );
         }
+        self.store.put(Bucket::Leases, cluster, &lease).await?;
+        self.metrics.lease_renewals_total.inc();
         let skew = parse_rfc3339(&req.agent_time)
             .map(|t| match t.duration_since(now) {
                 Ok(d) => d,

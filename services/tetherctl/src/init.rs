@@ -94,6 +94,12 @@ pub struct InitArgs {
     pub nats_route_hosts: Vec<String>,
 }
 
+/// Route PINGs between cluster nodes: a node partitioned without FIN is dropped by its peers
+/// after about `ping_max` intervals, so interest (e.g. the auth callout's subscription) seen
+/// through it does not swallow requests for minutes (nats-server's default is 2 min × 2).
+const ROUTE_PING_INTERVAL: &str = "2s";
+const ROUTE_PING_MAX: u32 = 3;
+
 /// One nats-server node of `tetherctl init`.
 struct NatsNode {
     /// 1-based.
@@ -229,7 +235,7 @@ fn node_conf(a: &InitArgs, dir: &Path, node: &NatsNode, all: &[NatsNode], users:
             .map(|o| format!("    \"nats-route://{}:{}\"\n", o.host, o.cluster_port))
             .collect();
         conf.push_str(&format!(
-            "cluster {{\n  name: tether-hub\n  listen: {:?}\n  routes: [\n{}  ]\n  tls {{\n    cert_file: {cert}\n    key_file: {key}\n    ca_file: {}\n    verify: true\n    timeout: 5\n  }}\n}}\n",
+            "cluster {{\n  name: tether-hub\n  listen: {:?}\n  ping_interval: \"{ROUTE_PING_INTERVAL}\"\n  ping_max: {ROUTE_PING_MAX}\n  routes: [\n{}  ]\n  tls {{\n    cert_file: {cert}\n    key_file: {key}\n    ca_file: {}\n    verify: true\n    timeout: 5\n  }}\n}}\n",
             node.cluster_listen,
             routes.concat(),
             quote(&dir.join("ca.crt")),
