@@ -479,3 +479,87 @@ pub fn join(a: JoinArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        init: InitArgs,
+    }
+
+    fn args(extra: &[&str]) -> InitArgs {
+        let mut v = vec!["init", "--hub-host", "hub.example"];
+        v.extend_from_slice(extra);
+        Cli::parse_from(v).init
+    }
+
+    #[test]
+    fn one_host_clusters_get_consecutive_ports_and_routes_to_the_others() {
+        let a = args(&[
+            "--nats-cluster",
+            "3",
+            "--nats-listen",
+            "127.0.0.1:4222",
+            "--nats-cluster-listen",
+            "127.0.0.1:6222",
+        ]);
+        let nodes = nats_nodes(&a, Path::new("/hub")).unwrap();
+        let ports: Vec<_> = nodes
+            .iter()
+            .map(|n| (n.client_port.as_str(), n.cluster_port.as_str()))
+            .collect();
+        assert_eq!(
+            ports,
+            [("4222", "6222"), ("4223", "6223"), ("4224", "6224")]
+        );
+        let conf = node_conf(&a, Path::new("/hub"), &nodes[1], &nodes, "");
+        assert!(conf.contains("server_name: tether-hub-2"), "{conf}");
+        assert!(conf.contains("nats-route://127.0.0.1:6222"), "{conf}");
+        assert!(conf.contains("nats-route://127.0.0.1:6224"), "{conf}");
+        assert!(!conf.contains("nats-route://127.0.0.1:6223"), "{conf}");
+        assert!(conf.contains("verify: true"), "{conf}");
+        assert!(conf.contains("/hub/nats/jetstream/node-2"), "{conf}");
+    }
+
+    #[test]
+    fn distinct_route_hosts_share_ports_and_random_ports_get_no_routes() {
+        let a = args(&[
+            "--nats-cluster",
+            "2",
+            "--nats-route-host",
+            "nats-1",
+            "--nats-route-host",
+            "nats-2",
+        ]);
+        let nodes = nats_nodes(&a, Path::new("/hub")).unwrap();
+        assert_eq!(nodes[1].listen, "0.0.0.0:4222");
+        let conf = node_conf(&a, Path::new("/hub"), &nodes[0], &nodes, "");
+        assert!(conf.contains("nats-route://nats-2:6222"), "{conf}");
+
+        let a = args(&[
+            "--nats-cluster",
+            "3",
+            "--nats-listen",
+            "127.0.0.1:-1",
+            "--nats-cluster-listen",
+            "127.0.0.1:-1",
+        ]);
+        let nodes = nats_nodes(&a, Path::new("/hub")).unwrap();
+        let conf = node_conf(&a, Path::new("/hub"), &nodes[0], &nodes, "");
+        assert!(!conf.contains("nats-route://"), "{conf}");
+    }
+
+    #[test]
+    fn route_hosts_must_match_the_node_count() {
+        let a = args(&["--nats-cluster", "3", "--nats-route-host", "a"]);
+        let e = nats_nodes(&a, Path::new("/hub")).err().unwrap().to_string();
+        assert!(e.contains("--nats-route-host given 1 times"), "{e}");
+        let a = args(&["--nats-route-host", "a"]);
+        let e = nats_nodes(&a, Path::new("/hub")).err().unwrap().to_string();
+        assert!(e.contains("needs --nats-cluster"), "{e}");
+    }
+}
