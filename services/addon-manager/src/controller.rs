@@ -5,6 +5,10 @@
 //! rather than growing queues. The actor answers with a `ResponseFuture` (requests of different
 //! clusters proceed concurrently; ordering per object comes from KV compare-and-swap) and runs
 //! the lease monitor on an interval, never overlapping two checks.
+//!
+//! With several hub replicas every replica serves requests (queue groups), but only the leader
+//! ([`tether_control::leader`], controller `registration`) runs the lease monitor and the CSR
+//! garbage collector.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -70,17 +74,38 @@ pub struct Handle(pub Request, pub tracing::Span);
 pub struct RegistrationController {
     ctx: Arc<HubCtx>,
     checking: Arc<AtomicBool>,
+    /// Whether this replica leads (runs the periodic controllers).
+    leader: tokio::sync::watch::Receiver<bool>,
+    /// Leadership at the last lease check.
+    was_leading: bool,
 }
 
 impl RegistrationController {
-    pub fn start_with(ctx: Arc<HubCtx>) -> Addr<Self> {
+    pub fn start_with(ctx: Arc<HubCtx>, leader: tokio::sync::watch::Receiver<bool>) -> Addr<Self> {
         Self::create(|c| {
             c.set_mailbox_capacity(CONTROLLER_MAILBOX_CAPACITY);
             Self {
                 ctx,
                 checking: Arc::new(AtomicBool::new(false)),
+                leader,
+                was_leading: false,
             }
         })
+    }
+
+    fn leads(&self) -> bool {
+        *self.leader.borrow()
+    }
+
+    /// Whether this replica leads; on becoming leader, restarts every lease's grace period
+    /// ([`HubCtx::restart_lease_grace`]).
+    fn leads_lease_monitor(&mut self) -> bool {
+        let leads = self.leads();
+        if leads && !self.was_leading {
+            self.ctx.restart_lease_grace();
+        }
+        self.was_leading = leads;
+        leads
     }
 }
 
@@ -89,6 +114,9 @@ impl Actor for RegistrationController {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         ctx.run_interval(CSR_GC_INTERVAL, |act, _ctx| {
+            if !act.leads() {
+                return;
+            }
             let hub = act.ctx.clone();
             actix::spawn(async move {
                 match hub.gc_csrs(CSR_RETENTION).await {
@@ -100,7 +128,7 @@ impl Actor for RegistrationController {
         });
         let interval = self.ctx.policy.lease_check_interval;
         ctx.run_interval(interval, |act, _ctx| {
-            if act.checking.swap(true, Ordering::AcqRel) {
+            if !act.leads_lease_monitor() || act.checking.swap(true, Ordering::AcqRel) {
                 return;
             }
             let hub = act.ctx.clone();

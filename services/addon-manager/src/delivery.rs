@@ -341,13 +341,14 @@ pub async fn submit_addon_csr(
     }
     let name = format!("{cluster}-{addon}-{}", &parsed.key_fingerprint[..16]);
     let key = format!("{cluster}.{name}");
-    if let Some((csr, _)) = ctx
+    let previous = ctx
         .store
         .get::<CertificateSigningRequest>(Bucket::Csrs, &key)
-        .await?
+        .await?;
+    if let Some((csr, _)) = &previous
         && csr.phase() == CsrPhase::Issued
     {
-        return Ok(csr_reply(&csr));
+        return Ok(csr_reply(csr));
     }
     let lifetime = ctx.policy.client_cert_lifetime;
     let cert = sign_addon_csr(&ctx.ca, &req.csr, cluster, addon, &req.agent_name, lifetime)
@@ -379,7 +380,25 @@ pub async fn submit_addon_csr(
         "add-on installed on an accepted cluster",
     );
     csr.status.certificate = cert;
-    ctx.store.put(Bucket::Csrs, &key, &csr).await?;
+    // Compare-and-swap: when two hub replicas sign the same request at once, one certificate
+    // is stored and both answer with it (the other signature is thrown away, never handed out).
+    let stored = match previous {
+        Some((_, revision)) => ctx.store.update(Bucket::Csrs, &key, &csr, revision).await?,
+        None => ctx.store.create(Bucket::Csrs, &key, &csr).await?,
+    };
+    if stored.is_none() {
+        ctx.metrics.csr_sign_conflicts_total.inc();
+        return match ctx
+            .store
+            .get::<CertificateSigningRequest>(Bucket::Csrs, &key)
+            .await?
+        {
+            Some((winner, _)) if winner.phase() == CsrPhase::Issued => Ok(csr_reply(&winner)),
+            _ => Err(DeliveryError::Rejected(format!(
+                "CSR {name} of cluster {cluster} changed while it was being signed; retry"
+            ))),
+        };
+    }
     ctx.metrics
         .csrs_signed_total
         .with_label_values(&["addon"])

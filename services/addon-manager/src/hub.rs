@@ -172,6 +172,25 @@ impl HubCtx {
                 }
             }
         });
+        // Renewals served by other replicas (queue groups) reach this one's lease table here.
+        let leases = self.store.watch::<Lease>(Bucket::Leases).await?;
+        let me = std::sync::Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut leases = std::pin::pin!(leases);
+            while let Some((k, v)) = leases.next().await {
+                let Some(ctx) = me.upgrade() else { return };
+                match v {
+                    Some(lease) => {
+                        ctx.observe_lease(&k, &lease);
+                    }
+                    None => {
+                        if let Ok(mut m) = ctx.leases.lock() {
+                            m.remove(&k);
+                        }
+                    }
+                }
+            }
+        });
         let me = std::sync::Arc::downgrade(self);
         tokio::spawn(async move {
             let mut tokens = std::pin::pin!(tokens);
@@ -186,6 +205,54 @@ impl HubCtx {
             }
         });
         Ok(())
+    }
+
+    /// Takes a stored lease into the lease table when it is newer than what the table has
+    /// (another replica served the renewal). Returns whether it was newer.
+    fn observe_lease(&self, cluster: &str, lease: &Lease) -> bool {
+        let Some(renew) = parse_rfc3339(&lease.spec.renew_time) else {
+            return false;
+        };
+        let Ok(mut m) = self.leases.lock() else {
+            return false;
+        };
+        match m.get_mut(cluster) {
+            Some(st) if st.renew >= renew => false,
+            Some(st) => {
+                st.renew = renew;
+                st.duration_seconds = lease.spec.lease_duration_seconds;
+                st.marked_unknown = false;
+                true
+            }
+            None => {
+                m.insert(
+                    cluster.to_string(),
+                    LeaseState {
+                        acquired: parse_rfc3339(&lease.spec.acquire_time).unwrap_or(renew),
+                        renew,
+                        duration_seconds: lease.spec.lease_duration_seconds,
+                        marked_unknown: false,
+                    },
+                );
+                true
+            }
+        }
+    }
+
+    /// Starts every lease's grace period afresh (not before now): called when this replica
+    /// becomes the leader, since while it was not leading (or not connected) it may have
+    /// missed renewals. A dead cluster is then detected one grace later, never a live one
+    /// marked Unknown because the hub itself was cut off (Kubernetes' node lifecycle
+    /// controller does the same with its local probe timestamps).
+    pub fn restart_lease_grace(&self) {
+        let now = SystemTime::now();
+        if let Ok(mut m) = self.leases.lock() {
+            for st in m.values_mut() {
+                if st.renew < now {
+                    st.renew = now;
+                }
+            }
+        }
     }
 
     /// Rebuilds the in-memory lease and pending-CSR tables from KV.
@@ -546,12 +613,44 @@ impl HubCtx {
         Ok(Self::reply(&csr, cluster))
     }
 
+    /// Signs a stored CSR once: compare-and-swap on its revision, so that two hub replicas
+    /// (or an accept racing a status poll) never issue two certificates for one CSR — the loser
+    /// returns the winner's. A CSR that already carries a certificate is returned as stored.
     async fn approve_and_sign(
         &self,
         cluster: &str,
-        mut csr: CertificateSigningRequest,
+        csr: CertificateSigningRequest,
         renewal: bool,
     ) -> Result<CertificateSigningRequest> {
+        let key = csr_key(cluster, &csr.metadata.name);
+        for _ in 0..MAX_CAS_RETRIES {
+            let Some((stored, rev)) = self
+                .store
+                .get::<CertificateSigningRequest>(Bucket::Csrs, &key)
+                .await?
+            else {
+                return reject(format!("CSR {} no longer exists", csr.metadata.name));
+            };
+            if !stored.status.certificate.is_empty() || stored.phase() == CsrPhase::Denied {
+                self.set_pending(cluster, &stored.metadata.name, false);
+                return Ok(stored);
+            }
+            if let Some(signed) = self.sign_stored(cluster, stored, rev, renewal).await? {
+                return Ok(signed);
+            }
+            self.metrics.csr_sign_conflicts_total.inc();
+        }
+        reject(format!("CSR {key}: too many concurrent updates, retry"))
+    }
+
+    /// Signs `csr` (at revision `rev`); `None` when the revision moved (another replica).
+    async fn sign_stored(
+        &self,
+        cluster: &str,
+        mut csr: CertificateSigningRequest,
+        rev: u64,
+        renewal: bool,
+    ) -> Result<Option<CertificateSigningRequest>> {
         let parsed = tether_pki::parse_csr(&csr.spec.request)?;
         let cert = self
             .ca
@@ -568,9 +667,15 @@ impl HubCtx {
             "Approved by the hub registration controller.",
         );
         csr.status.certificate = cert;
-        self.store
-            .put(Bucket::Csrs, &csr_key(cluster, &csr.metadata.name), &csr)
-            .await?;
+        let key = csr_key(cluster, &csr.metadata.name);
+        if self
+            .store
+            .update(Bucket::Csrs, &key, &csr, rev)
+            .await?
+            .is_none()
+        {
+            return Ok(None);
+        }
         self.set_pending(cluster, &csr.metadata.name, false);
         self.metrics
             .csrs_signed_total
@@ -596,7 +701,7 @@ impl HubCtx {
             })
             .await?;
         }
-        Ok(csr)
+        Ok(Some(csr))
     }
 
     /// Status poll for a CSR (signs it now if the cluster got accepted meanwhile).
@@ -786,8 +891,8 @@ impl HubCtx {
                 renew_time: now_s.clone(),
             },
         };
-        self.store.put(Bucket::Leases, cluster, &lease).await?;
-        self.metrics.lease_renewals_total.inc();
+        // The request itself proves the cluster is alive: record it before storing, so that a
+        // hub-side JetStream outage (the put failing) never counts against the cluster.
         if let Ok(mut m) = self.leases.lock() {
             m.insert(
                 cluster.to_string(),
@@ -799,6 +904,8 @@ impl HubCtx {
                 },
             );
         }
+        self.store.put(Bucket::Leases, cluster, &lease).await?;
+        self.metrics.lease_renewals_total.inc();
         let skew = parse_rfc3339(&req.agent_time)
             .map(|t| match t.duration_since(now) {
                 Ok(d) => d,
@@ -940,6 +1047,15 @@ impl HubCtx {
             out
         };
         for (name, age, grace) in expired {
+            // The table may lag a renewal another replica stored: KV decides.
+            if let Some((lease, _)) = self.store.get::<Lease>(Bucket::Leases, &name).await?
+                && self.observe_lease(&name, &lease)
+                && parse_rfc3339(&lease.spec.renew_time)
+                    .and_then(|t| now.duration_since(t).ok())
+                    .is_some_and(|a| a <= grace)
+            {
+                continue;
+            }
             let msg = format!(
                 "Registration agent stopped updating its lease: last renewal {}s ago, grace {}s ({} × leaseDurationSeconds).",
                 age.as_secs(),

@@ -35,7 +35,7 @@ use std::sync::Arc;
 use tether_control::connect::{self, ConnectConfig, Credentials};
 use tether_control::hub::{HUB_USER, HubDir};
 use tether_control::resources::BootstrapTokenRecord;
-use tether_control::store::{Bucket, HubStore};
+use tether_control::store::{Bucket, HubStore, Replicas};
 use tokio_util::sync::CancellationToken;
 
 /// Why the hub controller could not start or stopped; each names what failed.
@@ -65,8 +65,17 @@ pub enum ManagerError {
     },
     #[error("cannot subscribe to {subject}: {reason}")]
     Subscribe { subject: String, reason: String },
-    #[error("shut down while connecting to NATS")]
+    #[error("shut down while connecting to NATS or opening the hub store")]
     ShutDown,
+}
+
+/// Key of the registration controllers' leader lease in `tether-leaders`.
+pub const REGISTRATION_LEADER: &str = "registration";
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "unknown-host".into())
 }
 
 /// Process options that are not in hub.yaml.
@@ -77,21 +86,28 @@ pub struct RunOptions {
     pub ready_file: Option<PathBuf>,
 }
 
-/// Retries `connect` with jittered backoff until it works or shutdown: NATS may start after us.
-async fn connect_with_retry(
-    cfg: &ConnectConfig,
+/// Runs `attempt` until it succeeds or shutdown, with jittered backoff (at most 5 s apart),
+/// logging each failure with `what`.
+async fn retry<T, E, F, Fut>(
+    what: &'static str,
     shutdown: &CancellationToken,
-) -> Result<tether_control::NatsConnection, ManagerError> {
+    mut attempt: F,
+) -> Result<T, ManagerError>
+where
+    E: std::fmt::Display,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
     let mut backoff = tether_runtime::Backoff::new(tether_runtime::BackoffConfig {
         max: std::time::Duration::from_secs(5),
         ..Default::default()
     });
     loop {
-        match connect::connect(cfg).await {
-            Ok(c) => return Ok(c),
+        match attempt().await {
+            Ok(v) => return Ok(v),
             Err(e) => {
                 let d = backoff.failed();
-                tracing::warn!(error = %e, retry_in = ?d, "cannot connect to hub NATS");
+                tracing::warn!(error = %e, retry_in = ?d, "{what}");
                 tokio::select! {
                     _ = shutdown.cancelled() => return Err(ManagerError::ShutDown),
                     _ = tokio::time::sleep(d) => {}
@@ -117,9 +133,23 @@ pub async fn run(
         },
         "hub",
     );
-    let conn = connect_with_retry(&cfg, &shutdown).await?;
+    // NATS may start after us.
+    let conn = retry("cannot connect to hub NATS", &shutdown, || {
+        connect::connect(&cfg)
+    })
+    .await?;
     tracing::info!("connected to hub NATS");
-    let store = HubStore::open(conn.client.clone()).await?;
+    let replicas = hub
+        .config
+        .nats
+        .replicas
+        .unwrap_or_else(|| tether_control::store::default_replicas(&conn.client));
+    // A NATS cluster that just started has no JetStream leader for a while.
+    let store = retry("cannot open the hub store", &shutdown, || {
+        HubStore::open_with(conn.client.clone(), Replicas::Exactly(replicas))
+    })
+    .await?;
+    tracing::info!(replicas, "hub store open");
 
     // Import bootstrap tokens written by `tetherctl init` (existing records win).
     let tokens_text = hub.read(&hub.config.bootstrap_tokens_file)?;
@@ -166,7 +196,33 @@ pub async fn run(
         tokio::spawn(server.serve(listener, shutdown.child_token()));
     }
 
-    let addr = controller::RegistrationController::start_with(ctx.clone());
+    // Several replicas may run: the periodic registration controllers run on the leader only.
+    let (leader, leader_task) = tether_control::leader::spawn(
+        ctx.store.clone(),
+        tether_control::leader::LeaderConfig {
+            name: REGISTRATION_LEADER.into(),
+            holder: format!(
+                "{}/{}/{}",
+                hostname(),
+                std::process::id(),
+                tether_control::auth::new_connection_id()
+            ),
+            ttl: tether_control::leader::DEFAULT_LEADER_TTL,
+        },
+        shutdown.child_token(),
+    );
+    let leader_gauge = {
+        let (mut rx, gauge) = (leader.clone(), ctx.metrics.leader.clone());
+        tokio::spawn(async move {
+            loop {
+                gauge.set(i64::from(*rx.borrow_and_update()));
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+    };
+    let addr = controller::RegistrationController::start_with(ctx.clone(), leader);
     let pumps =
         controller::start_pumps(conn.client.clone(), addr.clone(), shutdown.child_token()).await?;
     let addon_ctl =
@@ -211,6 +267,9 @@ pub async fn run(
     for p in pumps.into_iter().chain(addon_tasks) {
         p.abort();
     }
+    leader_gauge.abort();
+    // The election task releases the leader lease on shutdown (instant failover).
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(3), leader_task).await;
     // NATS may already be gone: never wait long for the final flush.
     let _ = tokio::time::timeout(std::time::Duration::from_secs(2), conn.client.flush()).await;
     Ok(())

@@ -14,7 +14,7 @@ struct Args {
     /// Hub directory written by `tetherctl init`.
     #[arg(long, env = "TETHER_HUB_DIR", default_value = "hub")]
     hub_dir: PathBuf,
-    /// Override nats.url from hub.yaml.
+    /// Override nats.url from hub.yaml (a comma-separated seed list for a NATS cluster).
     #[arg(long, env = "TETHER_NATS_URL")]
     nats_url: Option<String>,
     /// Override admin.listen (/healthz, /readyz, /metrics), e.g. 127.0.0.1:0.

@@ -20,6 +20,10 @@ pub struct Metrics {
     pub serving_brokers: IntGauge,
     /// `AddOnConfigChanged` notifications sent because the serving broker set changed.
     pub addon_notifications_total: IntCounter,
+    /// 1 while this replica leads the periodic registration controllers.
+    pub leader: IntGauge,
+    /// CSR signatures lost to another replica's compare-and-swap (that one's certificate won).
+    pub csr_sign_conflicts_total: IntCounter,
 }
 
 impl Metrics {
@@ -82,7 +86,17 @@ impl Metrics {
                 "tether_hub_addon_notifications_total",
                 "AddOnConfigChanged notifications published because the serving broker set changed",
             )?,
+            leader: IntGauge::new(
+                "tether_hub_controller_leader",
+                "1 while this addon-manager replica leads the lease monitor and CSR garbage collection",
+            )?,
+            csr_sign_conflicts_total: IntCounter::new(
+                "tether_hub_csr_sign_conflicts_total",
+                "CSR signatures discarded because another replica signed the CSR first",
+            )?,
         };
+        r.register(Box::new(m.leader.clone()))?;
+        r.register(Box::new(m.csr_sign_conflicts_total.clone()))?;
         r.register(Box::new(m.registration_duration_seconds.clone()))?;
         r.register(Box::new(m.csrs_signed_total.clone()))?;
         r.register(Box::new(m.csrs_denied_total.clone()))?;

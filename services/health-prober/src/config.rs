@@ -62,7 +62,7 @@ pub struct NatsAccess {
     /// password file are read from its `hub.yaml` (each may be overridden below).
     #[serde(default)]
     pub hub_dir: Option<PathBuf>,
-    /// `tls://host:port` of hub NATS.
+    /// `tls://host:port` of hub NATS, or a comma-separated seed list of a NATS cluster.
     #[serde(default)]
     pub url: Option<String>,
     /// Name checked in the NATS server certificate (default: the URL's host).
@@ -213,9 +213,12 @@ impl Validate for ProberConfig {
                 ));
             }
             if let Some(u) = &n.url
-                && !u.starts_with("tls://")
+                && u.split(',').any(|u| !u.trim().starts_with("tls://"))
             {
-                return Err(ConfigError::invalid("nats.url", "must be tls://host:port"));
+                return Err(ConfigError::invalid(
+                    "nats.url",
+                    "must be tls://host:port or a comma-separated list of them",
+                ));
             }
         }
         for (name, t) in &self.targets {

@@ -110,13 +110,15 @@ pub struct NatsSide {
 }
 
 /// Creates (or opens) the `tether-health` bucket: memory storage, since results are soft state
-/// that the next round rebuilds; after a NATS restart it is created again.
+/// that the next round rebuilds; after a NATS restart it is created again. On a NATS cluster
+/// it has 3 replicas, so losing one server does not lose the bucket.
 pub async fn health_bucket(js: &jetstream::Context) -> Result<kv::Store, ProberError> {
     js.create_or_update_key_value(kv::Config {
         bucket: subjects::BUCKET_HEALTH.to_string(),
         description: "health-prober results, key = cluster".into(),
         history: 1,
         storage: jetstream::stream::StorageType::Memory,
+        num_replicas: tether_control::store::default_replicas(&js.client()),
         ..Default::default()
     })
     .await

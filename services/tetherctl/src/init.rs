@@ -1,4 +1,21 @@
 //! `tetherctl init` and `tetherctl join`: files only, no network.
+//!
+//! `init --nats-cluster N` (N > 1) writes one nats-server config per node instead of
+//! `nats/nats.conf`:
+//!
+//! ```text
+//! nats/node-<i>/nats.conf     server_name tether-hub-<i>, JetStream store <store>/node-<i>,
+//!                             cluster `tether-hub` with TLS routes (mutual, hub CA) to the
+//!                             other nodes, the same users and auth callout as standalone
+//! nats/node-<i>/server.crt|key  that node's certificate: the hub hosts, localhost,
+//!                             127.0.0.1 and its route host (--nats-route-host)
+//! ```
+//!
+//! All nodes on one host (the default, route host 127.0.0.1): node i listens on the client,
+//! cluster and monitoring ports + i-1. Distinct route hosts (compose services, Helm pods):
+//! every node uses the same ports. With random ports (`-1`) no routes are written: pass
+//! `--routes` to nats-server (the test harness does). hub.yaml gets the seed list of all nodes
+//! and `replicas: min(N, 3)`.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -64,6 +81,168 @@ pub struct InitArgs {
     /// Overwrite an existing hub directory.
     #[arg(long)]
     pub force: bool,
+    /// Number of nats-server nodes (a JetStream cluster when more than 1; 3 survives losing
+    /// any one).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=9))]
+    pub nats_cluster: u16,
+    /// Cluster (route) listen address of each node (with --nats-cluster).
+    #[arg(long, default_value = "0.0.0.0:6222")]
+    pub nats_cluster_listen: String,
+    /// Host of each node as the other nodes and hub processes reach it, in node order
+    /// (repeatable; default 127.0.0.1 for every node).
+    #[arg(long = "nats-route-host")]
+    pub nats_route_hosts: Vec<String>,
+}
+
+/// Route PINGs between cluster nodes: a node partitioned without FIN is dropped by its peers
+/// after about `ping_max` intervals, so interest (e.g. the auth callout's subscription) seen
+/// through it does not swallow requests for minutes (nats-server's default is 2 min × 2).
+const ROUTE_PING_INTERVAL: &str = "2s";
+const ROUTE_PING_MAX: u32 = 3;
+
+/// One nats-server node of `tetherctl init`.
+struct NatsNode {
+    /// 1-based.
+    index: usize,
+    server_name: String,
+    /// Directory of its config and certificate, relative to the hub directory.
+    rel_dir: PathBuf,
+    listen: String,
+    cluster_listen: String,
+    http: Option<String>,
+    /// How the other nodes and hub processes reach it.
+    host: String,
+    client_port: String,
+    cluster_port: String,
+    store_dir: PathBuf,
+}
+
+/// `host:port` → (host, port string; `-1` = random).
+fn split_listen(flag: &str, v: &str) -> anyhow::Result<(String, String)> {
+    let (h, p) = v
+        .rsplit_once(':')
+        .with_context(|| format!("{flag} {v:?} is not host:port"))?;
+    if p != "-1" {
+        p.parse::<u16>()
+            .with_context(|| format!("{flag} {v:?}: port is not a number or -1"))?;
+    }
+    Ok((h.to_string(), p.to_string()))
+}
+
+/// `host:port` with `offset` added to the port (random ports stay random).
+fn offset_listen(flag: &str, v: &str, offset: usize) -> anyhow::Result<(String, String)> {
+    let (h, p) = split_listen(flag, v)?;
+    if p == "-1" || p == "0" || offset == 0 {
+        return Ok((format!("{h}:{p}"), p));
+    }
+    let q = p.parse::<usize>()? + offset;
+    if q > usize::from(u16::MAX) {
+        bail!("{flag} {v:?}: port + {offset} is out of range");
+    }
+    Ok((format!("{h}:{q}"), q.to_string()))
+}
+
+fn nats_nodes(a: &InitArgs, dir: &Path) -> anyhow::Result<Vec<NatsNode>> {
+    let n = usize::from(a.nats_cluster);
+    let store = a
+        .store_dir
+        .clone()
+        .unwrap_or_else(|| dir.join("nats/jetstream"));
+    if n == 1 {
+        if !a.nats_route_hosts.is_empty() {
+            bail!("--nats-route-host needs --nats-cluster 2 or more");
+        }
+        let (_, client_port) = split_listen("--nats-listen", &a.nats_listen)?;
+        return Ok(vec![NatsNode {
+            index: 1,
+            server_name: "tether-hub".into(),
+            rel_dir: "nats".into(),
+            listen: a.nats_listen.clone(),
+            cluster_listen: String::new(),
+            http: a.nats_http.clone(),
+            host: "127.0.0.1".into(),
+            client_port,
+            cluster_port: String::new(),
+            store_dir: store,
+        }]);
+    }
+    let hosts = if a.nats_route_hosts.is_empty() {
+        vec!["127.0.0.1".to_string(); n]
+    } else if a.nats_route_hosts.len() == n {
+        a.nats_route_hosts.clone()
+    } else {
+        bail!(
+            "--nats-route-host given {} times for --nats-cluster {n}: give one per node",
+            a.nats_route_hosts.len()
+        );
+    };
+    // All nodes on one host need distinct ports.
+    let one_host = hosts.iter().all(|h| *h == hosts[0]);
+    (0..n)
+        .map(|i| {
+            let off = if one_host { i } else { 0 };
+            let (listen, client_port) = offset_listen("--nats-listen", &a.nats_listen, off)?;
+            let (cluster_listen, cluster_port) =
+                offset_listen("--nats-cluster-listen", &a.nats_cluster_listen, off)?;
+            let http = a
+                .nats_http
+                .as_deref()
+                .map(|h| offset_listen("--nats-http", h, off).map(|(l, _)| l))
+                .transpose()?;
+            Ok(NatsNode {
+                index: i + 1,
+                server_name: format!("tether-hub-{}", i + 1),
+                rel_dir: format!("nats/node-{}", i + 1).into(),
+                listen,
+                cluster_listen,
+                http,
+                host: hosts[i].clone(),
+                client_port,
+                cluster_port,
+                store_dir: store.join(format!("node-{}", i + 1)),
+            })
+        })
+        .collect()
+}
+
+/// The nats-server config of `node`: routes to every other node of `all` whose cluster port
+/// is known, then `users` (the authorization block, the same on every node).
+fn node_conf(a: &InitArgs, dir: &Path, node: &NatsNode, all: &[NatsNode], users: &str) -> String {
+    let node_dir = dir.join(&node.rel_dir);
+    let mut conf = String::new();
+    conf.push_str("# nats-server config written by `tetherctl init`.\n");
+    conf.push_str(&format!("server_name: {}\n", node.server_name));
+    conf.push_str(&format!("listen: {:?}\n", node.listen));
+    if let Some(h) = &node.http {
+        conf.push_str(&format!("http: {h:?}\n"));
+    }
+    if let Some(p) = &a.ports_file_dir {
+        conf.push_str(&format!("ports_file_dir: {}\n", quote(p)));
+    }
+    conf.push_str(&format!(
+        "jetstream {{\n  store_dir: {}\n}}\n",
+        quote(&node.store_dir)
+    ));
+    let cert = quote(&node_dir.join("server.crt"));
+    let key = quote(&node_dir.join("server.key"));
+    conf.push_str(&format!(
+        "tls {{\n  cert_file: {cert}\n  key_file: {key}\n  timeout: 5\n}}\n"
+    ));
+    if all.len() > 1 {
+        let routes: Vec<String> = all
+            .iter()
+            .filter(|o| o.index != node.index && o.cluster_port != "-1" && o.cluster_port != "0")
+            .map(|o| format!("    \"nats-route://{}:{}\"\n", o.host, o.cluster_port))
+            .collect();
+        conf.push_str(&format!(
+            "cluster {{\n  name: tether-hub\n  listen: {:?}\n  ping_interval: \"{ROUTE_PING_INTERVAL}\"\n  ping_max: {ROUTE_PING_MAX}\n  routes: [\n{}  ]\n  tls {{\n    cert_file: {cert}\n    key_file: {key}\n    ca_file: {}\n    verify: true\n    timeout: 5\n  }}\n}}\n",
+            node.cluster_listen,
+            routes.concat(),
+            quote(&dir.join("ca.crt")),
+        ));
+    }
+    conf.push_str(users);
+    conf
 }
 
 fn write_file(path: &Path, contents: &str, secret: bool) -> anyhow::Result<()> {
@@ -110,9 +289,6 @@ pub fn init(a: InitArgs) -> anyhow::Result<()> {
             sans.push(extra.to_string());
         }
     }
-    let (crt, key) = ca.issue_server(&sans, Duration::from_secs(2 * 365 * 24 * 3600))?;
-    write_file(&dir.join("nats/server.crt"), &crt, false)?;
-    write_file(&dir.join("nats/server.key"), &key, true)?;
     let hub_pw = random_password();
     let admin_pw = random_password();
     write_file(&dir.join("hub-user.password"), &hub_pw, true)?;
@@ -134,44 +310,32 @@ pub fn init(a: InitArgs) -> anyhow::Result<()> {
     )?;
     write_file(&dir.join("bootstrap.token"), &token.to_token_string(), true)?;
 
-    let store = a
-        .store_dir
-        .clone()
-        .unwrap_or_else(|| dir.join("nats/jetstream"));
-    let mut conf = String::new();
-    conf.push_str("# nats-server config written by `tetherctl init`.\n");
-    conf.push_str("server_name: tether-hub\n");
-    conf.push_str(&format!("listen: {:?}\n", a.nats_listen));
-    if let Some(h) = &a.nats_http {
-        conf.push_str(&format!("http: {h:?}\n"));
-    }
-    if let Some(p) = &a.ports_file_dir {
-        conf.push_str(&format!("ports_file_dir: {}\n", quote(p)));
-    }
-    conf.push_str(&format!(
-        "jetstream {{\n  store_dir: {}\n}}\n",
-        quote(&store)
-    ));
-    conf.push_str(&format!(
-        "tls {{\n  cert_file: {}\n  key_file: {}\n  timeout: 5\n}}\n",
-        quote(&dir.join("nats/server.crt")),
-        quote(&dir.join("nats/server.key"))
-    ));
-    conf.push_str(&format!(
+    let users = format!(
         "authorization {{\n  timeout: 5\n  users: [\n    {{ user: {HUB_USER:?}, password: {hub_pw:?} }}\n    {{ user: {ADMIN_USER:?}, password: {admin_pw:?} }}\n  ]\n  auth_callout {{\n    issuer: {:?}\n    auth_users: [ {HUB_USER:?}, {ADMIN_USER:?} ]\n  }}\n}}\n",
         issuer.public_key()
-    ));
-    write_file(&dir.join("nats/nats.conf"), &conf, true)?;
-
-    let listen_port = a
-        .nats_listen
-        .rsplit_once(':')
-        .map(|(_, p)| p.to_string())
-        .unwrap_or_else(|| "4222".into());
-    let hub_url = a
-        .hub_nats_url
-        .clone()
-        .unwrap_or_else(|| format!("tls://127.0.0.1:{listen_port}"));
+    );
+    let nodes = nats_nodes(&a, &dir)?;
+    for node in &nodes {
+        let mut names = sans.clone();
+        if !names.contains(&node.host) {
+            names.push(node.host.clone());
+        }
+        let (crt, key) = ca.issue_server(&names, Duration::from_secs(2 * 365 * 24 * 3600))?;
+        let node_dir = dir.join(&node.rel_dir);
+        write_file(&node_dir.join("server.crt"), &crt, false)?;
+        write_file(&node_dir.join("server.key"), &key, true)?;
+        let conf = node_conf(&a, &dir, node, &nodes, &users);
+        write_file(&node_dir.join("nats.conf"), &conf, true)?;
+    }
+    let listen_port = nodes[0].client_port.clone();
+    let hub_url = match &a.hub_nats_url {
+        Some(u) => u.clone(),
+        None => nodes
+            .iter()
+            .map(|n| format!("tls://{}:{}", n.host, n.client_port))
+            .collect::<Vec<_>>()
+            .join(","),
+    };
     let mut labels = std::collections::BTreeMap::new();
     for l in &a.auto_accept_labels {
         let (k, v) = l
@@ -186,7 +350,8 @@ pub fn init(a: InitArgs) -> anyhow::Result<()> {
             ca_file: "ca.crt".into(),
             hub_password_file: "hub-user.password".into(),
             admin_password_file: "admin-user.password".into(),
-            server_config_file: "nats/nats.conf".into(),
+            server_config_file: nodes[0].rel_dir.join("nats.conf"),
+            replicas: (nodes.len() > 1).then(|| nodes.len().min(3)),
         },
         ca: CaFiles {
             cert_file: "ca.crt".into(),
@@ -220,10 +385,13 @@ pub fn init(a: InitArgs) -> anyhow::Result<()> {
     let server = format!("tls://{}:{shown_port}", a.hub_hosts[0]);
     println!("Hub initialised in {}", dir.display());
     println!();
-    println!(
-        "Start NATS:\n  nats-server -c {}",
-        dir.join("nats/nats.conf").display()
-    );
+    println!("Start NATS:");
+    for n in &nodes {
+        println!(
+            "  nats-server -c {}",
+            dir.join(&n.rel_dir).join("nats.conf").display()
+        );
+    }
     println!(
         "Start the hub controller:\n  addon-manager --hub-dir {}",
         dir.display()
@@ -310,4 +478,88 @@ pub fn join(a: JoinArgs) -> anyhow::Result<()> {
         eprintln!("wrote bootstrap kubeconfig {}", a.out.display());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        init: InitArgs,
+    }
+
+    fn args(extra: &[&str]) -> InitArgs {
+        let mut v = vec!["init", "--hub-host", "hub.example"];
+        v.extend_from_slice(extra);
+        Cli::parse_from(v).init
+    }
+
+    #[test]
+    fn one_host_clusters_get_consecutive_ports_and_routes_to_the_others() {
+        let a = args(&[
+            "--nats-cluster",
+            "3",
+            "--nats-listen",
+            "127.0.0.1:4222",
+            "--nats-cluster-listen",
+            "127.0.0.1:6222",
+        ]);
+        let nodes = nats_nodes(&a, Path::new("/hub")).unwrap();
+        let ports: Vec<_> = nodes
+            .iter()
+            .map(|n| (n.client_port.as_str(), n.cluster_port.as_str()))
+            .collect();
+        assert_eq!(
+            ports,
+            [("4222", "6222"), ("4223", "6223"), ("4224", "6224")]
+        );
+        let conf = node_conf(&a, Path::new("/hub"), &nodes[1], &nodes, "");
+        assert!(conf.contains("server_name: tether-hub-2"), "{conf}");
+        assert!(conf.contains("nats-route://127.0.0.1:6222"), "{conf}");
+        assert!(conf.contains("nats-route://127.0.0.1:6224"), "{conf}");
+        assert!(!conf.contains("nats-route://127.0.0.1:6223"), "{conf}");
+        assert!(conf.contains("verify: true"), "{conf}");
+        assert!(conf.contains("/hub/nats/jetstream/node-2"), "{conf}");
+    }
+
+    #[test]
+    fn distinct_route_hosts_share_ports_and_random_ports_get_no_routes() {
+        let a = args(&[
+            "--nats-cluster",
+            "2",
+            "--nats-route-host",
+            "nats-1",
+            "--nats-route-host",
+            "nats-2",
+        ]);
+        let nodes = nats_nodes(&a, Path::new("/hub")).unwrap();
+        assert_eq!(nodes[1].listen, "0.0.0.0:4222");
+        let conf = node_conf(&a, Path::new("/hub"), &nodes[0], &nodes, "");
+        assert!(conf.contains("nats-route://nats-2:6222"), "{conf}");
+
+        let a = args(&[
+            "--nats-cluster",
+            "3",
+            "--nats-listen",
+            "127.0.0.1:-1",
+            "--nats-cluster-listen",
+            "127.0.0.1:-1",
+        ]);
+        let nodes = nats_nodes(&a, Path::new("/hub")).unwrap();
+        let conf = node_conf(&a, Path::new("/hub"), &nodes[0], &nodes, "");
+        assert!(!conf.contains("nats-route://"), "{conf}");
+    }
+
+    #[test]
+    fn route_hosts_must_match_the_node_count() {
+        let a = args(&["--nats-cluster", "3", "--nats-route-host", "a"]);
+        let e = nats_nodes(&a, Path::new("/hub")).err().unwrap().to_string();
+        assert!(e.contains("--nats-route-host given 1 times"), "{e}");
+        let a = args(&["--nats-route-host", "a"]);
+        let e = nats_nodes(&a, Path::new("/hub")).err().unwrap().to_string();
+        assert!(e.contains("needs --nats-cluster"), "{e}");
+    }
 }

@@ -81,7 +81,8 @@ pub struct HubArgs {
     /// Hub directory written by `tetherctl init`.
     #[arg(long, env = "TETHER_HUB_DIR", default_value = "hub")]
     pub hub_dir: PathBuf,
-    /// Override the NATS URL from hub.yaml (e.g. when NATS picked a random port).
+    /// Override the NATS URL from hub.yaml (e.g. when NATS picked a random port); a
+    /// comma-separated seed list for a NATS cluster.
     #[arg(long, env = "TETHER_NATS_URL")]
     pub nats_url: Option<String>,
 }

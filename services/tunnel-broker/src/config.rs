@@ -101,7 +101,7 @@ fn default_sp_idle_per_cluster() -> usize {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ControlPlaneConfig {
-    /// `tls://host:port` of hub NATS.
+    /// `tls://host:port` of hub NATS, or a comma-separated seed list of a NATS cluster.
     pub nats_url: String,
     /// Name in the NATS server certificate (default: the URL's host).
     #[serde(default)]
@@ -299,14 +299,16 @@ impl Validate for BrokerConfig {
         if let Some(cp) = &self.control_plane {
             if cp
                 .nats_url
-                .strip_prefix("tls://")
-                .and_then(|r| r.rsplit_once(':'))
-                .and_then(|(_, p)| p.parse::<u16>().ok())
-                .is_none()
+                .split(',')
+                .any(|u| !u.trim().starts_with("tls://"))
+                || tether_control::kubeconfig::parse_server_list(&cp.nats_url).is_none()
             {
                 return Err(ConfigError::invalid(
                     "control_plane.nats_url",
-                    format!("{:?} is not tls://host:port", cp.nats_url),
+                    format!(
+                        "{:?} is not tls://host:port (or a comma-separated list of them)",
+                        cp.nats_url
+                    ),
                 ));
             }
             if cp.user.is_empty() {

@@ -24,6 +24,9 @@ use crate::subjects;
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Per request/reply exchange.
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Client PING interval: a server that vanished without FIN (partition, frozen host) is given
+/// up after about three intervals and another seed is tried.
+pub const DEFAULT_PING_INTERVAL: Duration = Duration::from_secs(5);
 /// Server errors kept for inspection.
 const RECENT_ERRORS_CAP: usize = 32;
 
@@ -131,6 +134,7 @@ pub struct ConnectConfig {
     pub role: &'static str,
     pub connect_timeout: Duration,
     pub request_timeout: Duration,
+    pub ping_interval: Duration,
 }
 
 impl ConnectConfig {
@@ -141,6 +145,7 @@ impl ConnectConfig {
             role,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            ping_interval: DEFAULT_PING_INTERVAL,
         }
     }
 }
@@ -155,14 +160,15 @@ pub struct NatsConnection {
     /// expired or permissions violated); owned by the event callback.
     pub auth_errors: Arc<AtomicU64>,
     recent_errors: Arc<Mutex<std::collections::VecDeque<String>>>,
-    forwarder: Option<ProxyForwarder>,
+    /// One per seed server when connecting through a forward proxy.
+    forwarders: Vec<ProxyForwarder>,
 }
 
 impl std::fmt::Debug for NatsConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NatsConnection")
             .field("connection_id", &self.connection_id)
-            .field("forwarder", &self.forwarder)
+            .field("forwarders", &self.forwarders)
             .finish()
     }
 }
@@ -180,9 +186,9 @@ impl NatsConnection {
         self.auth_errors.load(Ordering::Relaxed)
     }
 
-    /// The forwarder's last error, if the last forwarded connection failed.
+    /// A forwarder's last error, if a forwarded connection failed.
     pub fn forwarder_error(&self) -> Option<String> {
-        self.forwarder.as_ref().and_then(|f| f.last_error())
+        self.forwarders.iter().find_map(|f| f.last_error())
     }
 }
 
@@ -272,12 +278,35 @@ fn jittered_reconnect_delay(attempts: usize) -> Duration {
     Duration::from_millis(cap / 2 + rand::random_range(0..=cap / 2))
 }
 
-/// Probes the network path (proxy and NATS port) once, returning a named error.
+/// Probes the network path (proxy and NATS port) once, returning a named error. With a seed
+/// list, one reachable seed is enough; otherwise the first seed's error is returned.
 pub async fn probe(endpoint: &HubEndpoint, timeout: Duration) -> Result<(), ControlError> {
+    let mut first_err = None;
+    for (host, port) in endpoint.seeds() {
+        match probe_one(endpoint, &host, port, timeout).await {
+            Ok(()) => return Ok(()),
+            Err(e) => {
+                tracing::debug!(seed = %format!("{host}:{port}"), error = %e, "NATS seed unreachable");
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    Err(first_err.unwrap_or_else(|| ControlError::NatsUnreachable {
+        server: endpoint.server.clone(),
+        reason: "no seed server".into(),
+    }))
+}
+
+async fn probe_one(
+    endpoint: &HubEndpoint,
+    host: &str,
+    port: u16,
+    timeout: Duration,
+) -> Result<(), ControlError> {
     match &endpoint.proxy {
         Some(p) => {
             let dialer = ProxyDialer::new(p.clone(), root_store(&endpoint.ca_pem)?);
-            match dialer.dial(&endpoint.host, endpoint.port).await {
+            match dialer.dial(host, port).await {
                 Ok(_) => Ok(()),
                 Err(ProxyError::Refused {
                     status: status @ (500 | 502 | 503 | 504),
@@ -292,7 +321,7 @@ pub async fn probe(endpoint: &HubEndpoint, timeout: Duration) -> Result<(), Cont
             }
         }
         None => {
-            let addr = format!("{}:{}", endpoint.host, endpoint.port);
+            let addr = format!("{host}:{port}");
             match tokio::time::timeout(timeout, tokio::net::TcpStream::connect(&addr)).await {
                 Ok(Ok(_)) => Ok(()),
                 Ok(Err(e)) => Err(ControlError::NatsUnreachable {
@@ -313,24 +342,34 @@ pub async fn connect(cfg: &ConnectConfig) -> Result<NatsConnection, ControlError
     let endpoint = &cfg.endpoint;
     probe(endpoint, cfg.connect_timeout).await?;
     let roots = root_store(&endpoint.ca_pem)?;
-    let forwarder = match &endpoint.proxy {
-        Some(p) => {
-            let dialer = ProxyDialer::new(p.clone(), roots.clone());
-            Some(
-                ProxyForwarder::start(dialer, endpoint.host.clone(), endpoint.port)
+    // One URL per seed: async-nats picks another seed when the one it talks to dies. Through a
+    // proxy each seed gets its own local forwarder.
+    let mut forwarders = Vec::new();
+    let mut urls = Vec::new();
+    for (host, port) in endpoint.seeds() {
+        match &endpoint.proxy {
+            Some(p) => {
+                let dialer = ProxyDialer::new(p.clone(), roots.clone());
+                let f = ProxyForwarder::start(dialer, host, port)
                     .await
                     .map_err(|e| ControlError::Connect {
                         server: endpoint.server.clone(),
                         reason: format!("local proxy forwarder: {e}"),
-                    })?,
-            )
+                    })?;
+                urls.push(format!("tls://{}", f.local_addr()));
+                forwarders.push(f);
+            }
+            None => urls.push(format!("tls://{host}:{port}")),
         }
-        None => None,
-    };
-    let url = match &forwarder {
-        Some(f) => format!("tls://{}", f.local_addr()),
-        None => format!("tls://{}:{}", endpoint.host, endpoint.port),
-    };
+    }
+    let addrs = urls
+        .iter()
+        .map(|u| u.parse::<async_nats::ServerAddr>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| ControlError::Connect {
+            server: endpoint.server.clone(),
+            reason: format!("invalid server address: {e}"),
+        })?;
     let connection_id = auth::new_connection_id();
     let auth_errors = Arc::new(AtomicU64::new(0));
     let recent_errors = Arc::new(Mutex::new(std::collections::VecDeque::new()));
@@ -369,6 +408,7 @@ pub async fn connect(cfg: &ConnectConfig) -> Result<NatsConnection, ControlError
         .ignore_discovered_servers()
         .connection_timeout(cfg.connect_timeout)
         .request_timeout(Some(cfg.request_timeout))
+        .ping_interval(cfg.ping_interval)
         .reconnect_delay_callback(jittered_reconnect_delay)
         .event_callback(move |ev| {
             let errs = errs.clone();
@@ -398,9 +438,9 @@ pub async fn connect(cfg: &ConnectConfig) -> Result<NatsConnection, ControlError
                 tracing::debug!(role, event = %ev, "nats event");
             }
         });
-    let client = opts.connect(url.as_str()).await.map_err(|e| {
+    let client = opts.connect(addrs).await.map_err(|e| {
         let server = endpoint.server.clone();
-        let fwd = forwarder.as_ref().and_then(|f| f.last_error());
+        let fwd = forwarders.iter().find_map(|f| f.last_error());
         match e.kind() {
             ConnectErrorKind::AuthorizationViolation => ControlError::Unauthorized {
                 credential: cfg.credentials.label(),
@@ -428,7 +468,7 @@ pub async fn connect(cfg: &ConnectConfig) -> Result<NatsConnection, ControlError
         connection_id,
         auth_errors,
         recent_errors,
-        forwarder,
+        forwarders,
     })
 }
 

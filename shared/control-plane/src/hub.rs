@@ -40,8 +40,14 @@ pub struct HubConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct HubNatsConfig {
-    /// How hub processes reach NATS, `tls://host:port`.
+    /// How hub processes reach NATS, `tls://host:port`, or a comma-separated seed list of them
+    /// for a NATS cluster (`tls://a:4222,tls://b:4222,tls://c:4222`).
     pub url: String,
+    /// JetStream replicas of every hub bucket and the events stream. Absent: 3 when the server
+    /// the addon-manager connects to is part of a cluster, 1 standalone. Existing buckets are
+    /// updated in place to this count by the addon-manager (never by other tools).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<usize>,
     /// The name in the NATS server certificate (verified instead of the URL's host).
     pub server_name: String,
     pub ca_file: PathBuf,
@@ -169,8 +175,24 @@ pub struct AdminConfig {
 impl Validate for HubConfig {
     fn validate(&self) -> Result<(), ConfigError> {
         // A random listen port (`-1`) is allowed here; processes then pass the real URL.
-        if !self.nats.url.starts_with("tls://") {
-            return Err(ConfigError::invalid("nats.url", "must be tls://host:port"));
+        if self
+            .nats
+            .url
+            .split(',')
+            .any(|u| !u.trim().starts_with("tls://"))
+        {
+            return Err(ConfigError::invalid(
+                "nats.url",
+                "must be tls://host:port or a comma-separated list of them",
+            ));
+        }
+        if let Some(r) = self.nats.replicas
+            && !(1..=5).contains(&r)
+        {
+            return Err(ConfigError::invalid(
+                "nats.replicas",
+                format!("{r} is not a JetStream replica count (1 to 5)"),
+            ));
         }
         let r = &self.registration;
         if r.lease_grace_multiplier == 0 {
@@ -246,7 +268,8 @@ impl HubDir {
         })
     }
 
-    /// The endpoint hub processes use (no proxy), with `url` overriding the configured URL.
+    /// The endpoint hub processes use (no proxy), with `url` overriding the configured URL
+    /// (either may be a comma-separated seed list).
     pub fn endpoint(
         &self,
         url: Option<&str>,
@@ -255,7 +278,7 @@ impl HubDir {
         let (host, port) = crate::kubeconfig::parse_server(&server).ok_or_else(|| {
             HubDirError::Config(ConfigError::invalid(
                 "nats.url",
-                format!("{server:?} is not tls://host:port"),
+                format!("{server:?} is not tls://host:port (or a comma-separated list of them)"),
             ))
         })?;
         Ok(crate::kubeconfig::HubEndpoint {

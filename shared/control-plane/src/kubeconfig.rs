@@ -48,7 +48,8 @@ pub enum KubeconfigError {
 /// Where and how to reach hub NATS, taken from a kubeconfig's current cluster.
 #[derive(Clone, PartialEq, Eq)]
 pub struct HubEndpoint {
-    /// `tls://host:port` as written in the kubeconfig.
+    /// `tls://host:port` as written in the kubeconfig, or a comma-separated seed list of them
+    /// (a NATS cluster); `host`/`port` are then the first entry.
     pub server: String,
     pub host: String,
     pub port: u16,
@@ -74,6 +75,12 @@ impl std::fmt::Debug for HubEndpoint {
 }
 
 impl HubEndpoint {
+    /// Every seed server (`server` may be a comma-separated list); `host:port` alone when
+    /// `server` does not parse as a list.
+    pub fn seeds(&self) -> Vec<(String, u16)> {
+        parse_server_list(&self.server).unwrap_or_else(|| vec![(self.host.clone(), self.port)])
+    }
+
     /// The name the NATS server certificate must carry.
     pub fn tls_name(&self) -> &str {
         self.tls_server_name.as_deref().unwrap_or(&self.host)
@@ -124,8 +131,26 @@ pub struct BootstrapConfig {
     pub token: Token,
 }
 
-/// Parses `tls://host:port` (also accepts `nats://` and `https://`).
+/// Parses `tls://host:port` (also accepts `nats://` and `https://`). A comma-separated seed
+/// list (`tls://a:4222,tls://b:4222`, the NATS convention) yields its first entry, provided
+/// every entry parses; [`parse_server_list`] gives them all.
 pub fn parse_server(server: &str) -> Option<(String, u16)> {
+    parse_server_list(server)?.into_iter().next()
+}
+
+/// Parses a comma-separated seed list of `tls://host:port` entries (one entry is a list of
+/// one). `None` when the list is empty or any entry does not parse.
+pub fn parse_server_list(servers: &str) -> Option<Vec<(String, u16)>> {
+    let list: Option<Vec<_>> = servers
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(parse_one_server)
+        .collect();
+    list.filter(|l| !l.is_empty())
+}
+
+fn parse_one_server(server: &str) -> Option<(String, u16)> {
     let rest = server
         .strip_prefix("tls://")
         .or_else(|| server.strip_prefix("nats://"))
@@ -349,6 +374,18 @@ pub fn render_hub(endpoint: &HubEndpoint) -> Result<String, KubeconfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn seed_lists_parse_every_entry_or_fail() {
+        assert_eq!(
+            parse_server_list("tls://a:1, tls://[::1]:2,tls://c:3").unwrap(),
+            vec![("a".into(), 1), ("::1".into(), 2), ("c".into(), 3)]
+        );
+        assert_eq!(parse_server("tls://a:1,tls://b:2"), Some(("a".into(), 1)));
+        assert_eq!(parse_server("tls://a:1"), Some(("a".into(), 1)));
+        assert!(parse_server_list("tls://a:1,b:2").is_none());
+        assert!(parse_server_list(" , ").is_none());
+    }
 
     #[test]
     fn bootstrap_round_trip_keeps_proxy_and_ca() {

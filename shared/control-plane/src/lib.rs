@@ -17,7 +17,8 @@
 //! - [`service_proxy`]: the HTTP service proxy's allowlist (`ServiceProxyAllowlist`).
 //! - [`health`]: health-prober results (`tether-health`, `tether.v1.health.get`) and the
 //!   `proxy health` table.
-//! - [`store`]: JetStream KV buckets and the events stream.
+//! - [`store`]: JetStream KV buckets and the events stream (replicated on a NATS cluster).
+//! - [`leader`]: leader election among hub replicas through a KV lease.
 //! - [`trace`]: W3C `traceparent` in NATS headers.
 //!
 //! Subjects and message schemas are documented in `docs/control-plane.md`.
@@ -31,6 +32,7 @@ pub mod connect;
 pub mod health;
 pub mod hub;
 pub mod kubeconfig;
+pub mod leader;
 /// Forward-proxy dialling lives in its own crate; re-exported under its old path.
 pub use tether_proxy as proxy;
 pub mod resources;

@@ -16,9 +16,17 @@
 //! - `tether-clientaccesspolicies` — key `<policy>` → [`crate::clients::ClientAccessPolicy`]
 //! - `tether-serviceproxyallowlists` — key `<name>` →
 //!   [`crate::service_proxy::ServiceProxyAllowlist`]
+//! - `tether-leaders` — key `<controller>` → [`crate::leader::LeaderRecord`] (which hub
+//!   replica runs that controller)
 //!
 //! Stream `TETHER_EVENTS` on `tether.v1.events.>` receives an [`Event`] for every change.
 //! Updates are compare-and-swap on the KV revision ([`HubStore::update`]).
+//!
+//! Replication ([`Replicas`]): every bucket and the stream are created with 3 replicas when the
+//! server is part of a NATS cluster, 1 standalone. [`HubStore::open`] (tetherctl, brokers,
+//! probers) keeps the replica count of what exists; the addon-manager opens with
+//! [`Replicas::Exactly`] (hub.yaml `nats.replicas`, else that same default) and so upgrades
+//! single-replica buckets in place: JetStream copies the data to the new peers.
 
 use std::time::Duration;
 
@@ -50,9 +58,10 @@ pub enum Bucket {
     HubClients,
     ClientAccessPolicies,
     ServiceProxyAllowlists,
+    Leaders,
 }
 
-const ALL_BUCKETS: [Bucket; 13] = [
+const ALL_BUCKETS: [Bucket; 14] = [
     Bucket::Clusters,
     Bucket::Leases,
     Bucket::Csrs,
@@ -66,6 +75,7 @@ const ALL_BUCKETS: [Bucket; 13] = [
     Bucket::HubClients,
     Bucket::ClientAccessPolicies,
     Bucket::ServiceProxyAllowlists,
+    Bucket::Leaders,
 ];
 
 impl Bucket {
@@ -84,6 +94,7 @@ impl Bucket {
             Bucket::HubClients => subjects::BUCKET_HUB_CLIENTS,
             Bucket::ClientAccessPolicies => subjects::BUCKET_CLIENT_ACCESS_POLICIES,
             Bucket::ServiceProxyAllowlists => subjects::BUCKET_SERVICE_PROXY_ALLOWLISTS,
+            Bucket::Leaders => subjects::BUCKET_LEADERS,
         }
     }
 
@@ -96,6 +107,50 @@ impl Bucket {
             | Bucket::ProxyConfigurations => 5,
             _ => 1,
         }
+    }
+}
+
+/// How many JetStream replicas the buckets and the events stream get.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Replicas {
+    /// Keep the count of what exists; create what is missing with [`default_replicas`].
+    #[default]
+    Keep,
+    /// Exactly this many: existing buckets and the stream are updated in place.
+    Exactly(usize),
+}
+
+/// The default replica count: 3 when the connected server belongs to a NATS cluster (set
+/// `nats.replicas` for a cluster of 2), 1 standalone.
+pub fn default_replicas(client: &async_nats::Client) -> usize {
+    if client.server_info().cluster.is_some_and(|c| !c.is_empty()) {
+        3
+    } else {
+        1
+    }
+}
+
+/// The replica count to open stream `name` with: the requested one, else what it has, else
+/// `fallback` for a new stream.
+async fn replica_count(
+    js: &jetstream::Context,
+    name: &str,
+    replicas: Replicas,
+    fallback: usize,
+) -> Result<usize, ControlError> {
+    if let Replicas::Exactly(n) = replicas {
+        return Ok(n);
+    }
+    match js.get_stream(name).await {
+        Ok(s) => Ok(s.cached_info().config.num_replicas.max(1)),
+        Err(e) => match e.kind() {
+            jetstream::context::GetStreamErrorKind::JetStream(j)
+                if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
+            {
+                Ok(fallback)
+            }
+            _ => Err(js_err(e)),
+        },
     }
 }
 
@@ -118,10 +173,21 @@ fn js_err(e: impl std::fmt::Display) -> ControlError {
 }
 
 impl HubStore {
-    /// Opens (creating if needed) the buckets and the stream.
+    /// Opens (creating if needed) the buckets and the stream, keeping the replica count of
+    /// those that exist ([`Replicas::Keep`]).
     pub async fn open(client: async_nats::Client) -> Result<Self, ControlError> {
+        Self::open_with(client, Replicas::Keep).await
+    }
+
+    /// Opens (creating if needed) the buckets and the stream with `replicas`.
+    pub async fn open_with(
+        client: async_nats::Client,
+        replicas: Replicas,
+    ) -> Result<Self, ControlError> {
+        let fallback = default_replicas(&client);
         let js = jetstream::new(client);
-        let bucket = |b: Bucket| {
+        let mut stores = Vec::with_capacity(ALL_BUCKETS.len());
+        for b in ALL_BUCKETS {
             let mut cfg = kv::Config {
                 bucket: b.name().to_string(),
                 history: b.history(),
@@ -133,22 +199,18 @@ impl HubStore {
                 cfg.storage = jetstream::stream::StorageType::Memory;
                 cfg.max_age = crate::brokers::PRESENCE_BUCKET_MAX_AGE;
             }
-            cfg
-        };
-        let mut stores = Vec::with_capacity(ALL_BUCKETS.len());
-        for b in ALL_BUCKETS {
-            stores.push(
-                js.create_or_update_key_value(bucket(b))
-                    .await
-                    .map_err(js_err)?,
-            );
+            cfg.num_replicas =
+                replica_count(&js, &format!("KV_{}", b.name()), replicas, fallback).await?;
+            stores.push(js.create_or_update_key_value(cfg).await.map_err(js_err)?);
         }
-        js.get_or_create_stream(stream::Config {
+        let num_replicas = replica_count(&js, subjects::STREAM_EVENTS, replicas, fallback).await?;
+        js.create_or_update_stream(stream::Config {
             name: subjects::STREAM_EVENTS.to_string(),
             subjects: vec![subjects::EVENTS_ALL.to_string()],
             max_age: EVENTS_MAX_AGE,
             max_messages: EVENTS_MAX_MSGS,
             storage: stream::StorageType::File,
+            num_replicas,
             ..Default::default()
         })
         .await

@@ -161,6 +161,8 @@ pub const BUCKET_CLIENT_ACCESS_POLICIES: &str = "tether-clientaccesspolicies";
 /// KV bucket of the service proxy's allowlists (key `<name>`,
 /// [`crate::service_proxy::ServiceProxyAllowlist`]).
 pub const BUCKET_SERVICE_PROXY_ALLOWLISTS: &str = "tether-serviceproxyallowlists";
+/// Controller leader leases of hub replicas (key = controller, e.g. `registration`).
+pub const BUCKET_LEADERS: &str = "tether-leaders";
 
 #[cfg(test)]
 mod tests {
