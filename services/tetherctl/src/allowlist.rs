@@ -30,9 +30,10 @@ pub async fn apply(hub: &HubArgs, file: &str) -> anyhow::Result<()> {
     } else {
         std::fs::read_to_string(file).with_context(|| format!("reading {file}"))?
     };
+    // Read once (stdin cannot be read twice); the other kinds get the same text.
     let docs = crate::addons::documents(&text)?;
     if !docs.iter().any(is_allowlist) {
-        return crate::clients::apply(hub, file).await;
+        return crate::clients::apply(hub, &text).await;
     }
     let (mine, others): (Vec<_>, Vec<_>) = docs
         .into_iter()
@@ -57,12 +58,8 @@ pub async fn apply(hub: &HubArgs, file: &str) -> anyhow::Result<()> {
     }
     if !others.is_empty() {
         let others: Vec<_> = others.into_iter().map(|(_, d)| d).collect();
-        let tmp = tempfile::Builder::new()
-            .prefix("tetherctl-apply-")
-            .suffix(".json")
-            .tempfile()?;
-        std::fs::write(tmp.path(), serde_json::to_vec(&others)?)?;
-        crate::clients::apply(hub, tmp.path().to_str().context("temp path")?).await?;
+        // JSON is YAML: the other documents go on as one JSON list.
+        crate::clients::apply(hub, &serde_json::to_string(&others)?).await?;
     }
     let (_, conn) = connect_admin(hub).await?;
     let store = HubStore::open(conn.client.clone()).await?;

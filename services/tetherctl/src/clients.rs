@@ -209,15 +209,10 @@ fn is_client_kind(d: &serde_json::Value) -> bool {
 
 /// `tetherctl apply -f`: ClientAccessPolicy documents are handled here, everything else by
 /// the add-on apply; every document is validated before anything is stored.
-pub async fn apply(hub: &HubArgs, file: &str) -> anyhow::Result<()> {
-    let text = if file == "-" {
-        std::io::read_to_string(std::io::stdin()).context("reading stdin")?
-    } else {
-        std::fs::read_to_string(file).with_context(|| format!("reading {file}"))?
-    };
-    let docs = crate::addons::documents(&text)?;
+pub async fn apply(hub: &HubArgs, text: &str) -> anyhow::Result<()> {
+    let docs = crate::addons::documents(text)?;
     if !docs.iter().any(is_client_kind) {
-        return crate::addons::apply(hub, &text).await;
+        return crate::addons::apply(hub, text).await;
     }
     let mut policies = Vec::new();
     let mut others = Vec::new();
