@@ -80,16 +80,7 @@ pub async fn pull(client: kube::Client, a: &KubeSecretArgs) -> anyhow::Result<us
 }
 
 fn write_private(path: &Path, data: &[u8]) -> anyhow::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .with_context(|| format!("writing {}", path.display()))?;
-    f.write_all(data)
+    tether_runtime::write_atomic(path, data, 0o600)
         .with_context(|| format!("writing {}", path.display()))
 }
 

@@ -90,16 +90,8 @@ pub fn run(a: &KubeconfigArgs) -> anyhow::Result<()> {
     match &a.out {
         None => print!("{text}"),
         Some(path) => {
-            use std::io::Write as _;
-            use std::os::unix::fs::OpenOptionsExt as _;
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(path)
+            tether_runtime::write_atomic(path, text.as_bytes(), 0o600)
                 .with_context(|| format!("writing {}", path.display()))?;
-            f.write_all(text.as_bytes())?;
             eprintln!(
                 "wrote {} (server {}/{})",
                 path.display(),

@@ -171,6 +171,21 @@ enum UpEnd {
     AfterTarget,
 }
 
+/// The client closed gracefully (CLOSE_REQ, or its request stream ended): mark the phase,
+/// start the close-grace clock and send END_STREAM after the data already queued, so the agent
+/// half-closes the target socket (a FIN) once every byte is written.
+fn client_closed(
+    phase: &AtomicU8,
+    closed_at: &watch::Sender<Option<Instant>>,
+    tx: &mut SendStream<Bytes>,
+) -> Result<UpEnd, Abort> {
+    let _ = phase.compare_exchange(OPEN, CLIENT_CLOSED, Ordering::AcqRel, Ordering::Acquire);
+    let _ = closed_at.send(Some(Instant::now()));
+    tx.send_data(Bytes::new(), true)
+        .map_err(|e| Abort::Tunnel(h2_abort_reason(&e)))?;
+    Ok(UpEnd::ClientClosed)
+}
+
 /// Phases of an open connection (an [`AtomicU8`], shared by the two directions of one task).
 const OPEN: u8 = 0;
 const CLIENT_CLOSED: u8 = 1;
@@ -347,16 +362,7 @@ impl Conn {
                         Ok(None) => {
                             // The request stream ended without CLOSE_REQ: nothing more will
                             // come, so close as gracefully as CLOSE_REQ does.
-                            let _ = phase.compare_exchange(
-                                OPEN,
-                                CLIENT_CLOSED,
-                                Ordering::AcqRel,
-                                Ordering::Acquire,
-                            );
-                            let _ = closed_at_tx.send(Some(Instant::now()));
-                            tx.send_data(Bytes::new(), true)
-                                .map_err(|e| Abort::Tunnel(h2_abort_reason(&e)))?;
-                            return Ok(UpEnd::ClientClosed);
+                            return client_closed(&phase, &closed_at_tx, &mut tx);
                         }
                         Err(s) => {
                             return Err(Abort::Client(format!(
@@ -381,16 +387,7 @@ impl Conn {
                             }
                         }
                         Some(k::packet::Payload::CloseRequest(c)) if c.connect_id == id => {
-                            let _ = phase.compare_exchange(
-                                OPEN,
-                                CLIENT_CLOSED,
-                                Ordering::AcqRel,
-                                Ordering::Acquire,
-                            );
-                            let _ = closed_at_tx.send(Some(Instant::now()));
-                            tx.send_data(Bytes::new(), true)
-                                .map_err(|e| Abort::Tunnel(h2_abort_reason(&e)))?;
-                            return Ok(UpEnd::ClientClosed);
+                            return client_closed(&phase, &closed_at_tx, &mut tx);
                         }
                         Some(k::packet::Payload::CloseDial(_)) => {
                             return Err(Abort::Client(
