@@ -105,6 +105,8 @@ enum TargetMode {
     CloseFirst,
     /// Write `after` bytes of the download (fewer than all of it) while reading, then RST.
     Abort { after: usize },
+    /// Write `after` bytes of the download, then read on and never close (the kill rounds).
+    Hold { after: usize },
 }
 
 struct Plan {
@@ -229,6 +231,10 @@ async fn target_conn(mut s: tokio::net::TcpStream, reg: Registry, anon: Arc<Anon
             }
             TargetMode::CloseFirst => {
                 let _ = write_close(&mut w, &slot.down).await;
+                read_all(&mut r, &mut got).await
+            }
+            TargetMode::Hold { after } => {
+                let _ = w.write_all(&slot.down[..after]).await;
                 read_all(&mut r, &mut got).await
             }
             TargetMode::Abort { after } => {
@@ -780,4 +786,220 @@ async fn random_transfers_never_truncate_silently() -> anyhow::Result<()> {
         "a connection ended cleanly before its plan id (seed {seed})"
     );
     Ok(())
+}
+
+/// Transfers per front end in flight when a process is killed.
+const KILL_STREAMS_PER_FRONT: usize = 4;
+/// Download bytes each of them has received before the kill.
+const KILL_FIRST_BYTES: usize = 100_000;
+
+/// Reads `r` until it ends; fires `progress` once `threshold` bytes arrived.
+async fn read_reporting<R: AsyncRead + Unpin>(
+    r: &mut R,
+    threshold: usize,
+    progress: oneshot::Sender<()>,
+) -> Saw {
+    let mut progress = Some(progress);
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 64 << 10];
+    let end = loop {
+        match r.read(&mut buf).await {
+            Ok(0) => break End::Clean,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => break End::Error(e.to_string()),
+        }
+        if got.len() >= threshold
+            && let Some(p) = progress.take()
+        {
+            let _ = p.send(());
+        }
+    };
+    Saw::of(&got, end)
+}
+
+/// The client side of a kill-round transfer: sends the plan id, reads until the end (the
+/// write side stays open); `progress` fires once [`KILL_FIRST_BYTES`] arrived.
+async fn held_transfer(
+    fronts: &Fronts,
+    plan: &Plan,
+    progress: oneshot::Sender<()>,
+) -> anyhow::Result<Saw> {
+    let authority = qualified(&fronts.cluster, fronts.target);
+    let id = plan.id.to_le_bytes();
+    async fn stream<S: Abortable>(
+        mut s: S,
+        id: [u8; 8],
+        progress: oneshot::Sender<()>,
+    ) -> anyhow::Result<Saw> {
+        s.write_all(&id).await?;
+        s.flush().await?;
+        Ok(read_reporting(&mut s, KILL_FIRST_BYTES, progress).await)
+    }
+    match plan.front {
+        Front::Connect => {
+            stream(
+                tether_e2e::connect_ok(fronts.plain, &authority).await?,
+                id,
+                progress,
+            )
+            .await
+        }
+        Front::TlsConnect => {
+            let s = tether_e2e::connect_tls(
+                fronts.tls,
+                fronts.tls_cfg.clone(),
+                &authority,
+                Some(OPS_TOKEN),
+            )
+            .await?
+            .map_err(|(code, body)| anyhow::anyhow!("CONNECT answered {code}: {body}"))?;
+            stream(s, id, progress).await
+        }
+        Front::Native => {
+            let s = fronts
+                .dialer
+                .dial(
+                    &fronts.cluster,
+                    &fronts.target.ip().to_string(),
+                    fronts.target.port(),
+                )
+                .await?;
+            stream(s, id, progress).await
+        }
+        Front::Konnectivity => {
+            let (mut tx, req) = streaming_request::<k::Packet>(Some(OPS_TOKEN));
+            tx.send(dial_req(authority, plan.id as i64)).await?;
+            let mut inbound = fronts.konn.clone().proxy(req).await?.into_inner();
+            let connect_id = match next_packet(&mut inbound).await?.payload {
+                Some(k::packet::Payload::DialResponse(d)) if d.error.is_empty() => d.connect_id,
+                other => anyhow::bail!("expected a successful DIAL_RSP, got {other:?}"),
+            };
+            tx.send(data(connect_id, Bytes::copy_from_slice(&id)))
+                .await?;
+            let mut progress = Some(progress);
+            let mut got = Vec::new();
+            let end = loop {
+                match inbound.message().await {
+                    Ok(Some(p)) => match p.payload {
+                        Some(k::packet::Payload::Data(d)) => got.extend_from_slice(&d.data),
+                        Some(k::packet::Payload::CloseResponse(c)) if c.error.is_empty() => {
+                            break End::Clean;
+                        }
+                        Some(k::packet::Payload::CloseResponse(c)) => {
+                            break End::Error(format!("CLOSE_RSP {}", c.error));
+                        }
+                        other => break End::Error(format!("unexpected packet {other:?}")),
+                    },
+                    Ok(None) => break End::Clean,
+                    Err(s) => break End::Error(format!("status {s}")),
+                }
+                if got.len() >= KILL_FIRST_BYTES
+                    && let Some(p) = progress.take()
+                {
+                    let _ = p.send(());
+                }
+            };
+            drop(tx);
+            Ok(Saw::of(&got, end))
+        }
+    }
+}
+
+/// [`KILL_STREAMS_PER_FRONT`] transfers per front end, each with part of its download
+/// received, then `kill` (a SIGKILL of the agent or the broker): every client must be told
+/// about the loss with an error, never a clean (short) end.
+async fn kill_round(what: &str, kill: impl FnOnce(&mut Setup)) -> anyhow::Result<()> {
+    let mut setup = Setup::start("c1", "", "").await?;
+    let reg: Registry = Arc::default();
+    let anon = Arc::new(Anonymous::default());
+    let target_addr = target(Arc::clone(&reg), Arc::clone(&anon)).await?;
+    let fronts = Arc::new(Fronts::new(&setup, target_addr).await?);
+    let down = Bytes::from(vec![0x5a; KILL_FIRST_BYTES * 2]);
+    let mut progress = Vec::new();
+    let mut clients = Vec::new();
+    for (i, front) in FRONTS
+        .iter()
+        .cycle()
+        .take(FRONTS.len() * KILL_STREAMS_PER_FRONT)
+        .enumerate()
+    {
+        let plan = Plan {
+            id: i as u64 + 1,
+            front: *front,
+            up: Bytes::new(),
+            down: down.clone(),
+            client: ClientMode::Close,
+            target: TargetMode::Hold {
+                after: KILL_FIRST_BYTES,
+            },
+        };
+        let (header, _header_rx) = oneshot::channel();
+        let (report, _report_rx) = oneshot::channel();
+        reg.lock().expect("registry").insert(
+            plan.id,
+            TargetSlot {
+                down: plan.down.clone(),
+                mode: plan.target,
+                header,
+                report,
+            },
+        );
+        let (p_tx, p_rx) = oneshot::channel();
+        progress.push(p_rx);
+        let fronts = Arc::clone(&fronts);
+        clients.push(tokio::spawn(async move {
+            let saw = tokio::time::timeout(TRANSFER_DEADLINE, held_transfer(&fronts, &plan, p_tx))
+                .await
+                .unwrap_or_else(|_| Ok(Saw::of(&[], End::Stuck)));
+            (plan.front, saw)
+        }));
+    }
+    for p in progress {
+        tokio::time::timeout(TRANSFER_DEADLINE, p)
+            .await
+            .map_err(|_| {
+                anyhow::anyhow!("a transfer never got its first {KILL_FIRST_BYTES} bytes")
+            })??;
+    }
+    let killed = Instant::now();
+    kill(&mut setup);
+    let (mut wrong, mut errors) = (Vec::new(), std::collections::BTreeSet::new());
+    for c in clients {
+        let (front, saw) = c.await?;
+        let saw = saw?;
+        match &saw.end {
+            End::Error(e) => {
+                errors.insert(format!(
+                    "{front:?}: {}",
+                    e.chars().take(100).collect::<String>()
+                ));
+            }
+            other => wrong.push(format!("{front:?}: {other:?} after {} bytes", saw.len)),
+        }
+    }
+    for e in &errors {
+        println!("{what} killed: {e}");
+    }
+    println!(
+        "{what} killed: {} transfers in flight all ended within {:.2?}",
+        FRONTS.len() * KILL_STREAMS_PER_FRONT,
+        killed.elapsed()
+    );
+    assert!(
+        wrong.is_empty(),
+        "{what} killed: transfers not ended with an error: {wrong:?}"
+    );
+    Ok(())
+}
+
+/// SIGKILL of the agent mid-transfer: every in-flight transfer ends with an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_killed_mid_transfer_every_client_sees_an_error() -> anyhow::Result<()> {
+    kill_round("agent", |s| s.agent.child.kill()).await
+}
+
+/// SIGKILL of the broker mid-transfer: every in-flight transfer ends with an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_killed_mid_transfer_every_client_sees_an_error() -> anyhow::Result<()> {
+    kill_round("broker", |s| s.broker.child.kill()).await
 }
