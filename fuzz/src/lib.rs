@@ -8,8 +8,11 @@
 
 use prost::Message as _;
 
+/// A harness function: takes any bytes, panics only on a defect.
+pub type Harness = fn(&[u8]);
+
 /// Every target: its name (the fuzz target and corpus directory) and its function.
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Harness)] = &[
     ("connect_head", connect_head),
     ("proxy_credentials", proxy_credentials),
     ("konnectivity_packet", konnectivity_packet),
