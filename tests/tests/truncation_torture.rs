@@ -267,25 +267,28 @@ async fn target_conn(mut s: tokio::net::TcpStream, reg: Registry, anon: Arc<Anon
 }
 
 /// A byte stream that can be aborted (the peer sees a reset).
-trait Abortable: AsyncRead + AsyncWrite + Send + Unpin + Sized {
-    fn abort(self);
+trait Conn: AsyncRead + AsyncWrite + Send + Unpin {
+    fn abort(self: Box<Self>);
 }
 
-impl Abortable for tokio::net::TcpStream {
-    fn abort(self) {
+/// A client connection through one of the byte-stream front ends.
+type BoxConn = Box<dyn Conn>;
+
+impl Conn for tokio::net::TcpStream {
+    fn abort(self: Box<Self>) {
         let _ = self.set_zero_linger();
     }
 }
 
-impl Abortable for tether_e2e::ClientTls {
-    fn abort(self) {
+impl Conn for tether_e2e::ClientTls {
+    fn abort(self: Box<Self>) {
         let _ = self.get_ref().0.set_zero_linger();
     }
 }
 
-impl Abortable for tether_client::DialStream {
+impl Conn for tether_client::DialStream {
     /// Dropped without `shutdown()`: the client sends `abort`.
-    fn abort(self) {}
+    fn abort(self: Box<Self>) {}
 }
 
 /// Drains `r` until it ends, then waits forever (a branch of a `select!`).
@@ -296,7 +299,7 @@ async fn drain_forever<R: AsyncRead + Unpin>(r: &mut R) {
 }
 
 /// One transfer over a byte-stream front end.
-async fn run_stream<S: Abortable>(s: S, plan: &Plan, header: oneshot::Receiver<()>) -> Saw {
+async fn run_stream(s: BoxConn, plan: &Plan, header: oneshot::Receiver<()>) -> Saw {
     let (mut r, mut w) = tokio::io::split(s);
     let id = plan.id.to_le_bytes();
     match plan.client {
@@ -336,27 +339,34 @@ fn konn_chunks(connect_id: i64, b: &Bytes) -> Vec<k::Packet> {
         .collect()
 }
 
-/// One transfer over konnectivity. Returns what the client saw and what must stay alive until
-/// the target reported (an aborting client holds its request stream open, so that the broker
-/// sees a cancellation and not a clean end of the request stream).
-async fn run_konnectivity(
+/// Opens a konnectivity connection for plan `id` and sends the plan id as the first DATA.
+async fn konn_open(
     mut client: k::proxy_service_client::ProxyServiceClient<tonic::transport::Channel>,
     address: String,
-    plan: &Plan,
-    header: oneshot::Receiver<()>,
-) -> anyhow::Result<(Saw, Option<KonnKeep>)> {
+    id: u64,
+) -> anyhow::Result<(KonnKeep, tonic::Streaming<k::Packet>, i64)> {
     let (mut tx, req) = streaming_request::<k::Packet>(Some(OPS_TOKEN));
-    tx.send(dial_req(address, plan.id as i64)).await?;
+    tx.send(dial_req(address, id as i64)).await?;
     let mut inbound = client.proxy(req).await?.into_inner();
     let connect_id = match next_packet(&mut inbound).await?.payload {
         Some(k::packet::Payload::DialResponse(d)) if d.error.is_empty() => d.connect_id,
         other => anyhow::bail!("expected a successful DIAL_RSP, got {other:?}"),
     };
-    tx.send(data(
-        connect_id,
-        Bytes::copy_from_slice(&plan.id.to_le_bytes()),
-    ))
-    .await?;
+    tx.send(data(connect_id, Bytes::copy_from_slice(&id.to_le_bytes())))
+        .await?;
+    Ok((tx, inbound, connect_id))
+}
+
+/// One transfer over konnectivity. Returns what the client saw and what must stay alive until
+/// the target reported (an aborting client holds its request stream open, so that the broker
+/// sees a cancellation and not a clean end of the request stream).
+async fn run_konnectivity(
+    client: k::proxy_service_client::ProxyServiceClient<tonic::transport::Channel>,
+    address: String,
+    plan: &Plan,
+    header: oneshot::Receiver<()>,
+) -> anyhow::Result<(Saw, Option<KonnKeep>)> {
+    let (mut tx, mut inbound, connect_id) = konn_open(client, address, plan.id).await?;
     if let ClientMode::Abort { after } = plan.client {
         let _ = tokio::time::timeout(TRANSFER_DEADLINE, header).await;
         for p in konn_chunks(connect_id, &plan.up.slice(..after)) {
@@ -503,6 +513,34 @@ impl Fronts {
         })
     }
 
+    /// Opens a connection to the target through a byte-stream front end.
+    async fn open(&self, front: Front) -> anyhow::Result<BoxConn> {
+        let authority = qualified(&self.cluster, self.target);
+        Ok(match front {
+            Front::Connect => Box::new(tether_e2e::connect_ok(self.plain, &authority).await?),
+            Front::TlsConnect => Box::new(
+                tether_e2e::connect_tls(
+                    self.tls,
+                    self.tls_cfg.clone(),
+                    &authority,
+                    Some(OPS_TOKEN),
+                )
+                .await?
+                .map_err(|(code, body)| anyhow::anyhow!("CONNECT answered {code}: {body}"))?,
+            ),
+            Front::Native => Box::new(
+                self.dialer
+                    .dial(
+                        &self.cluster,
+                        &self.target.ip().to_string(),
+                        self.target.port(),
+                    )
+                    .await?,
+            ),
+            Front::Konnectivity => anyhow::bail!("konnectivity is not a byte stream"),
+        })
+    }
+
     /// Opens the client side of `plan` and runs it; the client's report and whatever must
     /// stay alive until the target reported.
     async fn run(
@@ -510,39 +548,12 @@ impl Fronts {
         plan: &Plan,
         header: oneshot::Receiver<()>,
     ) -> anyhow::Result<(Saw, Option<KonnKeep>)> {
-        let authority = qualified(&self.cluster, self.target);
-        let saw = match plan.front {
-            Front::Connect => {
-                let s = tether_e2e::connect_ok(self.plain, &authority).await?;
-                run_stream(s, plan, header).await
-            }
-            Front::TlsConnect => {
-                let s = tether_e2e::connect_tls(
-                    self.tls,
-                    self.tls_cfg.clone(),
-                    &authority,
-                    Some(OPS_TOKEN),
-                )
-                .await?
-                .map_err(|(code, body)| anyhow::anyhow!("CONNECT answered {code}: {body}"))?;
-                run_stream(s, plan, header).await
-            }
-            Front::Native => {
-                let s = self
-                    .dialer
-                    .dial(
-                        &self.cluster,
-                        &self.target.ip().to_string(),
-                        self.target.port(),
-                    )
-                    .await?;
-                run_stream(s, plan, header).await
-            }
-            Front::Konnectivity => {
-                return run_konnectivity(self.konn.clone(), authority, plan, header).await;
-            }
-        };
-        Ok((saw, None))
+        if plan.front == Front::Konnectivity {
+            let authority = qualified(&self.cluster, self.target);
+            return run_konnectivity(self.konn.clone(), authority, plan, header).await;
+        }
+        let s = self.open(plan.front).await?;
+        Ok((run_stream(s, plan, header).await, None))
     }
 }
 
@@ -824,85 +835,39 @@ async fn held_transfer(
     plan: &Plan,
     progress: oneshot::Sender<()>,
 ) -> anyhow::Result<Saw> {
-    let authority = qualified(&fronts.cluster, fronts.target);
-    let id = plan.id.to_le_bytes();
-    async fn stream<S: Abortable>(
-        mut s: S,
-        id: [u8; 8],
-        progress: oneshot::Sender<()>,
-    ) -> anyhow::Result<Saw> {
-        s.write_all(&id).await?;
+    if plan.front != Front::Konnectivity {
+        let mut s = fronts.open(plan.front).await?;
+        s.write_all(&plan.id.to_le_bytes()).await?;
         s.flush().await?;
-        Ok(read_reporting(&mut s, KILL_FIRST_BYTES, progress).await)
+        return Ok(read_reporting(&mut s, KILL_FIRST_BYTES, progress).await);
     }
-    match plan.front {
-        Front::Connect => {
-            stream(
-                tether_e2e::connect_ok(fronts.plain, &authority).await?,
-                id,
-                progress,
-            )
-            .await
-        }
-        Front::TlsConnect => {
-            let s = tether_e2e::connect_tls(
-                fronts.tls,
-                fronts.tls_cfg.clone(),
-                &authority,
-                Some(OPS_TOKEN),
-            )
-            .await?
-            .map_err(|(code, body)| anyhow::anyhow!("CONNECT answered {code}: {body}"))?;
-            stream(s, id, progress).await
-        }
-        Front::Native => {
-            let s = fronts
-                .dialer
-                .dial(
-                    &fronts.cluster,
-                    &fronts.target.ip().to_string(),
-                    fronts.target.port(),
-                )
-                .await?;
-            stream(s, id, progress).await
-        }
-        Front::Konnectivity => {
-            let (mut tx, req) = streaming_request::<k::Packet>(Some(OPS_TOKEN));
-            tx.send(dial_req(authority, plan.id as i64)).await?;
-            let mut inbound = fronts.konn.clone().proxy(req).await?.into_inner();
-            let connect_id = match next_packet(&mut inbound).await?.payload {
-                Some(k::packet::Payload::DialResponse(d)) if d.error.is_empty() => d.connect_id,
-                other => anyhow::bail!("expected a successful DIAL_RSP, got {other:?}"),
-            };
-            tx.send(data(connect_id, Bytes::copy_from_slice(&id)))
-                .await?;
-            let mut progress = Some(progress);
-            let mut got = Vec::new();
-            let end = loop {
-                match inbound.message().await {
-                    Ok(Some(p)) => match p.payload {
-                        Some(k::packet::Payload::Data(d)) => got.extend_from_slice(&d.data),
-                        Some(k::packet::Payload::CloseResponse(c)) if c.error.is_empty() => {
-                            break End::Clean;
-                        }
-                        Some(k::packet::Payload::CloseResponse(c)) => {
-                            break End::Error(format!("CLOSE_RSP {}", c.error));
-                        }
-                        other => break End::Error(format!("unexpected packet {other:?}")),
-                    },
-                    Ok(None) => break End::Clean,
-                    Err(s) => break End::Error(format!("status {s}")),
+    let authority = qualified(&fronts.cluster, fronts.target);
+    let (tx, mut inbound, _) = konn_open(fronts.konn.clone(), authority, plan.id).await?;
+    let mut progress = Some(progress);
+    let mut got = Vec::new();
+    let end = loop {
+        match inbound.message().await {
+            Ok(Some(p)) => match p.payload {
+                Some(k::packet::Payload::Data(d)) => got.extend_from_slice(&d.data),
+                Some(k::packet::Payload::CloseResponse(c)) if c.error.is_empty() => {
+                    break End::Clean;
                 }
-                if got.len() >= KILL_FIRST_BYTES
-                    && let Some(p) = progress.take()
-                {
-                    let _ = p.send(());
+                Some(k::packet::Payload::CloseResponse(c)) => {
+                    break End::Error(format!("CLOSE_RSP {}", c.error));
                 }
-            };
-            drop(tx);
-            Ok(Saw::of(&got, end))
+                other => break End::Error(format!("unexpected packet {other:?}")),
+            },
+            Ok(None) => break End::Clean,
+            Err(s) => break End::Error(format!("status {s}")),
         }
-    }
+        if got.len() >= KILL_FIRST_BYTES
+            && let Some(p) = progress.take()
+        {
+            let _ = p.send(());
+        }
+    };
+    drop(tx);
+    Ok(Saw::of(&got, end))
 }
 
 /// [`KILL_STREAMS_PER_FRONT`] transfers per front end, each with part of its download
