@@ -140,14 +140,16 @@ write("kubeconfig", "server-only", "tls://hub.example:4222")
 # tetherctl apply input: the compose example plus policies
 for p in glob.glob(os.path.join(ROOT, "compose", "config", "cluster-proxy.yaml")):
     write("apply_documents", "cluster-proxy", open(p, "rb").read())
-write("apply_documents", "policy", """apiVersion: tether.io/v1alpha1
+write("apply_documents", "policy", """apiVersion: proxy.tether.io/v1alpha1
 kind: ClientAccessPolicy
 metadata: {name: ops}
 spec:
   clients: [ops]
-  allow:
+  rules:
     - clusters: ['prod-*']
-      targets: [apiserver, '*.svc:443']
+      targets: [apiserver, '*.svc:8080']
+    - clusterSelector: {matchLabels: {env: dev}}
+      targets: ['*:*']
 """)
 write("apply_documents", "json-list", '{"kind":"List","items":[{"apiVersion":"addon.open-cluster-management.io/v1alpha1","kind":"ManagedClusterAddOn","metadata":{"name":"cluster-proxy","namespace":"c1"},"spec":{}}]}')
 write("apply_documents", "json-array", '[{"kind":"ClusterManagementAddOn","metadata":{"name":"x"}}]')
