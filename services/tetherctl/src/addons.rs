@@ -7,7 +7,7 @@
 
 use std::time::SystemTime;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use tether_control::addons::{
     self, AddOnDeploymentConfig, AddOnResource, ClusterManagementAddOn, ManagedClusterAddOn,
     ManagedProxyConfiguration, addon_key, namespaced_key, parse_resource, spec_hash,
@@ -18,33 +18,9 @@ use tether_control::store::{Bucket, HubStore};
 use crate::ops::{age, connect_admin, print_table};
 use crate::{HubArgs, Output};
 
-/// Splits a file into documents: a JSON object, a JSON array, a `kind: List` with `items`, or
-/// YAML with one or several `---`-separated documents.
+/// Splits a file into documents ([`tether_control::resources::parse_documents`]).
 pub fn documents(text: &str) -> anyhow::Result<Vec<serde_json::Value>> {
-    let trimmed = text.trim_start();
-    let docs: Vec<serde_json::Value> = if trimmed.starts_with('{') || trimmed.starts_with('[') {
-        match serde_json::from_str::<serde_json::Value>(text).context("parsing JSON")? {
-            serde_json::Value::Array(a) => a,
-            v => vec![v],
-        }
-    } else {
-        serde_saphyr::from_multiple::<serde_json::Value>(text)
-            .map_err(|e| anyhow::anyhow!("parsing YAML: {e}"))?
-            .into_iter()
-            .filter(|v| !v.is_null())
-            .collect()
-    };
-    let mut out = Vec::new();
-    for d in docs {
-        if d["kind"] == "List"
-            && let Some(items) = d["items"].as_array()
-        {
-            out.extend(items.iter().cloned());
-        } else {
-            out.push(d);
-        }
-    }
-    Ok(out)
+    Ok(tether_control::resources::parse_documents(text)?)
 }
 
 /// Parses and validates every document; the error lists each bad one with its field.

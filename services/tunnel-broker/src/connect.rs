@@ -35,9 +35,52 @@ const MAX_HEADERS: usize = 32;
 
 const FRONTEND: &str = "connect";
 
-struct Head {
-    target: Result<Target, DialError>,
-    credentials: Option<String>,
+/// A parsed CONNECT request head.
+#[derive(Debug)]
+pub struct Head {
+    /// The target named by the request line (an error names what is wrong with it).
+    pub target: Result<Target, DialError>,
+    /// The `Proxy-Authorization` value, when present and UTF-8.
+    pub credentials: Option<String>,
+}
+
+/// Parses a request head from the bytes read so far: `Ok(None)` while incomplete, else the
+/// head and its length in `buf`. A pure function (the fuzz target `connect_head` calls it).
+pub fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, DialError> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut headers);
+    match req.parse(buf) {
+        Ok(httparse::Status::Partial) => Ok(None),
+        Ok(httparse::Status::Complete(len)) => {
+            let method = req.method.unwrap_or("");
+            if method != "CONNECT" {
+                return Err(DialError::new(
+                    DialErrorKind::BadRequest,
+                    format!("method {method} not supported: this is an HTTP CONNECT proxy"),
+                ));
+            }
+            let path = req.path.unwrap_or("");
+            let credentials = req
+                .headers
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case("proxy-authorization"))
+                .and_then(|h| std::str::from_utf8(h.value).ok())
+                .map(str::to_owned);
+            let target = Target::parse(path)
+                .map_err(|e| DialError::new(DialErrorKind::BadRequest, e.to_string()));
+            Ok(Some((
+                Head {
+                    target,
+                    credentials,
+                },
+                len,
+            )))
+        }
+        Err(e) => Err(DialError::new(
+            DialErrorKind::BadRequest,
+            describe_malformed(buf, e),
+        )),
+    }
 }
 
 /// Reads a request head; returns it and any bytes the client sent after it.
@@ -61,42 +104,8 @@ async fn read_head<S: AsyncRead + Unpin>(s: &mut S) -> Result<(Head, Bytes), Dia
                     "connection closed before the request head ended",
                 ));
             }
-            let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-            let mut req = httparse::Request::new(&mut headers);
-            match req.parse(&buf) {
-                Ok(httparse::Status::Partial) => continue,
-                Ok(httparse::Status::Complete(len)) => {
-                    let method = req.method.unwrap_or("");
-                    if method != "CONNECT" {
-                        return Err(DialError::new(
-                            DialErrorKind::BadRequest,
-                            format!("method {method} not supported: this is an HTTP CONNECT proxy"),
-                        ));
-                    }
-                    let path = req.path.unwrap_or("");
-                    let credentials = req
-                        .headers
-                        .iter()
-                        .find(|h| h.name.eq_ignore_ascii_case("proxy-authorization"))
-                        .and_then(|h| std::str::from_utf8(h.value).ok())
-                        .map(str::to_owned);
-                    let target = Target::parse(path)
-                        .map_err(|e| DialError::new(DialErrorKind::BadRequest, e.to_string()));
-                    let rest = buf.split_off(len).freeze();
-                    return Ok((
-                        Head {
-                            target,
-                            credentials,
-                        },
-                        rest,
-                    ));
-                }
-                Err(e) => {
-                    return Err(DialError::new(
-                        DialErrorKind::BadRequest,
-                        describe_malformed(&buf, e),
-                    ));
-                }
+            if let Some((head, len)) = parse_head(&buf)? {
+                return Ok((head, buf.split_off(len).freeze()));
             }
         }
     };
@@ -405,5 +414,24 @@ mod tests {
         assert!(tls.contains("TLS handshake"), "{tls}");
         let method = head_error(b"GET / HTTP/1.1\r\n\r\n").await;
         assert!(method.contains("method GET not supported"), "{method}");
+    }
+
+    #[test]
+    fn parse_head_is_pure_and_incremental() {
+        let full =
+            b"CONNECT 10.0.0.1.c1.tether:80 HTTP/1.1\r\nProxy-Authorization: Bearer t\r\n\r\nrest";
+        for cut in 0..full.len() - 4 {
+            assert!(
+                parse_head(&full[..cut])
+                    .expect("a prefix is no error")
+                    .is_none()
+            );
+        }
+        let (head, len) = parse_head(full).expect("valid").expect("complete");
+        assert_eq!(&full[len..], b"rest");
+        assert_eq!(head.credentials.as_deref(), Some("Bearer t"));
+        assert_eq!(head.target.expect("target").wire_dest(), "10.0.0.1:80");
+        let bad = parse_head(b"CONNECT nope HTTP/1.1\r\n\r\n").expect("head parses");
+        assert!(bad.expect("complete").0.target.is_err());
     }
 }

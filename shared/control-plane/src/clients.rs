@@ -172,7 +172,8 @@ pub fn validate_target(t: &str) -> Result<(), String> {
     if port != "*" && port.parse::<u16>().is_err() {
         return Err(format!("{t:?} has an invalid port (number or *)"));
     }
-    if h.len() > 1 && h[1..].contains('*') {
+    // By chars: a byte slice `h[1..]` panics when the host starts with a multi-byte char.
+    if h.chars().skip(1).any(|c| c == '*') {
         return Err(format!(
             "{t:?}: '*' is only allowed as the whole host or a leading '*.'"
         ));
@@ -350,6 +351,13 @@ pub struct ClientDeleteReply {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A multi-byte first char used to panic (byte slicing); now a clear answer.
+    #[test]
+    fn target_patterns_with_multibyte_hosts_do_not_panic() {
+        assert!(validate_target("é*:1").is_err());
+        assert!(validate_target("\u{300}:*").is_ok());
+    }
 
     #[test]
     fn policy_validation_names_the_field() {

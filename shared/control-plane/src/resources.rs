@@ -9,6 +9,47 @@ use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
+/// Why `tetherctl apply` input could not be split into documents.
+#[derive(Debug, thiserror::Error)]
+pub enum DocumentsError {
+    #[error("parsing JSON: {0}")]
+    Json(String),
+    #[error("parsing YAML: {0}")]
+    Yaml(String),
+}
+
+/// Splits `tetherctl apply` input into documents: a JSON object, a JSON array, a `kind: List`
+/// with `items`, or YAML with one or several `---`-separated documents. A pure function (the
+/// fuzz target `apply_documents` calls it).
+pub fn parse_documents(text: &str) -> Result<Vec<serde_json::Value>, DocumentsError> {
+    let trimmed = text.trim_start();
+    let docs: Vec<serde_json::Value> = if trimmed.starts_with('{') || trimmed.starts_with('[') {
+        match serde_json::from_str::<serde_json::Value>(text)
+            .map_err(|e| DocumentsError::Json(e.to_string()))?
+        {
+            serde_json::Value::Array(a) => a,
+            v => vec![v],
+        }
+    } else {
+        serde_saphyr::from_multiple::<serde_json::Value>(text)
+            .map_err(|e| DocumentsError::Yaml(e.to_string()))?
+            .into_iter()
+            .filter(|v| !v.is_null())
+            .collect()
+    };
+    let mut out = Vec::new();
+    for d in docs {
+        if d["kind"] == "List"
+            && let Some(items) = d["items"].as_array()
+        {
+            out.extend(items.iter().cloned());
+        } else {
+            out.push(d);
+        }
+    }
+    Ok(out)
+}
+
 /// RFC 3339 UTC timestamp string ("2026-01-02T03:04:05Z").
 pub fn rfc3339(t: SystemTime) -> String {
     let secs = t

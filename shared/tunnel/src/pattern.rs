@@ -27,7 +27,8 @@ pub fn validate(pattern: &str) -> Result<(), String> {
     if port != "*" && port.parse::<u16>().is_err() {
         return Err(format!("{pattern:?} has an invalid port (number or *)"));
     }
-    if h.len() > 1 && h[1..].contains('*') {
+    // By chars: a byte slice `h[1..]` panics when the host starts with a multi-byte char.
+    if h.chars().skip(1).any(|c| c == '*') {
         return Err(format!(
             "{pattern:?}: '*' is only allowed as the whole host or a leading '*.'"
         ));
@@ -55,6 +56,9 @@ mod tests {
         assert!(matches("*", "x", 1));
         assert!(validate("a*b:1").is_err());
         assert!(validate("a:x").is_err());
+        // Found by the tunnel_address fuzz target: a multi-byte first char used to panic.
+        assert!(validate("\u{300}:*").is_ok());
+        assert!(validate("é*:1").is_err());
         assert!(cluster_matches("prod-*", "prod-1"));
         assert!(!cluster_matches("prod-*", "dev-1"));
     }
