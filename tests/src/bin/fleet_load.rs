@@ -345,16 +345,20 @@ async fn main() -> anyhow::Result<()> {
         }
     };
     let ticks = clock_ticks();
+    let t = Instant::now();
     let hub = Hub::start(&work, &args).context("starting the hub")?;
     eprintln!(
-        "hub up: {} nats nodes, addon-manager pid {}",
+        "hub up in {:.1} s: {} nats nodes, addon-manager pid {}",
+        t.elapsed().as_secs_f64(),
         args.nats_nodes,
         hub.manager.child.pid()
     );
     let bootstrap = work.join("bootstrap.kubeconfig");
     join(&hub.dir, &bootstrap, &hub.url, None)?;
     let admin = admin_connection(&hub.dir, &hub.url).await?;
-    let watch = AvailabilityWatch::start(tether_control::store::HubStore::open(admin.client.clone()).await?);
+    let watch = AvailabilityWatch::start(
+        tether_control::store::HubStore::open(admin.client.clone()).await?,
+    );
 
     let fleet = Arc::new(Fleet {
         bootstrap,
@@ -388,8 +392,7 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let mut results = Vec::with_capacity(args.clusters);
-    while let Ok(Some(r)) = tokio::time::timeout_at(ramp_deadline.into(), tasks.join_next()).await
-    {
+    while let Ok(Some(r)) = tokio::time::timeout_at(ramp_deadline.into(), tasks.join_next()).await {
         results.push(r?);
     }
     let ramp = ramp_start.elapsed();
@@ -415,10 +418,11 @@ async fn main() -> anyhow::Result<()> {
     let lat_before = buckets(&fleet.metrics.lease_renew_duration_seconds);
     let ok_before = counter(&fleet.metrics.lease_renewals_total, "ok");
     let err_before = counter(&fleet.metrics.lease_renewals_total, "error");
-    let addon_before = fleet
-        .addon_metrics
-        .as_ref()
-        .map(|m| m.lease_renewals_total.with_label_values(&["cluster-proxy", "ok"]).get());
+    let addon_before = fleet.addon_metrics.as_ref().map(|m| {
+        m.lease_renewals_total
+            .with_label_values(&["cluster-proxy", "ok"])
+            .get()
+    });
     let window_start = Instant::now();
     tokio::time::sleep(Duration::from_secs(args.window_seconds)).await;
     let window = window_start.elapsed().as_secs_f64();
@@ -440,18 +444,26 @@ async fn main() -> anyhow::Result<()> {
     let lat_after = buckets(&fleet.metrics.lease_renew_duration_seconds);
     let renew_ok = counter(&fleet.metrics.lease_renewals_total, "ok") - ok_before;
     let renew_err = counter(&fleet.metrics.lease_renewals_total, "error") - err_before;
-    let addon_renew_ok = fleet.addon_metrics.as_ref().zip(addon_before).map(|(m, b)| {
-        m.lease_renewals_total
-            .with_label_values(&["cluster-proxy", "ok"])
-            .get()
-            - b
-    });
+    let addon_renew_ok = fleet
+        .addon_metrics
+        .as_ref()
+        .zip(addon_before)
+        .map(|(m, b)| {
+            m.lease_renewals_total
+                .with_label_values(&["cluster-proxy", "ok"])
+                .get()
+                - b
+        });
 
     // `tetherctl get clusters` wall time (the whole table through the seed list).
     let t = Instant::now();
     let table = hub.tetherctl(&["get", "clusters"])?;
     let get_clusters = t.elapsed().as_secs_f64();
-    let rows = table.lines().skip(1).filter(|l| l.starts_with(PREFIX)).count();
+    let rows = table
+        .lines()
+        .skip(1)
+        .filter(|l| l.starts_with(PREFIX))
+        .count();
 
     let seen = watch.finish_timed().await?;
     let mut available: Vec<f64> = results
@@ -486,6 +498,7 @@ async fn main() -> anyhow::Result<()> {
         "processes": procs,
         "get_clusters_seconds": secs(Some(get_clusters)),
         "get_clusters_rows": rows,
+        "hub_pids": pids.iter().map(|(_, p)| *p).collect::<Vec<_>>(),
     });
     eprintln!("{}", serde_json::to_string_pretty(&report)?);
     match &args.report {
@@ -497,10 +510,14 @@ async fn main() -> anyhow::Result<()> {
     // Stop the fleet (bounded), then the hub (Drop: SIGTERM, then SIGKILL, by PID).
     fleet.stop.cancel();
     tasks.abort_all();
-    let _ = tokio::time::timeout(STOP_TIMEOUT, async { while tasks.join_next().await.is_some() {} })
-        .await;
+    let _ = tokio::time::timeout(STOP_TIMEOUT, async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await;
     drop(admin);
+    let t = Instant::now();
     drop(hub);
+    eprintln!("hub stopped in {:.1} s", t.elapsed().as_secs_f64());
     Ok(())
 }
 
