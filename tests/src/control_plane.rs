@@ -494,17 +494,20 @@ impl NatsCluster {
 /// files in `dir`), in `<dir>/hub`.
 pub fn init_cluster_hub(dir: &Path, n: usize, extra: &[&str]) -> anyhow::Result<PathBuf> {
     let hub_dir = dir.join("hub");
-    let o = Command::new(bin("tetherctl")?)
-        .args(["init", "--dir"])
+    let mut cmd = Command::new(bin("tetherctl")?);
+    cmd.args(["init", "--dir"])
         .arg(&hub_dir)
         .args(["--hub-host", HUB_HOST, "--nats-listen", "127.0.0.1:-1"])
         .args(["--nats-cluster", &n.to_string()])
         .args(["--nats-cluster-listen", "127.0.0.1:-1"])
         .arg("--ports-file-dir")
         .arg(dir)
-        .args(["--lease-check-interval", "200ms"])
-        .args(extra)
-        .output()?;
+        .args(extra);
+    // Tests want fast lease checks; a caller that sets its own interval keeps it.
+    if !extra.contains(&"--lease-check-interval") {
+        cmd.args(["--lease-check-interval", "200ms"]);
+    }
+    let o = cmd.output()?;
     if !o.status.success() {
         bail!("tetherctl init: {}", String::from_utf8_lossy(&o.stderr));
     }
@@ -630,7 +633,15 @@ pub async fn cluster_available(
 /// re-opened; it replays the latest value of every cluster.
 pub struct AvailabilityWatch {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    task: tokio::task::JoinHandle<(usize, Vec<String>)>,
+    task: tokio::task::JoinHandle<AvailabilitySeen>,
+}
+
+/// What an [`AvailabilityWatch`] saw.
+pub struct AvailabilitySeen {
+    /// When each cluster was first seen Available=True (as the watch received the write).
+    pub first_available: std::collections::BTreeMap<String, std::time::Instant>,
+    /// Every write that took a cluster from Available=True to anything else.
+    pub flaps: Vec<String>,
 }
 
 impl AvailabilityWatch {
@@ -641,7 +652,7 @@ impl AvailabilityWatch {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let flag = stop.clone();
         let task = tokio::spawn(async move {
-            let mut seen = std::collections::BTreeSet::new();
+            let mut seen = std::collections::BTreeMap::new();
             let mut flaps = Vec::new();
             while !flag.load(Ordering::Relaxed) {
                 let Ok(w) = store
@@ -659,8 +670,8 @@ impl AvailabilityWatch {
                         Ok(Some((name, Some(mc)))) => {
                             let a = mc.condition(condition::AVAILABLE).map(str::to_string);
                             if a.as_deref() == Some("True") {
-                                seen.insert(name);
-                            } else if seen.contains(&name) {
+                                seen.entry(name).or_insert_with(std::time::Instant::now);
+                            } else if seen.contains_key(&name) {
                                 flaps.push(format!("{name}: Available={a:?}"));
                             }
                         }
@@ -669,13 +680,22 @@ impl AvailabilityWatch {
                     }
                 }
             }
-            (seen.len(), flaps)
+            AvailabilitySeen {
+                first_available: seen,
+                flaps,
+            }
         });
         Self { stop, task }
     }
 
     /// Stops; how many clusters were seen Available, and every flap.
     pub async fn finish(self) -> anyhow::Result<(usize, Vec<String>)> {
+        let s = self.finish_timed().await?;
+        Ok((s.first_available.len(), s.flaps))
+    }
+
+    /// Stops; when each cluster first became Available, and every flap.
+    pub async fn finish_timed(self) -> anyhow::Result<AvailabilitySeen> {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(self.task.await?)
     }

@@ -643,7 +643,10 @@ impl<S: HubSecretStore> Agent<S> {
                             cluster_claims: self.cfg.claims.clone(),
                             agent_time: rfc3339(SystemTime::now()),
                         };
-                        match connect::request_json::<_, LeaseReply>(&conn.client, subjects::cluster_lease(&cluster), &req).await {
+                        let sent = Instant::now();
+                        let reply = connect::request_json::<_, LeaseReply>(&conn.client, subjects::cluster_lease(&cluster), &req).await;
+                        self.metrics.lease_renew_duration_seconds.observe(sent.elapsed().as_secs_f64());
+                        match reply {
                             Ok(r) if r.accepted => {
                                 auth_failures = 0;
                                 bo.succeeded();

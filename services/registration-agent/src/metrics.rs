@@ -10,6 +10,8 @@ pub struct AgentMetrics {
     pub registration_duration_seconds: Histogram,
     pub bootstrap_errors_total: IntCounterVec,
     pub lease_renewals_total: IntCounterVec,
+    /// Round trip of one lease renewal request (any result).
+    pub lease_renew_duration_seconds: Histogram,
     pub cert_rotations_total: IntCounter,
     pub cert_remaining_seconds: Gauge,
 }
@@ -20,6 +22,7 @@ impl AgentMetrics {
         r.register(Box::new(m.registration_duration_seconds.clone()))?;
         r.register(Box::new(m.bootstrap_errors_total.clone()))?;
         r.register(Box::new(m.lease_renewals_total.clone()))?;
+        r.register(Box::new(m.lease_renew_duration_seconds.clone()))?;
         r.register(Box::new(m.cert_rotations_total.clone()))?;
         r.register(Box::new(m.cert_remaining_seconds.clone()))?;
         Ok(m)
@@ -54,6 +57,16 @@ impl AgentMetrics {
                 &["result"],
             )
             .expect("valid counter"),
+            lease_renew_duration_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "tether_agent_lease_renew_duration_seconds",
+                    "Round trip of one lease renewal request to the hub",
+                )
+                .buckets(vec![
+                    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+                ]),
+            )
+            .expect("valid histogram"),
             cert_rotations_total: IntCounter::new(
                 "tether_agent_cert_rotations_total",
                 "Client certificate rotations",
