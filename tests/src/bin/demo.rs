@@ -655,7 +655,7 @@ async fn demo(netns: Option<Netns>) -> anyhow::Result<()> {
     )
     .await?;
     println!(
-        "\n$ tetherctl proxy health   (AVAILABLE: the add-on lease the registration-agents renew; PROBED HEALTH: the prober, through broker b2)"
+        "\n$ tetherctl proxy health   (AVAILABLE: the add-on lease the registration-agents renew and a tunnel held by every live broker; PROBED HEALTH: the prober, through broker b2)"
     );
     println!("{}", render_table(&rows, false));
 
