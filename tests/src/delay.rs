@@ -7,8 +7,15 @@
 //! [`QUEUE_CHUNKS`] reads in flight (bounded memory; a full queue stops reading, which pushes
 //! back on the sender like a full link). A read error ends that direction like an EOF (a write
 //! shutdown), so it is not for tests of abort propagation.
+//!
+//! [`DelayLink::blackhole_existing`] wedges the connections open at that moment: from then on
+//! they drop every byte (and any EOF) in both directions while their sockets stay open — packets
+//! lost below TLS with no FIN or RST, the stall the wedged-tunnel watchdog must catch
+//! (`tests/tests/wedged_tunnel.rs`). Connections accepted later are relayed normally.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -29,11 +36,28 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct DelayLink {
     pub addr: SocketAddr,
     task: tokio::task::JoinHandle<()>,
+    wedge: Arc<Wedge>,
+}
+
+/// Which connections of a link are blackholed: those numbered below `cutoff`.
+#[derive(Debug, Default)]
+struct Wedge {
+    accepted: AtomicU64,
+    cutoff: AtomicU64,
+    /// Cancelled when the link is dropped: wedged connections hold their sockets until then.
+    dropped: tokio_util::sync::CancellationToken,
+}
+
+impl Wedge {
+    fn blackholed(&self, conn: u64) -> bool {
+        conn < self.cutoff.load(Ordering::Relaxed)
+    }
 }
 
 impl Drop for DelayLink {
     fn drop(&mut self) {
         self.task.abort();
+        self.wedge.dropped.cancel();
     }
 }
 
@@ -43,8 +67,12 @@ impl DelayLink {
     pub async fn start(upstream: SocketAddr, one_way: Duration) -> std::io::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
+        let wedge = Arc::new(Wedge::default());
+        let w = Arc::clone(&wedge);
         let task = tokio::spawn(async move {
             while let Ok((down, _)) = listener.accept().await {
+                let conn = w.accepted.fetch_add(1, Ordering::Relaxed);
+                let w = Arc::clone(&w);
                 tokio::spawn(async move {
                     let Ok(Ok(up)) =
                         tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(upstream)).await
@@ -55,11 +83,25 @@ impl DelayLink {
                     let _ = up.set_nodelay(true);
                     let (dr, dw) = down.into_split();
                     let (ur, uw) = up.into_split();
-                    tokio::join!(pipe(dr, uw, one_way), pipe(ur, dw, one_way));
+                    let (w1, w2) = ((Arc::clone(&w), conn), (w, conn));
+                    tokio::join!(pipe(dr, uw, one_way, w1), pipe(ur, dw, one_way, w2));
                 });
             }
         });
-        Ok(Self { addr, task })
+        Ok(Self { addr, task, wedge })
+    }
+
+    /// Wedges every connection accepted so far: their bytes and EOFs are dropped from now on,
+    /// their sockets stay open. Returns how many connections that wedged.
+    pub fn blackhole_existing(&self) -> u64 {
+        let n = self.wedge.accepted.load(Ordering::Relaxed);
+        self.wedge.cutoff.store(n, Ordering::Relaxed);
+        n
+    }
+
+    /// Connections accepted so far.
+    pub fn accepted(&self) -> u64 {
+        self.wedge.accepted.load(Ordering::Relaxed)
     }
 }
 
@@ -69,6 +111,7 @@ async fn pipe(
     mut rd: tokio::net::tcp::OwnedReadHalf,
     mut wr: tokio::net::tcp::OwnedWriteHalf,
     delay: Duration,
+    (wedge, conn): (Arc<Wedge>, u64),
 ) {
     let (tx, mut rx) = mpsc::channel::<(Instant, Option<BytesMut>)>(QUEUE_CHUNKS);
     let reader = async move {
@@ -85,6 +128,9 @@ async fn pipe(
     let writer = async move {
         while let Some((due, item)) = rx.recv().await {
             tokio::time::sleep_until(due).await;
+            if wedge.blackholed(conn) {
+                continue; // dropped on the floor: no bytes, no FIN
+            }
             match item {
                 Some(buf) => {
                     if wr.write_all(&buf).await.is_err() {
@@ -96,6 +142,10 @@ async fn pipe(
                     return;
                 }
             }
+        }
+        if wedge.blackholed(conn) {
+            // Dropping the write half would send a FIN: a wedged link never does.
+            wedge.dropped.cancelled().await;
         }
     };
     tokio::join!(reader, writer);

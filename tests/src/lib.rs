@@ -3,6 +3,10 @@
 //!
 //! [`Hub::start`] starts a broker; [`Hub::start_agent`] an agent for a cluster. Both read their
 //! bound addresses back from `--ready-file`. Everything is stopped (by PID) on drop.
+//!
+//! The hub side: [`control_plane`] (nats-server + addon-manager, replicated hubs, add-on agents)
+//! and [`registration`] (the registration tests' hub with forward proxies and network
+//! namespaces) — one harness in this library, used by every test file.
 
 pub mod apiserver;
 pub mod benchkit;
@@ -51,8 +55,7 @@ pub struct Hub {
 }
 
 fn sha256_hex(s: &str) -> String {
-    use sha2::Digest;
-    hex::encode(sha2::Sha256::digest(s.as_bytes()))
+    tether_tls::sha256_hex(s.as_bytes())
 }
 
 fn addr(v: &serde_json::Value, key: &str) -> anyhow::Result<SocketAddr> {
@@ -709,6 +712,8 @@ pub fn rate(bytes_per_sec: f64) -> String {
 
 /// Hub control plane (nats-server + addon-manager) for the demo.
 pub mod control_plane;
+/// The registration harness (hub, forward proxies, registration agents, network namespaces).
+pub mod registration;
 
 #[cfg(test)]
 mod tests {

@@ -15,14 +15,14 @@
 //!
 //! Run: `cargo build -p addon-manager -p tetherctl -p registration-agent -p tunnel-agent -p tunnel-broker --bins && cargo test -p tether-e2e --test addon_delivery`.
 
-mod registration_support;
+use tether_e2e::registration;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use registration_support::*;
+use registration::*;
 use tether_test_support::{Child, Pki, bin, wait_until};
 
 const WAIT: Duration = Duration::from_secs(30);

@@ -12,12 +12,12 @@
 //!
 //! Run: `cargo build -p addon-manager -p tetherctl -p registration-agent --bins && cargo test -p tether-e2e --test addon_lifecycle`.
 
-mod registration_support;
+use tether_e2e::registration;
 
 use std::time::Duration;
 
 use anyhow::Context;
-use registration_support::*;
+use registration::*;
 use tether_control::connect::{self, ConnectConfig, Credentials};
 use tether_control::hub::{ADMIN_USER, HubDir};
 use tether_control::subjects;

@@ -10,13 +10,13 @@
 //! Needs `nats-py` (scripts/install-deps.sh). Run:
 //! `cargo build -p addon-manager -p tetherctl -p registration-agent -p health-prober -p tunnel-broker -p tunnel-agent --bins && cargo test -p tether-e2e --test automation`.
 
-mod registration_support;
+use tether_e2e::registration;
 
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use registration_support::{Hub as NatsHub, HubOpts, read_log, tail};
+use registration::{Hub as NatsHub, HubOpts, read_log, tail};
 use tether_e2e::apiserver::FakeApiServer;
 use tether_e2e::{Hub as TunnelHub, wait_agent_ready, wait_tunnel};
 use tether_test_support::{Child, bin, wait_until};

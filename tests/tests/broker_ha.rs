@@ -5,7 +5,7 @@
 //! get "unknown cluster"; hub clients issued by `tetherctl client create` are enforced by the
 //! brokers, limited by a ClientAccessPolicy, and revoked by `tetherctl client delete`.
 
-mod registration_support;
+use tether_e2e::registration;
 
 use std::time::{Duration, Instant, SystemTime};
 
@@ -22,7 +22,7 @@ use tether_e2e::{
 use tether_test_support::wait_until_async;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use registration_support::{Hub as ControlHub, HubOpts};
+use registration::{Hub as ControlHub, HubOpts};
 
 /// Deadline for anything the control plane propagates.
 const CP_TIMEOUT: Duration = Duration::from_secs(20);
@@ -971,10 +971,7 @@ async fn killing_a_broker_keeps_the_addon_available() -> anyhow::Result<()> {
             format!(
                 "add-on: {:#}\nagent log:\n{}",
                 addon(&ha.hub, "edge-1").unwrap_or_default(),
-                registration_support::tail(
-                    &registration_support::read_log(&ha.hub.logs, "agent"),
-                    25
-                )
+                registration::tail(&registration::read_log(&ha.hub.logs, "agent"), 25)
             )
         })
     };

@@ -68,6 +68,63 @@ async fn dialer_stream_round_trip_half_close_and_errors() -> anyhow::Result<()> 
     Ok(())
 }
 
+/// `Dialer::dial` uses the unframed Dial (`DialRaw`); the framed gRPC `Dial` keeps working for
+/// existing clients; both carry the same bytes, and refusals read the same on both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unframed_and_framed_dial_carry_the_same_bytes() -> anyhow::Result<()> {
+    let hub = Hub::new()?;
+    let echo = echo_server().await?;
+    let broker = hub.start_broker("b1", "")?;
+    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&broker, "c1").await?;
+    let d = dialer(&hub, &broker).await?;
+    let payload: Vec<u8> = (0..1_000_000u32).map(|i| (i % 241) as u8).collect();
+    for framed in [false, true] {
+        let s = if framed {
+            d.dial_framed("c1", "127.0.0.1", echo.port()).await?
+        } else {
+            d.dial("c1", "127.0.0.1", echo.port()).await?
+        };
+        assert_eq!(s.is_unframed(), !framed);
+        assert!(s.stream_id() > 0);
+        let (mut r, mut w) = tokio::io::split(s);
+        let writer = {
+            let payload = payload.clone();
+            tokio::spawn(async move {
+                w.write_all(&payload).await?;
+                w.shutdown().await?;
+                anyhow::Ok(w)
+            })
+        };
+        let mut back = Vec::new();
+        tokio::time::timeout(Duration::from_secs(30), r.read_to_end(&mut back)).await??;
+        let w = writer.await??;
+        assert_eq!(back.len(), payload.len(), "framed={framed}");
+        assert!(back == payload, "echoed bytes differ (framed={framed})");
+        drop((r, w));
+    }
+    // Refusals: the same code and reason either way.
+    for framed in [false, true] {
+        let r = if framed {
+            d.dial_framed("nope", "", 0).await
+        } else {
+            d.dial("nope", "", 0).await
+        };
+        match r {
+            Err(ClientError::Dial { code, message }) => {
+                assert_eq!(code, tether_proto::tunnel::v1::DialErrorCode::NoTunnel);
+                assert!(message.contains("nope"), "{message}");
+            }
+            other => panic!(
+                "framed={framed}: expected NoTunnel, got {:?}",
+                other.map(|_| ())
+            ),
+        }
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kube_client_reaches_api_server_through_tunnel() -> anyhow::Result<()> {
     let hub = Hub::new()?;

@@ -22,12 +22,12 @@
 //!
 //! Run: `cargo build -p addon-manager -p tetherctl -p health-prober -p registration-agent -p tunnel-broker -p tunnel-agent --bins && cargo test -p tether-e2e --test health_table`.
 
-mod registration_support;
+use tether_e2e::registration;
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use registration_support::{Hub as NatsHub, HubOpts, read_log, tail};
+use registration::{Hub as NatsHub, HubOpts, read_log, tail};
 use tether_control::connect::{self, ConnectConfig, Credentials};
 use tether_control::hub::{ADMIN_USER, HubDir};
 use tether_control::subjects;

@@ -7,15 +7,16 @@
 //! joins and is accepted by the remaining replica; then both are restarted and a last cluster
 //! joins. Afterwards: every entry of every durable bucket that existed before is still there at
 //! the same or a later revision (nothing lost or reverted), no cluster's Available ever left
-//! True, and every CSR was signed exactly once.
+//! True, and every CSR was signed once (never twice; its approval event is best effort and may be lost
+//! while the events stream has no leader).
 //!
-//! Not covered here (see the report of issue 14): brokers and open tunnels during the chaos.
+//! Brokers, open tunnels and traffic during the chaos (and a partitioned node): `hub_chaos_tunnels.rs`.
 
 use std::time::{Duration, Instant};
 
 use tether_control::store::HubStore;
 use tether_e2e::control_plane::{
-    AvailabilityWatch, Manager, NatsCluster, admin_connection, assert_csrs_signed_once,
+    AvailabilityWatch, Manager, NatsCluster, admin_connection, assert_csrs_never_signed_twice,
     bucket_snapshot, cluster_available, eventually, init_cluster_hub, start_manager,
     start_registration_agent, wait_fully_replicated, wait_lease_renewals,
 };
@@ -116,7 +117,8 @@ async fn nats_node_and_leader_manager_die_together_without_losing_state() -> any
             "{k:?} lost or reverted: revision {rev} → {now:?}"
         );
     }
-    assert_csrs_signed_once(&store, dir, &["c-0", "c-1", "c-2", "c-3", "c-4", "c-5"]).await?;
+    assert_csrs_never_signed_twice(&store, dir, &["c-0", "c-1", "c-2", "c-3", "c-4", "c-5"])
+        .await?;
     for a in &mut agents {
         assert!(a.try_wait().is_none(), "{} exited", a.name);
     }

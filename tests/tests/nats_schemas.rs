@@ -19,7 +19,7 @@
 //!
 //! Run: `cargo build -p addon-manager -p tetherctl -p registration-agent -p health-prober -p tunnel-broker --bins && cargo test -p tether-e2e --test nats_schemas`.
 
-mod registration_support;
+use tether_e2e::registration;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use registration_support::{Hub as NatsHub, HubOpts, start_agent};
+use registration::{Hub as NatsHub, HubOpts, start_agent};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use tether_control::connect::{self, ConnectConfig, Credentials};

@@ -4,13 +4,13 @@
 //!
 //! Run: `cargo build --workspace --bins && cargo test -p tether-e2e --test registration_isolation`.
 
-mod registration_support;
+use tether_e2e::registration;
 
 use std::path::Path;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use registration_support::*;
+use registration::*;
 use tether_control::connect::{self, CertMaterial, ConnectConfig, Credentials};
 use tether_control::kubeconfig::{HubEndpoint, Token};
 use tether_control::resources::{CsrReply, CsrSubmit, LeaseRenew, LeaseReply, rfc3339};

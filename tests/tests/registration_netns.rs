@@ -7,9 +7,9 @@
 //! Needs root (network namespaces); skipped with a message otherwise.
 //! Run: `cargo build --workspace --bins && cargo test -p tether-e2e --test registration_netns`.
 
-mod registration_support;
+use tether_e2e::registration;
 
-use registration_support::*;
+use registration::*;
 
 #[test]
 fn joins_through_squid_http_https_and_basic_auth_across_namespaces() {

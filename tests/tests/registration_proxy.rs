@@ -4,12 +4,12 @@
 //! Real nats-server 2.15, addon-manager, registration-agent, squid and tinyproxy processes.
 //! Run: `cargo build --workspace --bins && cargo test -p tether-e2e --test registration_proxy`.
 
-mod registration_support;
+use tether_e2e::registration;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use registration_support::*;
+use registration::*;
 use tether_test_support::wait_until;
 
 fn read(p: &Path) -> String {

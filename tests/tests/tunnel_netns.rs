@@ -3,12 +3,12 @@
 //! and the hub cannot reach the edge at all. A hub client still reaches a service that listens
 //! on the edge's loopback, through the tunnel. Needs root (skipped with a message otherwise).
 
-mod registration_support;
+use tether_e2e::registration;
 
 use std::process::Command;
 use std::time::Duration;
 
-use registration_support::{
+use registration::{
     EDGE_IP, HUB_IP, PROXY_EDGE_IP, ProxyKind, Topology, can_use_netns, start_proxy,
 };
 use tether_e2e::{Hub, OPS_TOKEN, command_in};

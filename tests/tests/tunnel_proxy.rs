@@ -1,11 +1,11 @@
 //! The tunnel-agent reaches brokers through real forward proxies (squid, HTTP and HTTPS with
 //! its own CA, and with basic auth); NO_PROXY bypasses them; a wrong password is a named error.
 
-mod registration_support;
+use tether_e2e::registration;
 
 use std::time::Duration;
 
-use registration_support::{ProxyKind, start_proxy};
+use registration::{ProxyKind, start_proxy};
 use tether_e2e::{Hub, OPS_TOKEN, admin_get, connect, echo_server, wait_agent_ready, wait_tunnel};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -21,7 +21,7 @@ async fn round_trip(broker: &tether_e2e::Broker) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn access_log(p: &registration_support::Proxy) -> String {
+fn access_log(p: &registration::Proxy) -> String {
     std::fs::read_to_string(p.dir.join("access.log")).unwrap_or_default()
 }
 

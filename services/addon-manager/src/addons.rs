@@ -38,9 +38,11 @@ use tether_control::resources::{
     Event, Lease, LeaseSpec, ManagedCluster, ObjectMeta, condition as mc_condition, parse_rfc3339,
     rfc3339, set_condition,
 };
-use tether_control::store::{Bucket, HubStore};
+use tether_control::store::{Bucket, HubStore, Store};
 use tether_control::subjects;
 use tokio_util::sync::CancellationToken;
+
+use crate::brokers;
 
 /// Annotation on ManagedClusterAddOns the controller created from an install strategy (those
 /// it deletes again when the cluster stops matching).
@@ -48,6 +50,9 @@ pub const INSTALLED_BY_ANNOTATION: &str = "tether.io/installed-by";
 /// Add-on lease grace: Available=False after this many lease durations without renewal
 /// (OCM: 60 s lease, 300 s).
 pub const ADDON_LEASE_GRACE_MULTIPLIER: u32 = 5;
+/// Up to this many clusters in a scoped pass, their add-on keys are listed cluster by cluster
+/// (one filtered listing each); more, and one listing of the whole bucket is cheaper.
+const SCOPED_KEY_LISTS_MAX: usize = 32;
 /// Safety resync of everything (changes arrive through KV watches; lease expiries are
 /// scheduled for their exact deadline).
 pub const RESYNC_INTERVAL: Duration = Duration::from_secs(30);
@@ -244,7 +249,7 @@ impl Handler<AgentRequest> for AddOnController {
                     cluster,
                     addon,
                     body,
-                } => renew_lease(&store, &cluster, &addon, body)
+                } => renew_lease(&store, &cluster, &addon, body, SystemTime::now())
                     .await
                     .and_then(|r| {
                         serde_json::to_value(r).map_err(|e| ControlError::Codec(e.to_string()))
@@ -257,11 +262,12 @@ impl Handler<AgentRequest> for AddOnController {
 
 /// Stores the add-on lease (`tether-addon-leases`, key `<cluster>.<addon>`); refused when the
 /// add-on is not installed on the cluster.
-async fn renew_lease(
-    store: &HubStore,
+pub async fn renew_lease(
+    store: &impl Store,
     cluster: &str,
     addon: &str,
     body: AddOnLeaseRenew,
+    now: SystemTime,
 ) -> Result<AddOnLeaseReply, ControlError> {
     let key = addon_key(cluster, addon);
     if store
@@ -280,7 +286,7 @@ async fn renew_lease(
             message: "leaseDurationSeconds must be at least 1".into(),
         });
     }
-    let now = rfc3339(SystemTime::now());
+    let now = rfc3339(now);
     let old: Option<(Lease, u64)> = store.get(Bucket::AddOnLeases, &key).await?;
     let acquire_time = old
         .filter(|(l, _)| l.spec.holder_identity == body.holder_identity)
@@ -314,7 +320,7 @@ async fn renew_lease(
 }
 
 /// Stores the applied hashes in `status.configReferences[].lastAppliedConfig` (CAS, retried).
-async fn record_report(store: &HubStore, msg: StatusReport) -> Result<(), ControlError> {
+pub async fn record_report(store: &impl Store, msg: StatusReport) -> Result<(), ControlError> {
     let key = addon_key(&msg.cluster, &msg.addon);
     for _ in 0..16 {
         let Some((mut mca, rev)) = store
@@ -362,21 +368,6 @@ async fn record_report(store: &HubStore, msg: StatusReport) -> Result<(), Contro
     )))
 }
 
-/// The serving brokers that report (presence `clusters`) holding a tunnel of `cluster`, and
-/// those that do not.
-fn holders<'a>(
-    serving: &'a [tether_control::brokers::BrokerPresence],
-    cluster: &str,
-) -> (Vec<&'a str>, Vec<&'a str>) {
-    let (with, without): (Vec<_>, Vec<_>) = serving
-        .iter()
-        .partition(|b| b.clusters.iter().any(|c| c == cluster));
-    let ids = |v: Vec<&'a tether_control::brokers::BrokerPresence>| {
-        v.into_iter().map(|b| b.id.as_str()).collect()
-    };
-    (ids(with), ids(without))
-}
-
 fn accepted(mc: &ManagedCluster) -> bool {
     mc.spec.hub_accepts_client
 }
@@ -413,8 +404,8 @@ fn update_progressing(mca: &mut ManagedClusterAddOn) -> bool {
     }
 }
 
-async fn list_map<T: serde::de::DeserializeOwned>(
-    store: &HubStore,
+async fn list_map<T: serde::de::DeserializeOwned + Send>(
+    store: &impl Store,
     b: Bucket,
 ) -> Result<HashMap<String, (T, u64)>, ControlError> {
     Ok(store
@@ -425,7 +416,7 @@ async fn list_map<T: serde::de::DeserializeOwned>(
         .collect())
 }
 
-async fn event(store: &HubStore, ev: Event) {
+async fn event(store: &impl Store, ev: Event) {
     if let Err(e) = store.publish_event(&ev).await {
         tracing::warn!(error = %e, reason = %ev.reason, "cannot publish event");
     }
@@ -434,7 +425,7 @@ async fn event(store: &HubStore, ev: Event) {
 /// One pass over every add-on; returns how many objects it wrote and when the next add-on
 /// lease expires (re-run then).
 pub async fn reconcile_all(
-    store: &HubStore,
+    store: &impl Store,
     notify: Option<&async_nats::Client>,
 ) -> Result<(usize, Option<Duration>), ControlError> {
     reconcile(store, notify, &Scope::All).await
@@ -442,7 +433,7 @@ pub async fn reconcile_all(
 
 /// Reads `keys` of bucket `b` (missing ones are skipped).
 async fn get_map<T: serde::de::DeserializeOwned>(
-    store: &HubStore,
+    store: &impl Store,
     b: Bucket,
     keys: impl IntoIterator<Item = String>,
 ) -> Result<HashMap<String, (T, u64)>, ControlError> {
@@ -455,12 +446,22 @@ async fn get_map<T: serde::de::DeserializeOwned>(
     Ok(out)
 }
 
-/// One pass over the add-ons in `scope`; returns how many objects it wrote and when the next
-/// add-on lease (of those it looked at) expires.
+/// One pass over the add-ons in `scope` at the current time ([`reconcile_at`]).
 pub async fn reconcile(
-    store: &HubStore,
+    store: &impl Store,
     notify: Option<&async_nats::Client>,
     scope: &Scope,
+) -> Result<(usize, Option<Duration>), ControlError> {
+    reconcile_at(store, notify, scope, SystemTime::now()).await
+}
+
+/// One pass over the add-ons in `scope` as of `now`; returns how many objects it wrote and when
+/// the next add-on lease (of those it looked at) expires.
+pub async fn reconcile_at(
+    store: &impl Store,
+    notify: Option<&async_nats::Client>,
+    scope: &Scope,
+    now: SystemTime,
 ) -> Result<(usize, Option<Duration>), ControlError> {
     let cmas: HashMap<String, (ClusterManagementAddOn, u64)> =
         list_map(store, Bucket::ClusterManagementAddOns).await?;
@@ -481,12 +482,27 @@ pub async fn reconcile(
         ),
         Scope::Clusters(names) => {
             let in_scope = |k: &String| k.split_once('.').is_some_and(|(c, _)| names.contains(c));
-            let mca_keys: Vec<String> = store
-                .keys(Bucket::ManagedClusterAddOns)
-                .await?
-                .into_iter()
-                .filter(in_scope)
-                .collect();
+            // A few clusters: list only their keys (`<cluster>.>`), so a pass triggered by one
+            // add-on lease renewal costs that cluster's add-ons, not every key of the bucket
+            // (10,000 keys per renewal at 10,000 clusters).
+            let mca_keys: Vec<String> = if names.len() <= SCOPED_KEY_LISTS_MAX {
+                let mut keys = Vec::new();
+                for c in names {
+                    keys.extend(
+                        store
+                            .keys_matching(Bucket::ManagedClusterAddOns, &format!("{c}.>"))
+                            .await?,
+                    );
+                }
+                keys.into_iter().filter(in_scope).collect()
+            } else {
+                store
+                    .keys(Bucket::ManagedClusterAddOns)
+                    .await?
+                    .into_iter()
+                    .filter(in_scope)
+                    .collect()
+            };
             let lease_keys: Vec<String> = names
                 .iter()
                 .flat_map(|c| cmas.keys().map(move |a| addon_key(c, a)))
@@ -501,8 +517,7 @@ pub async fn reconcile(
             )
         }
     };
-    let now = SystemTime::now();
-    let serving = crate::delivery::serving_brokers(store, now).await?;
+    let serving = brokers::serving_brokers(store, now).await?;
     let serving_ids: Vec<String> = serving.iter().map(|b| b.id.clone()).collect();
     let mut to_notify: Vec<(String, String)> = Vec::new();
     let mut writes = 0;
@@ -707,7 +722,7 @@ pub async fn reconcile(
                         next_deadline = Some(next_deadline.map_or(left, |d| d.min(left)));
                         // What the data plane says, not what the agent says: the live
                         // brokers that report holding a tunnel of this cluster.
-                        let (connected, missing) = holders(&serving, &cluster);
+                        let (connected, missing) = brokers::holders(&serving, &cluster);
                         if missing.is_empty() {
                             set_condition(
                                 conds,
@@ -814,10 +829,10 @@ pub async fn reconcile(
             Some(_) => {}
         }
     }
-    writes += crate::delivery::update_proxy_configuration_status(store, &mpcs, &serving).await?;
+    writes += brokers::update_proxy_configuration_status(store, &mpcs, &serving).await?;
     if let Some(client) = notify {
         for (cluster, addon) in to_notify {
-            crate::delivery::notify_config_changed(client, &cluster, &addon).await;
+            crate::notify::config_changed(client, &cluster, &addon).await;
         }
     }
     Ok((writes, next_deadline))
@@ -929,6 +944,9 @@ pub async fn start(
     );
     Ok(handles)
 }
+
+#[cfg(test)]
+mod reconcile_tests;
 
 #[cfg(test)]
 mod tests {

@@ -37,55 +37,16 @@ pub struct ClientsCtx {
     pub ca: Arc<tether_pki::HubCa>,
 }
 
-/// Issues a client certificate: (cert PEM, key PEM, serial hex, notAfter).
+/// Issues a client certificate from the hub CA: (cert PEM, key PEM, serial hex, notAfter).
 fn issue_cert(
     ca: &tether_pki::HubCa,
     name: &str,
     lifetime: Duration,
 ) -> Result<(String, String, String, String), String> {
-    use rcgen::{
-        CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, Issuer, KeyPair,
-        KeyUsagePurpose, SerialNumber,
-    };
-    let ca_key = KeyPair::from_pem(&ca.key_pem()).map_err(|e| format!("hub CA key: {e}"))?;
-    let issuer =
-        Issuer::from_ca_cert_pem(ca.cert_pem(), ca_key).map_err(|e| format!("hub CA: {e}"))?;
-    let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)
-        .map_err(|e| format!("key generation: {e}"))?;
-    let mut params = CertificateParams::default();
-    let mut dn = DistinguishedName::new();
-    dn.push(
-        DnType::CommonName,
-        format!("{CLIENT_CN_PREFIX}{name}").as_str(),
-    );
-    params.distinguished_name = dn;
-    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-    let mut serial: [u8; 16] = rand::random();
-    serial[0] &= 0x7f;
-    params.serial_number = Some(SerialNumber::from_slice(&serial));
-    params.use_authority_key_identifier_extension = true;
-    let now = time::OffsetDateTime::now_utc();
-    let back = tether_pki::backdate_for(lifetime);
-    params.not_before = now - time::Duration::milliseconds(back.as_millis() as i64);
-    let not_after = now + time::Duration::seconds(lifetime.as_secs() as i64);
-    params.not_after = not_after;
-    let cert = params
-        .signed_by(&key, &issuer)
-        .map_err(|e| format!("signing the client certificate: {e}"))?;
-    let not_after = rfc3339(
-        std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(not_after.unix_timestamp() as u64),
-    );
-    Ok((
-        cert.pem(),
-        key.serialize_pem(),
-        hex_encode(&serial),
-        not_after,
-    ))
-}
-
-fn hex_encode(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    let c = ca
+        .issue_client(&format!("{CLIENT_CN_PREFIX}{name}"), lifetime)
+        .map_err(|e| format!("issuing the client certificate: {e}"))?;
+    Ok((c.cert_pem, c.key_pem, c.serial_hex, rfc3339(c.not_after)))
 }
 
 async fn event(store: &HubStore, reason: &str, name: &str, message: String) {

@@ -22,20 +22,22 @@ use actix::Addr;
 use tether_control::ControlError;
 use tether_control::addons::{
     self, AddOnAgentConfig, AddOnAgentConfigReply, AddOnAgentConfigRequest, AddOnDeploymentConfig,
-    AddOnNotify, AgentBrokerEndpoint, AppliedConfig, ConfigKind, ManagedClusterAddOn,
-    ManagedProxyConfiguration, addon_key, spec_hash,
+    AppliedConfig, ConfigKind, ManagedClusterAddOn, ManagedProxyConfiguration, addon_key,
+    spec_hash,
 };
-use tether_control::brokers::BrokerPresence;
 use tether_control::resources::{
     CertificateSigningRequest, CsrGet, CsrPhase, CsrReply, CsrSpec, CsrStatus, CsrSubmit, Event,
     ObjectMeta, set_condition,
 };
-use tether_control::store::{Bucket, HubStore};
+use tether_control::store::{Bucket, Store};
 use tether_control::subjects;
 use tokio_util::sync::CancellationToken;
 
+use crate::brokers;
+
 use crate::addons::{AddOnController, Changed, QUEUE_GROUP};
 use crate::hub::HubCtx;
+use crate::registration::Registration;
 
 /// Requests in flight per delivery subscription.
 pub const MAX_INFLIGHT_DELIVERY: usize = 32;
@@ -45,78 +47,7 @@ pub const BROKER_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 /// Label of add-on CSRs: which add-on they are for.
 pub const ADDON_LABEL: &str = "open-cluster-management.io/addon-name";
 /// ManagedProxyConfiguration condition: how many brokers are live.
-pub const BROKERS_AVAILABLE: &str = "BrokersAvailable";
-
-/// Live, non-draining brokers, sorted by id.
-pub async fn serving_brokers(
-    store: &HubStore,
-    now: SystemTime,
-) -> Result<Vec<BrokerPresence>, ControlError> {
-    let mut out: Vec<BrokerPresence> = store
-        .list::<BrokerPresence>(Bucket::Brokers)
-        .await?
-        .into_iter()
-        .map(|(_, b, _)| b)
-        .filter(|b| b.is_serving(now) && !b.agent_addresses.is_empty())
-        .collect();
-    out.sort_by(|a, b| a.id.cmp(&b.id));
-    Ok(out)
-}
-
-/// Publishes `AddOnConfigChanged` for one add-on of one cluster (best effort).
-pub async fn notify_config_changed(client: &async_nats::Client, cluster: &str, addon: &str) {
-    let body = serde_json::to_vec(&AddOnNotify::config_changed(addon)).unwrap_or_default();
-    if let Err(e) = client
-        .publish(subjects::cluster_notify(cluster), body.into())
-        .await
-    {
-        tracing::debug!(%cluster, %addon, error = %e, "cannot publish add-on notification");
-    }
-}
-
-/// Sets `BrokersAvailable` on every ManagedProxyConfiguration; returns the writes.
-pub async fn update_proxy_configuration_status(
-    store: &HubStore,
-    mpcs: &std::collections::HashMap<String, (ManagedProxyConfiguration, u64)>,
-    serving: &[BrokerPresence],
-) -> Result<usize, ControlError> {
-    let mut writes = 0;
-    for (key, (mpc, rev)) in mpcs {
-        let mut m = mpc.clone();
-        let ids: Vec<&str> = serving.iter().map(|b| b.id.as_str()).collect();
-        let changed = if ids.is_empty() {
-            set_condition(
-                &mut m.status.conditions,
-                BROKERS_AVAILABLE,
-                "False",
-                "NoLiveBrokers",
-                &format!(
-                    "no broker has announced itself; agents use the {} entrypoint(s)",
-                    m.spec.proxy_server.entrypoints.len()
-                ),
-            )
-        } else {
-            set_condition(
-                &mut m.status.conditions,
-                BROKERS_AVAILABLE,
-                "True",
-                "BrokersLive",
-                &format!("{} live broker(s): {}", ids.len(), ids.join(", ")),
-            )
-        };
-        if changed {
-            m.metadata.resource_version = None;
-            if store
-                .update(Bucket::ProxyConfigurations, key, &m, *rev)
-                .await?
-                .is_some()
-            {
-                writes += 1;
-            }
-        }
-    }
-    Ok(writes)
-}
+pub use crate::brokers::BROKERS_AVAILABLE;
 
 fn not_installed(message: String) -> AddOnAgentConfigReply {
     AddOnAgentConfigReply {
@@ -128,7 +59,7 @@ fn not_installed(message: String) -> AddOnAgentConfigReply {
 
 /// Builds the add-on agent config of `<cluster>/<addon>`.
 pub async fn agent_config(
-    ctx: &HubCtx,
+    ctx: &Registration<impl Store>,
     cluster: &str,
     addon: &str,
 ) -> Result<AddOnAgentConfigReply, ControlError> {
@@ -207,27 +138,8 @@ pub async fn agent_config(
             spec_hash: hash,
         });
     }
-    let serving = serving_brokers(store, SystemTime::now()).await?;
-    cfg.brokers = if serving.is_empty() {
-        entrypoints
-            .iter()
-            .enumerate()
-            .map(|(i, e)| AgentBrokerEndpoint {
-                id: format!("entrypoint-{i}"),
-                addresses: vec![format!("{}:{}", e.host, e.port)],
-                server_name: e.host.trim_matches(['[', ']']).to_string(),
-            })
-            .collect()
-    } else {
-        serving
-            .into_iter()
-            .map(|b| AgentBrokerEndpoint {
-                id: b.id,
-                addresses: b.agent_addresses,
-                server_name: b.server_name,
-            })
-            .collect()
-    };
+    let serving = brokers::listed_brokers(store, ctx.clock.now()).await?;
+    cfg.brokers = brokers::agent_endpoints(serving, &entrypoints);
     Ok(AddOnAgentConfigReply {
         installed: true,
         message: String::new(),
@@ -257,7 +169,11 @@ pub enum DeliveryError {
     Control(#[from] ControlError),
 }
 
-fn reject<T>(ctx: &HubCtx, reason: &'static str, msg: String) -> Result<T, DeliveryError> {
+fn reject<T>(
+    ctx: &Registration<impl Store>,
+    reason: &'static str,
+    msg: String,
+) -> Result<T, DeliveryError> {
     ctx.metrics
         .csrs_denied_total
         .with_label_values(&[reason])
@@ -267,7 +183,7 @@ fn reject<T>(ctx: &HubCtx, reason: &'static str, msg: String) -> Result<T, Deliv
 
 /// Checks an add-on CSR (subject, signature, cluster accepted, add-on installed) and signs it.
 pub async fn submit_addon_csr(
-    ctx: &HubCtx,
+    ctx: &Registration<impl Store>,
     cluster: &str,
     addon: &str,
     req: CsrSubmit,
@@ -420,7 +336,7 @@ pub async fn submit_addon_csr(
 
 /// Status of an add-on CSR.
 pub async fn get_addon_csr(
-    ctx: &HubCtx,
+    ctx: &Registration<impl Store>,
     cluster: &str,
     addon: &str,
     req: CsrGet,
@@ -454,44 +370,16 @@ pub fn sign_addon_csr(
     agent: &str,
     lifetime: Duration,
 ) -> Result<String, String> {
-    use rcgen::{
-        CertificateParams, CertificateSigningRequestParams, DistinguishedName, DnType,
-        ExtendedKeyUsagePurpose, Issuer, KeyPair, KeyUsagePurpose, SerialNumber,
-    };
-    let key = KeyPair::from_pem(&ca.key_pem()).map_err(|e| format!("hub CA key: {e}"))?;
-    let issuer =
-        Issuer::from_ca_cert_pem(ca.cert_pem(), key).map_err(|e| format!("hub CA: {e}"))?;
-    let mut req = CertificateSigningRequestParams::from_pem(csr_pem)
-        .map_err(|e| format!("invalid add-on CSR: {e}"))?;
-    let mut params = CertificateParams::default();
-    let mut dn = DistinguishedName::new();
-    dn.push(
-        DnType::CommonName,
-        addons::addon_agent_common_name(cluster, addon, agent).as_str(),
-    );
-    let orgs = addons::addon_agent_organizations(cluster, addon);
-    dn.push(DnType::OrganizationName, orgs[0].as_str());
-    // rcgen keeps one value per attribute type; the same OID as a custom type adds the second O.
-    dn.push(DnType::CustomDnType(vec![2, 5, 4, 10]), orgs[1].as_str());
-    params.distinguished_name = dn;
-    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-    let mut serial: [u8; 16] = rand::random();
-    serial[0] &= 0x7f;
-    params.serial_number = Some(SerialNumber::from_slice(&serial));
-    params.use_authority_key_identifier_extension = true;
-    let now = time::OffsetDateTime::now_utc();
-    let back = tether_pki::backdate_for(lifetime);
-    params.not_before = now - time::Duration::milliseconds(back.as_millis() as i64);
-    params.not_after = now + time::Duration::seconds(lifetime.as_secs() as i64);
-    req.params = params;
-    let cert = req
-        .signed_by(&issuer)
-        .map_err(|e| format!("signing the add-on certificate: {e}"))?;
-    Ok(cert.pem())
+    ca.sign_csr_as(
+        csr_pem,
+        &addons::addon_agent_common_name(cluster, addon, agent),
+        &addons::addon_agent_organizations(cluster, addon),
+        lifetime,
+    )
+    .map_err(|e| format!("signing the add-on certificate: {e}"))
 }
 
-async fn event(ctx: &HubCtx, ev: Event) {
+async fn event(ctx: &Registration<impl Store>, ev: Event) {
     if let Err(e) = ctx.store.publish_event(&ev).await {
         tracing::warn!(error = %e, reason = %ev.reason, "cannot publish event");
     }
@@ -539,7 +427,7 @@ async fn serve_in(
                     .map_err(|e| format!("malformed add-on config request: {e}"))?
             };
             tracing::debug!(agent = %req.agent_name, "add-on config requested");
-            let r = agent_config(ctx, cluster, addon)
+            let r = agent_config(&ctx.registration, cluster, addon)
                 .await
                 .map_err(|e| e.to_string())?;
             serde_json::to_value(r).map_err(|e| e.to_string())
@@ -547,12 +435,12 @@ async fn serve_in(
         Kind::Csr => {
             let body: CsrSubmit = serde_json::from_slice(&msg.payload)
                 .map_err(|e| format!("malformed add-on CSR body: {e}"))?;
-            to_json(submit_addon_csr(ctx, cluster, addon, body).await)
+            to_json(submit_addon_csr(&ctx.registration, cluster, addon, body).await)
         }
         Kind::CsrGet => {
             let body: CsrGet = serde_json::from_slice(&msg.payload)
                 .map_err(|e| format!("malformed add-on CSR get body: {e}"))?;
-            to_json(get_addon_csr(ctx, cluster, addon, body).await)
+            to_json(get_addon_csr(&ctx.registration, cluster, addon, body).await)
         }
     }
 }
@@ -597,7 +485,7 @@ pub async fn start(
     // The broker set: notify every installed add-on and re-evaluate Available when it changes.
     let stop = shutdown.clone();
     handles.push(tokio::spawn(async move {
-        let mut last: Option<Vec<AgentBrokerEndpoint>> = None;
+        let mut set = brokers::BrokerSet::default();
         let mut tick = tokio::time::interval(BROKER_CHECK_INTERVAL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -605,29 +493,19 @@ pub async fn start(
                 _ = stop.cancelled() => return,
                 _ = tick.tick() => {}
             }
-            let serving = match serving_brokers(&ctx.store, SystemTime::now()).await {
+            let serving = match brokers::listed_brokers(&ctx.store, SystemTime::now()).await {
                 Ok(s) => s,
                 Err(e) => {
                     tracing::debug!(error = %e, "cannot read broker presence");
                     continue;
                 }
             };
-            let now: Vec<AgentBrokerEndpoint> = serving
-                .into_iter()
-                .map(|b| AgentBrokerEndpoint {
-                    id: b.id,
-                    addresses: b.agent_addresses,
-                    server_name: b.server_name,
-                })
-                .collect();
-            if last.as_ref() == Some(&now) {
+            let Some(change) = set.observe(serving) else {
                 continue;
-            }
-            let first = last.is_none();
-            ctx.metrics.serving_brokers.set(now.len() as i64);
-            let ids: Vec<&str> = now.iter().map(|b| b.id.as_str()).collect();
-            tracing::info!(brokers = ?ids, "serving broker set changed");
-            last = Some(now);
+            };
+            let first = change.first;
+            ctx.metrics.serving_brokers.set(change.ids.len() as i64);
+            tracing::info!(brokers = ?change.ids, "serving broker set changed");
             let _ = controller.send(Changed).await;
             if first {
                 continue; // agents re-read their config periodically anyway
@@ -636,7 +514,7 @@ pub async fn start(
                 Ok(keys) => {
                     for k in keys {
                         if let Some((cluster, addon)) = k.split_once('.') {
-                            notify_config_changed(&client, cluster, addon).await;
+                            crate::notify::config_changed(&client, cluster, addon).await;
                             ctx.metrics.addon_notifications_total.inc();
                         }
                     }
@@ -647,6 +525,9 @@ pub async fn start(
     }));
     Ok(handles)
 }
+
+#[cfg(test)]
+mod config_tests;
 
 #[cfg(test)]
 mod tests {

@@ -3,8 +3,12 @@
 //! conditions) and the NATS auth callout.
 //!
 //! Layout:
-//! - [`hub`]: [`hub::HubCtx`], the shared state (store, CA, callout issuer, policy, metrics, the
-//!   in-memory lease table) and the reconcile logic as async functions over it.
+//! - [`registration`]: the registration logic (accept, CSRs, leases) over the
+//!   [`tether_control::store::Store`] trait and a clock, unit-tested on an in-memory store.
+//! - [`hub`]: [`hub::HubCtx`], the NATS adapter around it (watch tasks, notifications, callout
+//!   issuer).
+//! - [`brokers`]: the live broker set (serving brokers, tunnel holders, `BrokersAvailable`).
+//! - [`notify`]: notifications to managed clusters.
 //! - [`controller`]: the [`controller::RegistrationController`] actor that owns the lease monitor
 //!   and serves the request subjects; NATS subscriptions are pumped into it with `send().await`
 //!   so a full mailbox slows the pumps down instead of dropping work.
@@ -21,12 +25,15 @@
 #![forbid(unsafe_code)]
 
 pub mod addons;
+pub mod brokers;
 pub mod callout;
 pub mod clients;
 pub mod controller;
 pub mod delivery;
 pub mod hub;
 pub mod metrics;
+pub mod notify;
+pub mod registration;
 pub mod serve;
 
 use std::path::PathBuf;
@@ -79,12 +86,38 @@ fn hostname() -> String {
 }
 
 /// Process options that are not in hub.yaml.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct RunOptions {
     pub nats_url: Option<String>,
-    pub admin_listen: Option<String>,
-    pub ready_file: Option<PathBuf>,
+    /// Set ready once connected, the store open and every subject served (the admin server's
+    /// `/readyz`; `main` writes its ready file from it).
+    pub readiness: tether_telemetry::Readiness,
 }
+
+/// The bound listeners of the addon-manager.
+pub struct Listeners {
+    /// `/healthz`, `/readyz`, `/metrics` (optional).
+    pub admin: Option<tokio::net::TcpListener>,
+}
+
+/// Binds the listeners `admin_listen` names.
+pub async fn bind(admin_listen: Option<&str>) -> Result<Listeners, ManagerError> {
+    let admin =
+        match admin_listen {
+            Some(listen) => Some(tokio::net::TcpListener::bind(listen).await.map_err(
+                |source| ManagerError::Io {
+                    what: format!("cannot bind admin listen {listen}"),
+                    source,
+                },
+            )?),
+            None => None,
+        };
+    Ok(Listeners { admin })
+}
+
+/// How long shutdown waits for the subject pumps, watches and the leader election (which
+/// releases its lease for an instant failover) before the process exits anyway.
+pub const SHUTDOWN_DEADLINE: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// Runs `attempt` until it succeeds or shutdown, with jittered backoff (at most 5 s apart),
 /// logging each failure with `what`.
@@ -121,8 +154,10 @@ where
 pub async fn run(
     hub: HubDir,
     opts: RunOptions,
+    listeners: Listeners,
     shutdown: CancellationToken,
 ) -> Result<(), ManagerError> {
+    let tasks = tether_runtime::Drain::new("addon-manager");
     let endpoint = hub.endpoint(opts.nats_url.as_deref())?;
     let password = hub.read(&hub.config.nats.hub_password_file)?;
     let cfg = ConnectConfig::new(
@@ -158,9 +193,17 @@ pub async fn run(
             path: hub.config.bootstrap_tokens_file.clone(),
             source,
         })?;
-    for t in &tokens {
-        store.create(Bucket::Tokens, &t.id, t).await?;
-    }
+    // Right after a NATS node or the stream leader restarted, JetStream may answer 503 for a
+    // while: every step that reads or writes hub state before the service is ready is retried
+    // (each is idempotent: `create` keeps existing records, the watches spawn only once every
+    // watch is open, loading the leases only fills the table).
+    retry("cannot import the bootstrap tokens", &shutdown, || async {
+        for t in &tokens {
+            store.create(Bucket::Tokens, &t.id, t).await?;
+        }
+        Ok::<_, tether_control::ControlError>(())
+    })
+    .await?;
 
     let ca = tether_pki::HubCa::from_pem(
         &hub.read(&hub.config.ca.cert_file)?,
@@ -179,21 +222,24 @@ pub async fn run(
         hub.config.registration.clone(),
         metrics,
     ));
-    ctx.start_watches().await?;
-    ctx.load_leases().await?;
+    retry("cannot watch the hub state", &shutdown, || {
+        ctx.start_watches()
+    })
+    .await?;
+    retry("cannot load the cluster leases", &shutdown, || {
+        ctx.load_leases()
+    })
+    .await?;
 
-    let readiness = tether_telemetry::Readiness::new();
+    let readiness = opts.readiness.clone();
     let mut admin_addr = None;
-    if let Some(listen) = &opts.admin_listen {
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .map_err(|source| ManagerError::Io {
-                what: format!("cannot bind admin listen {listen}"),
-                source,
-            })?;
+    if let Some(listener) = listeners.admin {
         admin_addr = listener.local_addr().ok();
         let server = tether_telemetry::AdminServer::new(registry.clone(), readiness.clone());
-        tokio::spawn(server.serve(listener, shutdown.child_token()));
+        tasks.spawn(
+            "admin server",
+            server.serve(listener, shutdown.child_token()),
+        );
     }
 
     // Several replicas may run: the periodic registration controllers run on the leader only.
@@ -211,17 +257,22 @@ pub async fn run(
         },
         shutdown.child_token(),
     );
-    let leader_gauge = {
+    tasks.spawn("leader election", async move {
+        let _ = leader_task.await;
+    });
+    {
         let (mut rx, gauge) = (leader.clone(), ctx.metrics.leader.clone());
-        tokio::spawn(async move {
+        let stop = shutdown.child_token();
+        tasks.spawn("leader gauge", async move {
             loop {
                 gauge.set(i64::from(*rx.borrow_and_update()));
-                if rx.changed().await.is_err() {
-                    return;
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    r = rx.changed() => if r.is_err() { return },
                 }
             }
-        })
-    };
+        });
+    }
     let addr = controller::RegistrationController::start_with(ctx.clone(), leader);
     let pumps =
         controller::start_pumps(conn.client.clone(), addr.clone(), shutdown.child_token()).await?;
@@ -253,23 +304,19 @@ pub async fn run(
     });
     addon_tasks
         .extend(clients::start(conn.client.clone(), clients_ctx, shutdown.child_token()).await?);
+    // Subject pumps and watches end on their child tokens of `shutdown`.
+    for p in pumps.into_iter().chain(addon_tasks) {
+        tasks.spawn("subject pump or watch", async move {
+            let _ = p.await;
+        });
+    }
     readiness.set_ready();
     tracing::info!(admin = ?admin_addr, "addon-manager ready");
-    if let Some(p) = &opts.ready_file {
-        let body = serde_json::json!({ "admin": admin_addr.map(|a| a.to_string()) });
-        tether_runtime::write_ready_file(p, &body).map_err(|source| ManagerError::Io {
-            what: format!("writing {}", p.display()),
-            source,
-        })?;
-    }
     shutdown.cancelled().await;
     tracing::info!("shutting down");
-    for p in pumps.into_iter().chain(addon_tasks) {
-        p.abort();
-    }
-    leader_gauge.abort();
+    readiness.set_not_ready("shutting down");
     // The election task releases the leader lease on shutdown (instant failover).
-    let _ = tokio::time::timeout(std::time::Duration::from_secs(3), leader_task).await;
+    tasks.finish(SHUTDOWN_DEADLINE).await;
     // NATS may already be gone: never wait long for the final flush.
     let _ = tokio::time::timeout(std::time::Duration::from_secs(2), conn.client.flush()).await;
     Ok(())

@@ -36,12 +36,33 @@ fn main() -> anyhow::Result<()> {
     tether_runtime::actix_system(args.worker_threads).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("addon-manager");
         let shutdown = tether_runtime::shutdown_token();
+        let listeners = addon_manager::bind(
+            args.admin_listen
+                .as_deref()
+                .or(hub.config.admin.listen.as_deref()),
+        )
+        .await?;
         let opts = addon_manager::RunOptions {
             nats_url: args.nats_url,
-            admin_listen: args.admin_listen.or(hub.config.admin.listen.clone()),
-            ready_file: args.ready_file,
+            readiness: tether_telemetry::Readiness::new(),
         };
-        addon_manager::run(hub, opts, shutdown).await?;
+        if let Some(path) = args.ready_file {
+            // Written once ready (connected, store open, subjects served), for scripts and tests.
+            let admin = listeners.admin.as_ref().and_then(|l| l.local_addr().ok());
+            let mut ready = opts.readiness.subscribe();
+            tokio::spawn(async move {
+                while ready.borrow_and_update().is_err() {
+                    if ready.changed().await.is_err() {
+                        return;
+                    }
+                }
+                let body = serde_json::json!({ "admin": admin.map(|a| a.to_string()) });
+                if let Err(e) = tether_runtime::write_ready_file(&path, &body) {
+                    tracing::error!(path = %path.display(), error = %e, "cannot write the ready file");
+                }
+            });
+        }
+        addon_manager::run(hub, opts, listeners, shutdown).await?;
         anyhow::Ok(())
     })
 }

@@ -80,7 +80,7 @@ impl Metrics {
             )?,
             serving_brokers: IntGauge::new(
                 "tether_hub_serving_brokers",
-                "Live, non-draining brokers announced in tether-brokers",
+                "Brokers the add-on config lists (non-draining, renewed within 30 s)",
             )?,
             addon_notifications_total: IntCounter::new(
                 "tether_hub_addon_notifications_total",

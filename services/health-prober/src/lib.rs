@@ -60,12 +60,16 @@ pub(crate) fn read(path: &std::path::Path) -> Result<String, ProberError> {
     })
 }
 
-/// Runs the prober until `shutdown`; call inside an actix `System`.
+/// How long shutdown waits for the NATS tasks (last results published) and the admin server.
+pub const SHUTDOWN_DEADLINE: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// Runs the prober until `shutdown`, then drains; call inside an actix `System`.
 pub async fn run(
     cfg: ProberConfig,
     admin: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), ProberError> {
+    let tasks = tether_runtime::Drain::new("health-prober");
     let registry = Registry::new();
     let metrics = ProberMetrics::new(&registry)?;
     let b = &cfg.broker;
@@ -160,6 +164,7 @@ pub async fn run(
     let scheduler = Scheduler::start_in_arbiter(&Arbiter::current(), move |_| scheduler);
     if let (Some(side), Some(rx)) = (nats_side, results) {
         side.spawn(
+            &tasks,
             scheduler,
             table.clone(),
             rx,
@@ -182,7 +187,9 @@ pub async fn run(
         interval = ?cfg.interval,
         "health-prober started"
     );
-    admin_server.serve(admin, shutdown).await;
+    tasks.spawn("admin server", admin_server.serve(admin, shutdown.clone()));
+    shutdown.cancelled().await;
+    tasks.finish(SHUTDOWN_DEADLINE).await;
     Ok(())
 }
 

@@ -140,10 +140,11 @@ impl NatsSide {
         })
     }
 
-    /// Starts the watch, publisher and responder tasks.
+    /// Starts the watch, publisher and responder tasks in `tasks`; they end on `shutdown`.
     #[allow(clippy::too_many_arguments)]
     pub fn spawn(
         self,
+        tasks: &tether_runtime::Drain,
         scheduler: Addr<Scheduler>,
         table: HealthTable,
         results: mpsc::Receiver<Published>,
@@ -152,23 +153,30 @@ impl NatsSide {
         metrics: ProberMetrics,
         shutdown: CancellationToken,
     ) {
-        tokio::spawn(watch_clusters(
-            self.store.clone(),
-            self.health_kv.clone(),
-            scheduler,
-            shutdown.clone(),
-        ));
-        tokio::spawn(publish_results(
-            self.store.jetstream().clone(),
-            self.health_kv,
-            results,
-            prober_id.clone(),
-            metrics.clone(),
-            shutdown.clone(),
-        ));
-        tokio::spawn(answer_health_get(
-            self.conn, table, prober_id, interval, metrics, shutdown,
-        ));
+        tasks.spawn(
+            "cluster watch",
+            watch_clusters(
+                self.store.clone(),
+                self.health_kv.clone(),
+                scheduler,
+                shutdown.clone(),
+            ),
+        );
+        tasks.spawn(
+            "result publisher",
+            publish_results(
+                self.store.jetstream().clone(),
+                self.health_kv,
+                results,
+                prober_id.clone(),
+                metrics.clone(),
+                shutdown.clone(),
+            ),
+        );
+        tasks.spawn(
+            "health.get responder",
+            answer_health_get(self.conn, table, prober_id, interval, metrics, shutdown),
+        );
     }
 }
 

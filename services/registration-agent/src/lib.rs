@@ -7,7 +7,9 @@
 //!   credentials.
 //! - [`secret`]: the narrow storage interface for the hub credentials (directory or Kubernetes
 //!   Secret).
-//! - [`supervisor`]: the actix actor that owns an agent's run loop and answers status queries.
+//! - [`service`]: the service skeleton: [`service::bind`] → [`service::run`] → drain; the
+//!   registration loops and add-on agents are tasks of one drain (no actor: they own no state
+//!   that others query and nothing restarts them but their own backoff).
 //! - [`addon`]: add-on agents started once joined (`--addon cluster-proxy`): desired config
 //!   from the hub, add-on credentials, the tunnel-agent through the [`addon::runtime::AddOnRuntime`]
 //!   interface, status report and add-on lease.
@@ -18,4 +20,4 @@ pub mod addon;
 pub mod agent;
 pub mod metrics;
 pub mod secret;
-pub mod supervisor;
+pub mod service;

@@ -8,6 +8,10 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+/// Server-side apply field manager of everything the registration-agent writes to the managed
+/// cluster (this Secret, the add-on Deployments and Secrets).
+pub const FIELD_MANAGER: &str = "tether-registration-agent";
+
 pub const KEY_KUBECONFIG: &str = "kubeconfig";
 pub const KEY_TLS_CRT: &str = "tls.crt";
 pub const KEY_TLS_KEY: &str = "tls.key";
@@ -207,7 +211,7 @@ impl HubSecretStore for KubeSecretStore {
             data: Some(data),
             ..Default::default()
         };
-        let pp = kube::api::PatchParams::apply(crate::addon::kube::FIELD_MANAGER).force();
+        let pp = kube::api::PatchParams::apply(FIELD_MANAGER).force();
         self.api
             .patch(&self.name, &pp, &kube::api::Patch::Apply(&secret))
             .await
@@ -282,10 +286,7 @@ mod tests {
         assert_eq!(calls, [("GET", path), ("PATCH", path), ("GET", path)]);
         let apply = &log[1];
         assert_eq!(apply.content_type, "application/apply-patch+yaml");
-        assert_eq!(
-            apply.param("fieldManager").as_deref(),
-            Some(crate::addon::kube::FIELD_MANAGER)
-        );
+        assert_eq!(apply.param("fieldManager").as_deref(), Some(FIELD_MANAGER));
         assert_eq!(apply.param("force").as_deref(), Some("true"));
         assert_eq!(apply.body["kind"], "Secret");
         assert_eq!(apply.body["type"], "Opaque");

@@ -76,9 +76,16 @@ fn cond(mc: &ManagedCluster, t: &str) -> String {
 pub async fn get_clusters(hub: &HubArgs, name: Option<&str>, output: Output) -> anyhow::Result<()> {
     let (dir, conn) = connect_admin(hub).await?;
     let store = HubStore::open(conn.client.clone()).await?;
-    let mut clusters: Vec<ManagedCluster> = store
-        .list::<ManagedCluster>(Bucket::Clusters)
-        .await?
+    let listed = match name {
+        Some(n) => store
+            .get::<ManagedCluster>(Bucket::Clusters, n)
+            .await?
+            .map(|(mc, rev)| (n.to_string(), mc, rev))
+            .into_iter()
+            .collect(),
+        None => store.list::<ManagedCluster>(Bucket::Clusters).await?,
+    };
+    let mut clusters: Vec<ManagedCluster> = listed
         .into_iter()
         .map(|(_, mut mc, rev)| {
             mc.metadata.resource_version = Some(rev.to_string());
@@ -94,9 +101,24 @@ pub async fn get_clusters(hub: &HubArgs, name: Option<&str>, output: Output) -> 
     }
     let now = SystemTime::now();
     let grace_mult = dir.config.registration.lease_grace_multiplier as u64;
+    // One listing of the lease bucket (or one get for a single cluster), not a get per row.
+    let mut leases: std::collections::HashMap<String, (Lease, u64)> = match name {
+        Some(n) => store
+            .get::<Lease>(Bucket::Leases, n)
+            .await?
+            .map(|l| (n.to_string(), l))
+            .into_iter()
+            .collect(),
+        None => store
+            .list::<Lease>(Bucket::Leases)
+            .await?
+            .into_iter()
+            .map(|(k, l, rev)| (k, (l, rev)))
+            .collect(),
+    };
     let mut lease_ages = Vec::new();
     for mc in &mut clusters {
-        let lease: Option<(Lease, u64)> = store.get(Bucket::Leases, &mc.metadata.name).await?;
+        let lease: Option<(Lease, u64)> = leases.remove(&mc.metadata.name);
         let renew = lease
             .as_ref()
             .and_then(|(l, _)| parse_rfc3339(&l.spec.renew_time));

@@ -22,7 +22,6 @@ use tether_tls::TlsMaterial;
 use tokio::sync::mpsc;
 use tokio_rustls::TlsConnector;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::config::BrokerEndpoint;
 use crate::tunnel::{AgentShared, TunnelError, TunnelEvent, run_tunnel};
@@ -161,9 +160,10 @@ pub struct Connector {
     pub established: HashMap<u64, String>,
     /// Cancellation of each live tunnel generation (cancelled = GOAWAY and drain).
     pub tunnel_tokens: HashMap<u64, CancellationToken>,
-    /// Every tunnel task of the agent; shutdown waits on it so each tunnel's last frames and its
-    /// GOAWAY are flushed before the process exits.
-    pub tunnels: TaskTracker,
+    /// The agent's drain: every tunnel task (and its event pump and watcher) runs in it, and
+    /// shutdown waits on it so each tunnel's last frames and its GOAWAY are flushed before the
+    /// process exits.
+    pub tunnels: tether_runtime::Drain,
 }
 
 /// Config reload: new shared settings (proxy, policy, API server, tunnel settings). The
@@ -249,7 +249,7 @@ impl Connector {
         tracing::debug!(endpoint = %self.label(), %addr, generation, "connecting");
         let (ev_tx, mut ev_rx) = mpsc::channel(TUNNEL_EVENT_BUFFER);
         let me = ctx.address();
-        tokio::spawn(async move {
+        self.tunnels.spawn("tunnel events", async move {
             while let Some(event) = ev_rx.recv().await {
                 if me.send(Event { generation, event }).await.is_err() {
                     return;
@@ -258,17 +258,20 @@ impl Connector {
         });
         let token = self.shutdown.child_token();
         self.tunnel_tokens.insert(generation, token.clone());
-        let task = self.tunnels.spawn(run_tunnel(
-            addr,
-            server_name,
-            connector,
-            Arc::clone(&self.shared),
-            ev_tx,
-            token,
-            self.grace,
-        ));
+        let task = self.tunnels.spawn(
+            "tunnel",
+            run_tunnel(
+                addr,
+                server_name,
+                connector,
+                Arc::clone(&self.shared),
+                ev_tx,
+                token,
+                self.grace,
+            ),
+        );
         let me = ctx.address();
-        tokio::spawn(async move {
+        self.tunnels.spawn("tunnel watcher", async move {
             let result = task
                 .await
                 .unwrap_or_else(|e| Err(TunnelError::Lost(format!("tunnel task failed: {e}"))));

@@ -41,7 +41,6 @@ use tether_tls::TlsMaterial;
 use tether_tunnel::pump::ByteCounters;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::config::{AgentConfig, BrokerEndpoint};
 use crate::connector::{Connector, EndpointStates, Reconfigure, StopConnector};
@@ -110,20 +109,7 @@ impl ReloadMetrics {
     }
 }
 
-/// SHA-256 (hex) through rustls' ring provider (no extra dependency).
-fn sha256_hex(b: &[u8]) -> String {
-    let hash = rustls::crypto::ring::cipher_suite::TLS13_AES_128_GCM_SHA256
-        .tls13()
-        .map(|s| s.common.hash_provider.hash(b));
-    match hash {
-        Some(h) => hex_encode(h.as_ref()),
-        None => String::new(),
-    }
-}
-
-fn hex_encode(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
+use tether_tls::sha256_hex;
 
 /// Everything that a new [`AgentShared`] is built from, as a comparable fingerprint (proxy
 /// URLs with their passwords, and the proxy CA's content).
@@ -205,7 +191,7 @@ struct Running {
     connectors: BTreeMap<String, (BrokerEndpoint, Addr<Connector>)>,
     metrics: AgentMetrics,
     counters: ByteCounters,
-    tunnels: TaskTracker,
+    tunnels: tether_runtime::Drain,
 }
 
 impl Running {
@@ -353,7 +339,7 @@ pub async fn run_with_reload(
         connectors: BTreeMap::new(),
         metrics: metrics.clone(),
         counters,
-        tunnels: TaskTracker::new(),
+        tunnels: tether_runtime::Drain::new("tunnel-agent"),
     };
     for endpoint in &cfg.brokers {
         running.start_connector(endpoint);
@@ -388,7 +374,10 @@ pub async fn run_with_reload(
             })
             .to_string()
         });
-    let admin_task = tokio::spawn(admin_server.serve(admin, shutdown.child_token()));
+    running.tunnels.spawn(
+        "admin server",
+        admin_server.serve(admin, shutdown.child_token()),
+    );
 
     let mut tick = tokio::time::interval(CONFIG_CHECK_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -407,18 +396,12 @@ pub async fn run_with_reload(
     // streams finish within the grace, and ends once its connection is closed and flushed.
     // Waiting for the tunnel tasks, not for the open-stream count to reach zero, keeps a
     // stream's last bytes and END_STREAM from dying in an unflushed buffer at exit.
-    let tunnels = running.tunnels.clone();
-    tunnels.close();
-    if tokio::time::timeout(grace + SHUTDOWN_FLUSH_MARGIN, tunnels.wait())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            tunnels = tunnels.len(),
-            "tunnels still open after the grace; exiting"
-        );
-    }
-    admin_task.abort();
+    // The admin server stops on the same token.
+    running
+        .tunnels
+        .clone()
+        .finish(grace + SHUTDOWN_FLUSH_MARGIN)
+        .await;
     drop(running);
     Ok(())
 }

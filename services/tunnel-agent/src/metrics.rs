@@ -16,6 +16,8 @@ pub struct AgentMetrics {
     pub bytes: IntCounterVec,
     pub stream_duration: HistogramVec,
     pub tunnel_window_changes: IntCounter,
+    /// Tunnels torn down as wedged, by detector (watchdog, keepalive).
+    pub tunnel_wedged: IntCounterVec,
 }
 
 impl AgentMetrics {
@@ -75,6 +77,13 @@ impl AgentMetrics {
                 "tether_agent_tunnel_window_changes_total",
                 "Changes of a tunnel's adaptive receive window (raised to fit bandwidth x round trip, or back to the base after idling).",
             )?,
+            tunnel_wedged: IntCounterVec::new(
+                Opts::new(
+                    "tether_agent_tunnel_wedged_total",
+                    "Tunnels torn down (and redialled) because they moved no bytes while bytes waited: detector=watchdog (bytes to the broker unanswered for tunnel.stall_timeout) or keepalive (PING unanswered for tunnel.keepalive_timeout).",
+                ),
+                &["detector"],
+            )?,
         };
         tether_telemetry::register_all(
             registry,
@@ -87,6 +96,7 @@ impl AgentMetrics {
                 Box::new(m.bytes.clone()),
                 Box::new(m.stream_duration.clone()),
                 Box::new(m.tunnel_window_changes.clone()),
+                Box::new(m.tunnel_wedged.clone()),
             ],
         )?;
         Ok(m)

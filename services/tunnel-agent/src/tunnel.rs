@@ -74,6 +74,9 @@ pub enum TunnelError {
     Lost(String),
     #[error("broker did not answer keepalive: {0}")]
     Keepalive(String),
+    /// The wedged-tunnel watchdog fired (tether_tunnel::watchdog).
+    #[error("{0}")]
+    Wedged(String),
 }
 
 impl TunnelError {
@@ -87,6 +90,7 @@ impl TunnelError {
             Self::Refused(_) => "refused",
             Self::Lost(_) => "lost",
             Self::Keepalive(_) => "keepalive_timeout",
+            Self::Wedged(_) => "wedged",
         }
     }
 }
@@ -104,6 +108,13 @@ pub async fn run_tunnel(
 ) -> Result<(), TunnelError> {
     let hs = shared.settings.handshake_timeout;
     let tcp = connect_transport(&addr, &shared).await?;
+    // The wedged-tunnel watchdog sees the socket itself, below TLS and every buffer.
+    let progress = tether_tunnel::watchdog::Progress::new();
+    let watchdog = tether_tunnel::watchdog::Watchdog::new(
+        Arc::clone(&progress),
+        shared.settings.stall_timeout,
+    );
+    let tcp = tether_tunnel::watchdog::ProgressIo::new(tcp, Arc::clone(&progress));
     // rustls asks its transport for a few KiB per read; reading the socket in 64 KiB pieces
     // (a buffer held only while data flows) cuts the `recv` calls ~4×.
     // It also counts received bytes for the adaptive receive window (tether_tunnel::window).
@@ -152,7 +163,7 @@ pub async fn run_tunnel(
         }
     };
     let rtt = std::sync::atomic::AtomicU64::new(0);
-    let keepalive = tether_tunnel::keepalive::run_adaptive(
+    let keepalive = tether_tunnel::keepalive::run_probed(
         conn.ping_pong().expect("ping_pong taken once"),
         shared.settings.keepalive_interval,
         shared.settings.keepalive_timeout,
@@ -161,8 +172,11 @@ pub async fn run_tunnel(
             window: Arc::clone(&window),
             changes: Some(shared.metrics.tunnel_window_changes.clone()),
         }),
+        Some(&progress),
     );
     tokio::pin!(keepalive);
+    let wedged = watchdog.run();
+    tokio::pin!(wedged);
     let mut window_rx = window.changed();
     let (mismatch_tx, mut mismatch_rx) = mpsc::channel::<TunnelError>(1);
     let mut draining_since: Option<Instant> = None;
@@ -179,7 +193,18 @@ pub async fn run_tunnel(
                 Some(Err(e)) => return Err(TunnelError::Lost(e.to_string())),
                 None => return Ok(()),
             },
-            e = &mut keepalive => return Err(TunnelError::Keepalive(e.to_string())),
+            e = &mut keepalive => {
+                if matches!(e, tether_tunnel::keepalive::KeepaliveError::Timeout(_)) {
+                    shared.metrics.tunnel_wedged.with_label_values(&["keepalive"]).inc();
+                }
+                return Err(TunnelError::Keepalive(e.to_string()));
+            }
+            w = &mut wedged => {
+                // Dropping the connection ends its streams with an error; the connector redials.
+                shared.metrics.tunnel_wedged.with_label_values(&["watchdog"]).inc();
+                tracing::warn!(%addr, reason = %w, "tunnel wedged: tearing it down");
+                return Err(TunnelError::Wedged(w.to_string()));
+            }
             Ok(()) = window_rx.changed() => {
                 let w = *window_rx.borrow_and_update();
                 match conn.set_initial_window_size(w) {

@@ -285,7 +285,7 @@ impl Auth {
 
 /// SHA-256 hex of a token, as written in `clients[].token_sha256`.
 pub fn token_sha256(token: &str) -> String {
-    hex::encode(Sha256::digest(token.as_bytes()))
+    tether_tls::sha256_hex(token.as_bytes())
 }
 
 #[cfg(test)]

@@ -44,6 +44,9 @@ pub struct BrokerConfig {
     pub clients: Vec<ClientConfig>,
     #[serde(default)]
     pub tunnel: TunnelSettings,
+    /// Fairness budgets per cluster and per client (budget).
+    #[serde(default)]
+    pub budgets: crate::budget::BudgetConfig,
     /// Other broker replicas. A stream for a cluster with no tunnel here is relayed to a peer
     /// that has one (the peer never relays further).
     #[serde(default)]
@@ -366,6 +369,7 @@ impl Validate for BrokerConfig {
         self.tunnel
             .validate("tunnel.")
             .map_err(|(f, m)| ConfigError::invalid(f, m))?;
+        self.budgets.validate(self.tunnel.stream_window_bytes)?;
         Ok(())
     }
 }

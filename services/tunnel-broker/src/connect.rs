@@ -248,9 +248,13 @@ pub async fn serve_plain(broker: Arc<Broker>, mut tcp: TcpStream) {
         let crash_reset = crate::linger::CrashReset::arm(&tcp);
         let (rd, wr) = tcp.into_split();
         let crate::dial::OpenStream { send, recv, ticket } = stream;
+        let pacer = ticket.pacer.clone();
         let r = splice(
-            TcpChunkReader::with_prefix(rd, broker.settings.read_chunk_bytes, rest),
-            ResettableWriteHalf::new(wr),
+            crate::budget::PacedReader::new(
+                TcpChunkReader::with_prefix(rd, broker.settings.read_chunk_bytes, rest),
+                pacer.clone(),
+            ),
+            crate::budget::PacedWriter::new(ResettableWriteHalf::new(wr), pacer),
             send,
             recv,
             broker.settings.write_stall_timeout,
@@ -303,12 +307,16 @@ pub async fn serve_tls<S: TcpBacked + AsyncRead + AsyncWrite + Unpin + Send + 's
             aborted: Arc::clone(&aborted),
         });
         let crate::dial::OpenStream { send, recv, ticket } = stream;
+        let pacer = ticket.pacer.clone();
         let r = splice(
-            tether_tunnel::pump::PrefixedReader::new(
-                rest,
-                AsyncChunkReader::new(rd, broker.settings.read_chunk_bytes),
+            crate::budget::PacedReader::new(
+                tether_tunnel::pump::PrefixedReader::new(
+                    rest,
+                    AsyncChunkReader::new(rd, broker.settings.read_chunk_bytes),
+                ),
+                pacer.clone(),
             ),
-            AbortFlagWriteHalf { wr, aborted },
+            crate::budget::PacedWriter::new(AbortFlagWriteHalf { wr, aborted }, pacer),
             send,
             recv,
             broker.settings.write_stall_timeout,

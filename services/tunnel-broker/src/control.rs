@@ -8,7 +8,7 @@
 //! |---|---|
 //! | `tether-brokers` | relay peers ([`PeerManager`]) |
 //! | `tether-managedclusters` | [`ClusterDirectory`]: tunnels of unknown / not accepted clusters are refused and closed; clients get `unknown_cluster` |
-//! | `tether-hubclients`, `tether-clientaccesspolicies` | client credentials and policy ([`crate::auth::Auth::set_hub`]) |
+//! | `tether-hubclients`, `tether-clientaccesspolicies` | client credentials and policy (`auth::Auth::set_hub`) |
 //!
 //! A failed renewal or a watch that ends closes the session; the next one starts after a
 //! jittered backoff (and re-announces). Nothing on the data plane waits for NATS: routes,

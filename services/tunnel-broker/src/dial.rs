@@ -16,9 +16,9 @@ use tokio::sync::watch;
 
 use crate::auth::{Auth, ClientId};
 
+use crate::handle::StreamGuard;
 use crate::metrics::BrokerMetrics;
 use crate::registry::RouteTable;
-use crate::tunnel::StreamGuard;
 
 /// Shared state of the client side of the broker.
 pub struct Broker {
@@ -30,7 +30,12 @@ pub struct Broker {
     pub dial_timeout: Duration,
     pub counters: ByteCounters,
     /// Live relay connections to peer brokers.
-    pub peers: watch::Receiver<Arc<Vec<Arc<crate::tunnel::TunnelHandle>>>>,
+    pub peers: watch::Receiver<Arc<Vec<Arc<crate::handle::TunnelHandle>>>>,
+    /// Fairness budgets per cluster and client (budget).
+    pub budgets: Arc<crate::budget::Budgets>,
+    /// Every open stream, whatever its front end, holds a token of this drain (see
+    /// [`StreamTicket`]); shutdown waits on it for `drain_grace`.
+    pub streams: tether_runtime::Drain,
     next_stream: AtomicU64,
 }
 
@@ -47,6 +52,12 @@ pub struct StreamTicket {
     pub frontend: &'static str,
     started: Instant,
     guard: StreamGuard,
+    /// The stream's hold on its cluster's and client's budgets.
+    _budget: crate::budget::Admission,
+    /// The stream's share of the broker's CPU (budget::FairShare).
+    pub pacer: crate::budget::Pacer,
+    /// Keeps the broker's drain waiting while the stream is open.
+    _drain: tether_runtime::DrainToken,
 }
 
 impl StreamTicket {
@@ -64,23 +75,35 @@ impl Broker {
         metrics: BrokerMetrics,
         settings: TunnelSettings,
         dial_timeout: Duration,
-        peers: watch::Receiver<Arc<Vec<Arc<crate::tunnel::TunnelHandle>>>>,
+        peers: watch::Receiver<Arc<Vec<Arc<crate::handle::TunnelHandle>>>>,
     ) -> Self {
         let counters = ByteCounters {
             to_tunnel: Some(metrics.counter("to_cluster")),
             from_tunnel: Some(metrics.counter("from_cluster")),
         };
         Self {
+            counters,
+            peers,
+            budgets: crate::budget::Budgets::new(
+                Default::default(),
+                id.clone(),
+                metrics.budget_rejections.clone(),
+            ),
             id,
             routes,
             auth,
             metrics,
             settings,
             dial_timeout,
-            counters,
-            peers,
+            streams: tether_runtime::Drain::new("tunnel-broker streams"),
             next_stream: AtomicU64::new(1),
         }
+    }
+
+    /// Uses `budgets` (from the config's `budgets` section) instead of the defaults.
+    pub fn with_budgets(mut self, budgets: Arc<crate::budget::Budgets>) -> Self {
+        self.budgets = budgets;
+        self
     }
 
     /// A fresh stream id for logs and traces.
@@ -101,7 +124,15 @@ impl Broker {
             self.record_failure(frontend, &e);
             return Err(e);
         }
-        self.open(frontend, target, stream_id, timeout, true).await
+        self.open(
+            frontend,
+            Some(&client.name),
+            target,
+            stream_id,
+            timeout,
+            true,
+        )
+        .await
     }
 
     /// Opens a stream a front end authorised itself (the service proxy's tunnel streams to an
@@ -112,7 +143,8 @@ impl Broker {
         target: &Target,
         stream_id: u64,
     ) -> Result<OpenStream, DialError> {
-        self.open(frontend, target, stream_id, None, true).await
+        self.open(frontend, None, target, stream_id, None, true)
+            .await
     }
 
     /// Opens a stream for a peer broker's relay: local tunnels only, never relayed further.
@@ -123,18 +155,29 @@ impl Broker {
         stream_id: u64,
         timeout: Option<Duration>,
     ) -> Result<OpenStream, DialError> {
-        self.open("relay", target, stream_id, timeout, false).await
+        self.open("relay", None, target, stream_id, timeout, false)
+            .await
     }
 
     async fn open(
         &self,
         frontend: &'static str,
+        client: Option<&str>,
         target: &Target,
         stream_id: u64,
         timeout: Option<Duration>,
         may_relay: bool,
     ) -> Result<OpenStream, DialError> {
         let started = Instant::now();
+        let known = self.routes.borrow().clusters.contains_key(&target.cluster);
+        let mut admission = match self.budgets.admit(&target.cluster, client, known) {
+            Ok(a) => a,
+            Err(e) => {
+                self.record_failure(frontend, &e);
+                tokio::time::sleep(crate::budget::REFUSAL_PAUSE).await;
+                return Err(e);
+            }
+        };
         let result = self.dial_inner(target, stream_id, timeout, may_relay).await;
         self.metrics
             .dial_duration
@@ -142,6 +185,7 @@ impl Broker {
             .observe(started.elapsed().as_secs_f64());
         match result {
             Ok((send, recv, guard)) => {
+                admission.opened();
                 self.metrics
                     .open_streams
                     .with_label_values(&[frontend])
@@ -154,6 +198,9 @@ impl Broker {
                         frontend,
                         started,
                         guard,
+                        _budget: admission,
+                        pacer: self.budgets.pacer(&target.cluster),
+                        _drain: self.streams.token(frontend),
                     },
                 })
             }
@@ -205,6 +252,17 @@ impl Broker {
                 Err(e) => return Err(e),
             }
         }
+        if let Some(waited) = self.routes.borrow().suspect(&target.cluster) {
+            return Err(DialError::new(
+                DialErrorKind::NoTunnel,
+                format!(
+                    "the tunnel of cluster {:?} on broker {} looks wedged (no bytes from its agent for {} ms) and no peer broker has another; it is being replaced, retry shortly",
+                    target.cluster,
+                    self.id,
+                    waited.as_millis()
+                ),
+            ));
+        }
         Err(DialError::new(
             DialErrorKind::NoTunnel,
             format!(
@@ -241,12 +299,9 @@ impl Broker {
         }
     }
 
-    /// Open streams across all front ends.
+    /// Open streams across all front ends (each holds a token of [`Broker::streams`]).
     pub fn open_stream_count(&self) -> i64 {
-        ["connect", "grpc", "konnectivity", "relay"]
-            .iter()
-            .map(|f| self.metrics.open_streams.with_label_values(&[f]).get())
-            .sum()
+        self.streams.len() as i64
     }
 }
 

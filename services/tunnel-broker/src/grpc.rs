@@ -2,6 +2,9 @@
 //!
 //! - `tether.tunnel.v1.Dialer/Dial` — the native API: first frame `dial`, answer `result`, then
 //!   `data` both ways; half-close by ending the request stream; abort is a non-OK status.
+//! - `/tether.tunnel.v1.Dialer/DialRaw` — the same native API without gRPC framing (the dial in
+//!   request headers, the bytes as plain HTTP/2 DATA), in [`raw`]: what the Rust SDK and
+//!   `tetherctl proxy connect` use; no per-chunk protobuf message and no copies on the broker.
 //! - `/ProxyService/Proxy` — konnectivity-compatible, in [`konnectivity`]: DIAL_REQ → DIAL_RSP,
 //!   DATA both ways, CLOSE_REQ → graceful close → CLOSE_RSP. One RPC carries one connection.
 //!
@@ -38,6 +41,7 @@ use crate::auth::ClientId;
 use crate::dial::{Broker, OpenStream};
 
 mod konnectivity;
+pub mod raw;
 
 pub use konnectivity::{CLOSE_GRACE, MAX_DATA_BYTES};
 
@@ -83,12 +87,20 @@ impl GrpcFrontEnd {
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let peer = PeerIdentity(peer);
-        let svc = self.routes.clone().map_request(
-            move |mut req: http::Request<hyper::body::Incoming>| {
-                req.extensions_mut().insert(peer.clone());
-                req
-            },
-        );
+        let (routes, broker) = (self.routes.clone(), Arc::clone(&self.broker));
+        // The unframed Dial is served here; every other path goes to the gRPC routes.
+        let svc = tower::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
+            req.extensions_mut().insert(peer.clone());
+            let routes = routes.clone();
+            let broker = Arc::clone(&broker);
+            async move {
+                if req.uri().path() == raw::PATH {
+                    Ok(raw::serve(broker, req).await)
+                } else {
+                    routes.oneshot(req).await
+                }
+            }
+        });
         let s = &self.broker.settings;
         let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
         b.initial_stream_window_size(s.stream_window_bytes)

@@ -2,8 +2,9 @@
 //!
 //! Layout:
 //! - [`config`]: YAML config, validated with errors naming the field.
-//! - [`tunnel`]: accepting agent connections; the [`tunnel::TunnelActor`] that owns each one;
-//!   [`tunnel::TunnelHandle`] to open streams.
+//! - [`accept`]: the agent listener's handshakes: agent tunnels and peer brokers' relays.
+//! - [`tunnel`]: the [`tunnel::TunnelActor`] that owns each agent tunnel.
+//! - [`handle`]: [`handle::TunnelHandle`], what front ends use to open streams on a tunnel.
 //! - [`registry`]: the registry actor (cluster → tunnels), published as a `watch` snapshot.
 //! - [`auth`]: client identities (certificate or token) and the per-identity access policy.
 //! - [`dial`]: the one path every front end uses to open a stream ([`dial::Broker`]).
@@ -23,13 +24,16 @@
 
 #![forbid(unsafe_code)]
 
+pub mod accept;
 pub mod auth;
+pub mod budget;
 pub mod clusters;
 pub mod config;
 pub mod connect;
 pub mod control;
 pub mod dial;
 pub mod grpc;
+pub mod handle;
 pub mod linger;
 pub mod metrics;
 pub mod peers;
@@ -49,11 +53,11 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
+use crate::accept::{AgentSide, accept_agent};
 use crate::config::BrokerConfig;
 use crate::dial::Broker;
 use crate::metrics::BrokerMetrics;
 use crate::registry::Registry;
-use crate::tunnel::{AgentSide, accept_agent};
 
 /// Client or agent connections served at once per listener; accepting pauses at the cap.
 pub const MAX_CONNECTIONS_PER_LISTENER: usize = 65_536;
@@ -93,6 +97,10 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), BrokerError> {
     let registry = PromRegistry::new();
+    // Every long-lived task of the broker; shutdown waits for them (see `Drain`).
+    let tasks = tether_runtime::Drain::new("tunnel-broker");
+    // Cancelled once open streams are drained: closes client, tunnel and relay connections.
+    let close = CancellationToken::new();
     let tls = TlsMaterial::load(cfg.tls.clone())?;
     tls.register(&registry)?;
     tls.spawn_watcher(cfg.tls_reload_interval, shutdown.child_token());
@@ -111,30 +119,47 @@ pub async fn run(
     let agent_acceptor = TlsAcceptor::from(Arc::new(
         tls.server_config(true, &[tether_tls::ALPN_TUNNEL, tether_tls::ALPN_RELAY])?,
     ));
+    let (peer_table, peer_routes) = peers::PeerTable::new();
+    let peer_table = peer_table.with_gauge(metrics.relay_peers_connected.clone());
+    let broker = Arc::new(
+        Broker::new(
+            cfg.id.clone(),
+            routes.clone(),
+            auth,
+            metrics.clone(),
+            cfg.tunnel.clone(),
+            cfg.dial_timeout,
+            peer_routes,
+        )
+        .with_budgets(budget::Budgets::with_share(
+            cfg.budgets.clone(),
+            cfg.id.clone(),
+            metrics.budget_rejections.clone(),
+            metrics.paced_clusters.clone(),
+        )),
+    );
     let side = Arc::new(AgentSide {
         broker_id: cfg.id.clone(),
         acceptor: agent_acceptor,
-        settings: cfg.tunnel.clone(),
+        // The cluster's bytes buffered here are capped by the tunnel's connection window
+        // (budgets.max_buffered_bytes_per_cluster, budget).
+        settings: tether_tunnel::TunnelSettings {
+            connection_window_bytes: cfg
+                .tunnel
+                .connection_window_bytes
+                .min(cfg.budgets.max_buffered_bytes_per_cluster),
+            ..cfg.tunnel.clone()
+        },
         max_pending_dials: cfg.max_pending_dials_per_tunnel,
         registry: reg_addr,
         metrics: metrics.clone(),
         arbiter: arbiter.clone(),
         next_id: Default::default(),
-        broker: Default::default(),
-        clusters: Arc::clone(auth.clusters()),
+        broker: Arc::clone(&broker),
+        tasks: tasks.clone(),
+        close: close.clone(),
+        clusters: Arc::clone(broker.auth.clusters()),
     });
-    let (peer_table, peer_routes) = peers::PeerTable::new();
-    let peer_table = peer_table.with_gauge(metrics.relay_peers_connected.clone());
-    let broker = Arc::new(Broker::new(
-        cfg.id.clone(),
-        routes.clone(),
-        auth,
-        metrics.clone(),
-        cfg.tunnel.clone(),
-        cfg.dial_timeout,
-        peer_routes,
-    ));
-    let _ = side.broker.set(Arc::clone(&broker));
     let mut peer_connectors = Vec::new();
     for peer in &cfg.peers {
         let c = peers::PeerConnector::new(
@@ -157,23 +182,32 @@ pub async fn run(
             metrics.service_proxy_allowlist_rejected.clone(),
         ));
         if let Some(connect) = cp_connect.clone() {
-            tokio::spawn(service_proxy::allowlist::follow(
-                Arc::clone(&allowlist),
-                connect,
-                cp_exit.clone(),
-            ));
+            tasks.spawn(
+                "service proxy allowlist",
+                service_proxy::allowlist::follow(Arc::clone(&allowlist), connect, cp_exit.clone()),
+            );
         }
         let front = service_proxy::ServiceProxy::new(Arc::clone(&broker), sp.clone(), allowlist);
         let acceptor = TlsAcceptor::from(Arc::new(tls.server_config(false, &CLIENT_ALPN)?));
         let hs = cfg.tunnel.handshake_timeout;
-        tokio::spawn(accept_loop(l, accepting.clone(), move |tcp| {
-            let (acceptor, front) = (acceptor.clone(), front.clone());
-            async move {
-                if let Some((tls, peer)) = accept_client_tls(&acceptor, tcp, hs).await {
-                    front.serve_connection(tls, peer).await;
-                }
-            }
-        }));
+        tasks.spawn(
+            "service proxy listener",
+            accept_loop(
+                l,
+                "service proxy connection",
+                tasks.clone(),
+                accepting.clone(),
+                close.clone(),
+                move |tcp| {
+                    let (acceptor, front) = (acceptor.clone(), front.clone());
+                    async move {
+                        if let Some((tls, peer)) = accept_client_tls(&acceptor, tcp, hs).await {
+                            front.serve_connection(tls, peer).await;
+                        }
+                    }
+                },
+            ),
+        );
     }
     let mut cp_task = None;
     if let (Some(cp), Some(connect)) = (&cfg.control_plane, cp_connect) {
@@ -216,60 +250,88 @@ pub async fn run(
             draining: draining_rx,
         };
         let span = tracing::info_span!("control_plane", broker = %cfg.id);
-        cp_task = Some(tokio::spawn(tracing::Instrument::instrument(
-            plane.run(cp_exit.clone()),
-            span,
-        )));
+        cp_task = Some(tasks.spawn(
+            "control plane",
+            tracing::Instrument::instrument(plane.run(cp_exit.clone()), span),
+        ));
     }
 
-    tokio::spawn(accept_loop(listeners.agent, accepting.clone(), {
-        let side = Arc::clone(&side);
-        move |tcp| {
-            let side = Arc::clone(&side);
-            async move {
-                match accept_agent(Arc::clone(&side), tcp).await {
-                    Ok(()) => side
-                        .metrics
-                        .tunnel_connects
-                        .with_label_values(&["ok"])
-                        .inc(),
-                    Err(e) => {
-                        side.metrics
-                            .tunnel_connects
-                            .with_label_values(&[e.metric_label()])
-                            .inc();
-                        tracing::warn!(error = %e, "agent connection refused");
+    tasks.spawn(
+        "agent listener",
+        accept_loop(
+            listeners.agent,
+            "agent handshake",
+            tasks.clone(),
+            accepting.clone(),
+            close.clone(),
+            {
+                let side = Arc::clone(&side);
+                move |tcp| {
+                    let side = Arc::clone(&side);
+                    async move {
+                        match accept_agent(Arc::clone(&side), tcp).await {
+                            Ok(()) => side
+                                .metrics
+                                .tunnel_connects
+                                .with_label_values(&["ok"])
+                                .inc(),
+                            Err(e) => {
+                                side.metrics
+                                    .tunnel_connects
+                                    .with_label_values(&[e.metric_label()])
+                                    .inc();
+                                tracing::warn!(error = %e, "agent connection refused");
+                            }
+                        }
                     }
                 }
-            }
-        }
-    }));
+            },
+        ),
+    );
     if let Some(l) = listeners.client {
         let broker = Arc::clone(&broker);
-        tokio::spawn(accept_loop(l, accepting.clone(), move |tcp| {
-            connect::serve_plain(Arc::clone(&broker), tcp)
-        }));
+        tasks.spawn(
+            "client listener",
+            accept_loop(
+                l,
+                "client connection",
+                tasks.clone(),
+                accepting.clone(),
+                close.clone(),
+                move |tcp| connect::serve_plain(Arc::clone(&broker), tcp),
+            ),
+        );
     }
     if let Some(l) = listeners.client_tls {
         let acceptor = TlsAcceptor::from(Arc::new(tls.server_config(false, &CLIENT_ALPN)?));
         let broker = Arc::clone(&broker);
         let grpc = grpc::GrpcFrontEnd::new(Arc::clone(&broker));
         let hs = cfg.tunnel.handshake_timeout;
-        tokio::spawn(accept_loop(l, accepting.clone(), move |tcp| {
-            let acceptor = acceptor.clone();
-            let broker = Arc::clone(&broker);
-            let grpc = grpc.clone();
-            async move {
-                let Some((tls, peer)) = accept_client_tls(&acceptor, tcp, hs).await else {
-                    return;
-                };
-                if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
-                    grpc.serve_connection(tls, peer).await;
-                } else {
-                    connect::serve_tls(broker, tls, peer).await;
-                }
-            }
-        }));
+        tasks.spawn(
+            "client TLS listener",
+            accept_loop(
+                l,
+                "client TLS connection",
+                tasks.clone(),
+                accepting.clone(),
+                close.clone(),
+                move |tcp| {
+                    let acceptor = acceptor.clone();
+                    let broker = Arc::clone(&broker);
+                    let grpc = grpc.clone();
+                    async move {
+                        let Some((tls, peer)) = accept_client_tls(&acceptor, tcp, hs).await else {
+                            return;
+                        };
+                        if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
+                            grpc.serve_connection(tls, peer).await;
+                        } else {
+                            connect::serve_tls(broker, tls, peer).await;
+                        }
+                    }
+                },
+            ),
+        );
     }
     readiness.set_ready();
     let routes_dbg = routes.clone();
@@ -294,7 +356,10 @@ pub async fn run(
         },
     );
     let admin_stop = CancellationToken::new();
-    tokio::spawn(admin.serve(listeners.admin, admin_stop.clone()));
+    tasks.spawn(
+        "admin server",
+        admin.serve(listeners.admin, admin_stop.clone()),
+    );
     tracing::info!(broker = %cfg.id, "tunnel-broker started");
 
     shutdown.cancelled().await;
@@ -303,28 +368,29 @@ pub async fn run(
     readiness.set_not_ready("draining");
     let _ = draining_tx.send(true);
     let table = routes.borrow().clone();
-    let drains: Vec<_> = table
-        .clusters
-        .values()
-        .flatten()
-        .map(|t| {
-            let t = Arc::clone(t);
-            tokio::spawn(async move { t.send_drain().await })
-        })
-        .collect();
-    for d in drains {
-        let _ = d.await;
+    let notices = tether_runtime::Drain::new("tunnel-broker drain notices");
+    for t in table.clusters.values().flatten() {
+        let t = Arc::clone(t);
+        notices.spawn("drain notice", async move { t.send_drain().await });
     }
-    let deadline = tokio::time::Instant::now() + cfg.drain_grace;
-    while broker.open_stream_count() > 0 && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    tracing::info!(open_streams = broker.open_stream_count(), "drain finished");
+    // Each notice waits at most HELLO_TIMEOUT for its answer.
+    notices.finish(handle::HELLO_TIMEOUT * 2).await;
+    // Every front end's streams hold a token of `broker.streams` (taken in `Broker::dial`).
+    let streams = broker.streams.clone().finish(cfg.drain_grace).await;
+    tracing::info!(
+        open_streams = broker.open_stream_count(),
+        complete = streams.complete,
+        "stream drain finished"
+    );
+    close.cancel();
     cp_exit.cancel();
     if let Some(t) = cp_task {
         let _ = tokio::time::timeout(PRESENCE_DELETE_WAIT, t).await;
     }
     admin_stop.cancel();
+    tasks
+        .finish(tether_runtime::DEFAULT_TASK_DRAIN_DEADLINE)
+        .await;
     Ok(())
 }
 
@@ -355,10 +421,17 @@ async fn accept_client_tls(
     Some((tls, peer))
 }
 
-/// Accepts connections until `stop`, running `handle` for each in its own task; at most
-/// [`MAX_CONNECTIONS_PER_LISTENER`] handlers run at once (accepting waits for a free slot).
-async fn accept_loop<F, Fut>(listener: TcpListener, stop: CancellationToken, handle: F)
-where
+/// Accepts connections until `stop`, running `handle` for each in its own task of `tasks`
+/// (named `what`); at most [`MAX_CONNECTIONS_PER_LISTENER`] handlers run at once (accepting waits
+/// for a free slot). `close` ends the handlers still running (end of the drain).
+async fn accept_loop<F, Fut>(
+    listener: TcpListener,
+    what: &'static str,
+    tasks: tether_runtime::Drain,
+    stop: CancellationToken,
+    close: CancellationToken,
+    handle: F,
+) where
     F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
@@ -380,8 +453,12 @@ where
             },
         };
         let fut = handle(tcp);
-        tokio::spawn(async move {
-            fut.await;
+        let close = close.clone();
+        tasks.spawn(what, async move {
+            tokio::select! {
+                _ = fut => {}
+                _ = close.cancelled() => {}
+            }
             drop(slot);
         });
     }

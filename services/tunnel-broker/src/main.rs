@@ -29,18 +29,6 @@ struct Args {
     worker_threads: Option<usize>,
 }
 
-/// Default tokio worker threads: half the CPUs, at least one.
-///
-/// Every tunnelled byte crosses two tasks of this process (the stream's pump and the HTTP/2
-/// connection task), and the kernel's TCP work of its sockets needs CPU too. With one worker
-/// per CPU, socket events also unpark idle sibling workers that mostly find nothing to do
-/// (a futex wake and two context switches): on 2 CPUs one worker instead of two took about
-/// 25 % less broker+agent CPU per GB of one-stream upload and half the context switches per
-/// request/response round trip (docs/benchmarks.md, tuning log).
-fn default_workers() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
-}
-
 async fn bind(addr: std::net::SocketAddr, field: &str) -> anyhow::Result<TcpListener> {
     TcpListener::bind(addr)
         .await
@@ -52,7 +40,9 @@ fn main() -> anyhow::Result<()> {
     tether_tls::install_default_crypto();
     let cfg: tunnel_broker::config::BrokerConfig =
         tether_config::load(&args.config).context("invalid tunnel-broker configuration")?;
-    let workers = args.worker_threads.unwrap_or_else(default_workers);
+    let workers = args
+        .worker_threads
+        .unwrap_or_else(tether_runtime::data_plane_workers);
     tether_runtime::actix_system(Some(workers)).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("tunnel-broker");
         let shutdown = tether_runtime::shutdown_token();

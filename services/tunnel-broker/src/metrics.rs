@@ -24,6 +24,12 @@ pub struct BrokerMetrics {
     pub hub_clients: IntGauge,
     pub tunnels_closed_by_hub: IntCounter,
     pub tunnel_window_changes: IntCounter,
+    /// Tunnels torn down as wedged, by detector (watchdog, keepalive).
+    pub tunnel_wedged: IntCounterVec,
+    /// Dials refused by a fairness budget (budget).
+    pub budget_rejections: IntCounterVec,
+    /// Clusters whose bytes are paced by the CPU share now (budget::FairShare).
+    pub paced_clusters: IntGauge,
     /// konnectivity packets answered with an error, cancelled dials and close timeouts.
     pub konnectivity_errors: IntCounterVec,
     pub service_proxy_requests: IntCounterVec,
@@ -122,6 +128,24 @@ impl BrokerMetrics {
                 "tether_broker_tunnel_window_changes_total",
                 "Changes of a tunnel's adaptive receive window (raised to fit bandwidth x round trip, or back to the base after idling).",
             )?,
+            tunnel_wedged: IntCounterVec::new(
+                Opts::new(
+                    "tether_broker_tunnel_wedged_total",
+                    "Agent tunnels torn down because they moved no bytes while bytes waited: detector=watchdog (bytes to the agent unanswered for tunnel.stall_timeout) or keepalive (PING unanswered for tunnel.keepalive_timeout).",
+                ),
+                &["detector"],
+            )?,
+            budget_rejections: IntCounterVec::new(
+                Opts::new(
+                    "tether_broker_budget_rejections_total",
+                    "Dials refused by a fairness budget: budget (cluster_streams, cluster_pending_dials, client_streams, client_pending_dials) and owner (the cluster or client name; clusters with no tunnel on this broker count as \"other\").",
+                ),
+                &["budget", "owner"],
+            )?,
+            paced_clusters: IntGauge::new(
+                "tether_broker_paced_clusters",
+                "Clusters whose streams the broker paces now: the CPU is contended (runtime lag above budgets.cpu_share_lag, or host CPU pressure above 20 %) and the cluster floods its budgets while other clusters hold streams.",
+            )?,
             konnectivity_errors: IntCounterVec::new(
                 Opts::new(
                     "tether_broker_konnectivity_errors_total",
@@ -179,6 +203,9 @@ impl BrokerMetrics {
                 Box::new(m.tunnels_closed_by_hub.clone()),
                 Box::new(m.tunnel_window_changes.clone()),
                 Box::new(m.konnectivity_errors.clone()),
+                Box::new(m.tunnel_wedged.clone()),
+                Box::new(m.budget_rejections.clone()),
+                Box::new(m.paced_clusters.clone()),
                 Box::new(m.service_proxy_requests.clone()),
                 Box::new(m.service_proxy_duration.clone()),
                 Box::new(m.service_proxy_stripped_headers.clone()),

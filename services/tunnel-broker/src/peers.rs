@@ -4,7 +4,7 @@
 //! - Dialling side: one supervised [`PeerConnector`] actor per configured peer keeps an mTLS
 //!   connection to the peer's agent listener with ALPN `tether-relay/1` (this broker's own
 //!   certificate, CN `tether:broker:<id>`), and is the HTTP/2 client on it. Live peer
-//!   connections are published in a [`PeerTable`]; [`crate::dial::Broker`] tries them in turn
+//!   connections are published in a [`PeerTable`]; `dial::Broker` tries them in turn
 //!   when it has no local tunnel (a peer without the cluster answers `no_tunnel` at once).
 //! - Serving side: [`serve_relay`] answers a peer's `dial` requests from **local** tunnels only
 //!   (so a relay never loops) and splices the two HTTP/2 streams; windows chain end to end.
@@ -27,7 +27,7 @@ use tracing::Instrument;
 
 use crate::config::PeerConfig;
 use crate::dial::Broker;
-use crate::tunnel::TunnelHandle;
+use crate::handle::TunnelHandle;
 
 /// Relay links are few (one per peer broker), so they are pinged more often than agent
 /// tunnels: a peer that vanishes without closing its connection (partition, frozen host) is
@@ -166,7 +166,7 @@ impl PeerConnector {
                 _ = stop.cancelled() => return,
             };
             let (reason, was_up) = match opened {
-                Err(e) => (e, false),
+                Err(e) => (e.to_string(), false),
                 Ok((send, conn_end, pp)) => {
                     let handle = Arc::new(TunnelHandle::new(
                         generation,
@@ -209,31 +209,48 @@ type PeerConn = (
     h2::PingPong,
 );
 
+/// Why a relay connection to a peer could not be opened; each keeps its source.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerConnectError {
+    #[error("server_name: {0}")]
+    ServerName(#[from] rustls::pki_types::InvalidDnsNameError),
+    #[error("TLS material: {0}")]
+    Tls(#[from] tether_tls::TlsError),
+    #[error("{step} timed out after {after:?}")]
+    Timeout {
+        step: &'static str,
+        after: std::time::Duration,
+    },
+    #[error("connect: {0}")]
+    Connect(std::io::Error),
+    #[error("TLS: {0}")]
+    Handshake(std::io::Error),
+    #[error("HTTP/2: {0}")]
+    H2(#[from] h2::Error),
+}
+
 async fn open_peer(
     peer: &PeerConfig,
     tls: &Arc<TlsMaterial>,
     settings: &tether_tunnel::TunnelSettings,
-) -> Result<PeerConn, String> {
+) -> Result<PeerConn, PeerConnectError> {
     let hs = settings.handshake_timeout;
-    let name = rustls::pki_types::ServerName::try_from(peer.server_name.clone())
-        .map_err(|e| format!("server_name: {e}"))?;
-    let cfg = tls
-        .client_config(&[tether_tls::ALPN_RELAY])
-        .map_err(|e| e.to_string())?;
+    let timeout = |step| PeerConnectError::Timeout { step, after: hs };
+    let name = rustls::pki_types::ServerName::try_from(peer.server_name.clone())?;
+    let cfg = tls.client_config(&[tether_tls::ALPN_RELAY])?;
     let tcp = tokio::time::timeout(hs, tokio::net::TcpStream::connect(&peer.address))
         .await
-        .map_err(|_| format!("connect timed out after {hs:?}"))?
-        .map_err(|e| format!("connect: {e}"))?;
+        .map_err(|_| timeout("connect"))?
+        .map_err(PeerConnectError::Connect)?;
     let _ = tcp.set_nodelay(true);
     let stream = tokio::time::timeout(hs, TlsConnector::from(Arc::new(cfg)).connect(name, tcp))
         .await
-        .map_err(|_| format!("TLS timed out after {hs:?}"))?
-        .map_err(|e| format!("TLS: {e}"))?;
+        .map_err(|_| timeout("TLS"))?
+        .map_err(PeerConnectError::Handshake)?;
     let (send, mut conn) =
         tokio::time::timeout(hs, settings.client_builder().handshake::<_, Bytes>(stream))
             .await
-            .map_err(|_| format!("HTTP/2 handshake timed out after {hs:?}"))?
-            .map_err(|e| format!("HTTP/2: {e}"))?;
+            .map_err(|_| timeout("HTTP/2 handshake"))??;
     let pp = conn.ping_pong().expect("ping_pong taken once");
     let (tx, rx) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
@@ -263,8 +280,12 @@ impl Handler<PeerEnded> for PeerConnector {
 }
 
 /// Serves a peer broker's relay connection: each `dial` is answered from local tunnels.
-pub async fn serve_relay<S>(broker: Arc<Broker>, io: S, peer_id: String)
-where
+pub async fn serve_relay<S>(
+    broker: Arc<Broker>,
+    io: S,
+    peer_id: String,
+    stop: tokio_util::sync::CancellationToken,
+) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let hs = broker.settings.handshake_timeout;
@@ -297,6 +318,7 @@ where
                 None => return,
             },
             e = &mut keepalive => return tracing::info!(peer = %peer_id, error = %e, "relay peer unresponsive"),
+            _ = stop.cancelled() => return tracing::debug!(peer = %peer_id, "relay connection closed: broker drained"),
         }
     }
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use actix::prelude::*;
 use tokio::sync::watch;
 
-use crate::tunnel::TunnelHandle;
+use crate::handle::TunnelHandle;
 
 /// Immutable snapshot of cluster → tunnels.
 #[derive(Default)]
@@ -20,14 +20,24 @@ pub struct RouteTable {
 }
 
 impl RouteTable {
-    /// The least-loaded tunnel of `cluster` that is not draining.
+    /// The least-loaded tunnel of `cluster` that is not draining nor suspected wedged.
     pub fn pick(&self, cluster: &str) -> Option<Arc<TunnelHandle>> {
         self.clusters
             .get(cluster)?
             .iter()
-            .filter(|t| !t.is_draining())
+            .filter(|t| !t.is_draining() && !t.is_suspect())
             .min_by_key(|t| t.open_streams())
             .cloned()
+    }
+
+    /// A tunnel of `cluster` the wedged-tunnel watchdog suspects (no other is usable), with
+    /// how long its bytes have gone unanswered.
+    pub fn suspect(&self, cluster: &str) -> Option<std::time::Duration> {
+        self.clusters
+            .get(cluster)?
+            .iter()
+            .filter(|t| t.is_suspect())
+            .find_map(|t| t.unanswered())
     }
 
     pub fn tunnel_count(&self) -> usize {

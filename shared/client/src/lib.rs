@@ -7,6 +7,11 @@
 //!   through the tunnel to that cluster's API server (TLS to the API server end to end, with
 //!   the kubeconfig's CA and credentials).
 //!
+//! Framing: [`Dialer::dial`] uses the broker's unframed Dial (`DialRaw`: the dial in request
+//! headers, the connection's bytes as plain HTTP/2 DATA, no protobuf message per chunk and no
+//! extra copies), falling back to the framed gRPC `Dial` RPC when the broker does not serve it
+//! (an older broker); [`Dialer::dial_framed`] always uses the framed RPC.
+//!
 //! Semantics: `shutdown()` on a [`DialStream`] half-closes (the target sees EOF, its reply still
 //! arrives); a stream that breaks yields an `io::Error` (`ConnectionReset`), never a clean EOF;
 //! dropping a stream without shutdown aborts it: an `abort` frame goes to the broker, which
@@ -16,11 +21,13 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes};
-use futures::Stream;
+use futures::{Stream, StreamExt as _};
 use tether_proto::tunnel::v1 as pb;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::mpsc;
@@ -28,8 +35,11 @@ use tokio_util::sync::PollSender;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
-/// Frames queued towards the broker per stream before writes wait.
-pub const SEND_QUEUE_FRAMES: usize = 8;
+/// Frames queued towards the broker per stream before writes wait (at most 2 ×
+/// [`MAX_FRAME_BYTES`] per stream beyond its HTTP/2 window). With 8, eight busy streams on one
+/// connection could queue 16 MiB, and `tetherctl proxy connect` ran 8 streams at 0.5× the speed
+/// of one; with 2, 0.88× (docs/benchmarks.md, issue 16).
+pub const SEND_QUEUE_FRAMES: usize = 2;
 /// Largest data frame sent.
 pub const MAX_FRAME_BYTES: usize = 256 * 1024;
 
@@ -92,6 +102,8 @@ pub enum ClientError {
     Status(#[from] tonic::Status),
     #[error("broker ended the stream before answering the dial")]
     NoAnswer,
+    #[error("broker answered the dial with HTTP {0} and no Tether error")]
+    BadAnswer(u16),
     #[error("kube client: {0}")]
     Kube(String),
 }
@@ -100,8 +112,18 @@ pub enum ClientError {
 #[derive(Clone)]
 pub struct Dialer {
     client: pb::dialer_client::DialerClient<Channel>,
+    channel: Channel,
     token: Option<MetadataValue<Ascii>>,
+    /// Cleared once the broker answered `DialRaw` as an unknown gRPC method (an older broker).
+    raw: Arc<AtomicBool>,
 }
+
+/// Path of the unframed Dial (`docs/tunnel-protocol.md`).
+pub const RAW_DIAL_PATH: &str = "/tether.tunnel.v1.Dialer/DialRaw";
+/// Largest refusal message read from the broker.
+const MAX_REFUSAL_BYTES: usize = 16 * 1024;
+/// Budget for reading a refusal's message once its head arrived.
+const REFUSAL_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Dialer {
     /// Connects (TLS, HTTP/2) to the broker.
@@ -140,31 +162,125 @@ impl Dialer {
             None => None,
         };
         Ok(Self {
-            client: pb::dialer_client::DialerClient::new(channel)
+            client: pb::dialer_client::DialerClient::new(channel.clone())
                 .max_decoding_message_size(4 * MAX_FRAME_BYTES),
+            channel,
             token,
+            raw: Arc::new(AtomicBool::new(true)),
         })
     }
 
-    /// Opens a connection to `host:port` inside `cluster` (empty host: the API server).
+    /// Opens a connection to `host:port` inside `cluster` (empty host: the API server), with
+    /// the unframed Dial when the broker serves it, else the framed gRPC `Dial`.
     pub async fn dial(
         &self,
         cluster: &str,
         host: &str,
         port: u16,
     ) -> Result<DialStream, ClientError> {
+        if self.raw.load(Ordering::Relaxed) {
+            match self.dial_raw(cluster, host, port).await? {
+                Some(s) => return Ok(s),
+                None => self.raw.store(false, Ordering::Relaxed),
+            }
+        }
+        self.dial_framed(cluster, host, port).await
+    }
+
+    /// The unframed Dial; `None` when the broker does not serve it.
+    async fn dial_raw(
+        &self,
+        cluster: &str,
+        host: &str,
+        port: u16,
+    ) -> Result<Option<DialStream>, ClientError> {
+        use tower::ServiceExt as _;
         let (tx, rx) = mpsc::channel(SEND_QUEUE_FRAMES);
-        tx.try_send(pb::DialFrame {
-            kind: Some(pb::dial_frame::Kind::Dial(pb::DialRequest {
-                cluster: cluster.to_owned(),
-                host: host.to_owned(),
-                port: port.into(),
-                timeout_ms: 0,
-            })),
-        })
-        .expect("fresh channel has room");
+        let (abort_tx, abort_rx) = tokio::sync::oneshot::channel();
+        let body = RawRequestBody {
+            frames: rx,
+            abort: Some(abort_rx),
+        };
+        let mut req = http::Request::builder()
+            .method(http::Method::POST)
+            .uri(RAW_DIAL_PATH)
+            .header("content-type", "application/octet-stream")
+            .header("tether-cluster", cluster)
+            .header("tether-host", host)
+            .header("tether-port", port.to_string());
+        if let Some(t) = &self.token {
+            req = req.header("authorization", t.as_encoded_bytes());
+        }
+        let req = req
+            .body(tonic::body::Body::new(body))
+            .map_err(|e| ClientError::Endpoint {
+                endpoint: RAW_DIAL_PATH.into(),
+                reason: e.to_string(),
+            })?;
+        let resp = self
+            .channel
+            .clone()
+            .oneshot(req)
+            .await
+            .map_err(|e| ClientError::Connect(e.to_string()))?;
+        let (head, mut body) = resp.into_parts();
+        if head.headers.contains_key("grpc-status") {
+            return Ok(None); // an older broker: unknown gRPC method
+        }
+        let text = |name: &str| {
+            head.headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_owned()
+        };
+        if head.status != http::StatusCode::OK {
+            let kind = text("tether-error");
+            if kind.is_empty() {
+                return Err(ClientError::BadAnswer(head.status.as_u16()));
+            }
+            let message = read_refusal(&mut body).await;
+            if kind == "unauthenticated" {
+                return Err(ClientError::Status(tonic::Status::unauthenticated(message)));
+            }
+            return Err(ClientError::Dial {
+                code: code_of_label(&kind),
+                message,
+            });
+        }
+        let stream_id = text("tether-stream-id").parse().unwrap_or(0);
+        let rtt: u64 = text("tether-tunnel-rtt-micros").parse().unwrap_or(0);
+        Ok(Some(DialStream {
+            abort: Some(abort_tx),
+            tx: PollSender::new(tx),
+            rx: Some(raw_inbound(body)),
+            pending: Bytes::new(),
+            eof: false,
+            stream_id,
+            tunnel_rtt: (rtt > 0).then(|| Duration::from_micros(rtt)),
+            unframed: true,
+        }))
+    }
+
+    /// Opens a connection with the framed gRPC `Dial` RPC (one protobuf `DialFrame` per chunk),
+    /// as every broker serves it.
+    pub async fn dial_framed(
+        &self,
+        cluster: &str,
+        host: &str,
+        port: u16,
+    ) -> Result<DialStream, ClientError> {
+        let (tx, rx) = mpsc::channel(SEND_QUEUE_FRAMES);
         let (abort_tx, abort_rx) = tokio::sync::oneshot::channel();
         let mut req = tonic::Request::new(RequestFrames {
+            first: Some(pb::DialFrame {
+                kind: Some(pb::dial_frame::Kind::Dial(pb::DialRequest {
+                    cluster: cluster.to_owned(),
+                    host: host.to_owned(),
+                    port: port.into(),
+                    timeout_ms: 0,
+                })),
+            }),
             frames: tokio_stream::wrappers::ReceiverStream::new(rx),
             abort: Some(abort_rx),
             aborted: false,
@@ -183,6 +299,20 @@ impl Dialer {
                 message: result.message,
             });
         }
+        let inbound = inbound
+            .filter_map(|m| async move {
+                match m {
+                    Ok(pb::DialFrame {
+                        kind: Some(pb::dial_frame::Kind::Data(b)),
+                    }) => Some(Ok(b)),
+                    Ok(_) => None,
+                    Err(status) => Some(Err(io::Error::new(
+                        io::ErrorKind::ConnectionReset,
+                        format!("tunnel stream aborted: {}", status.message()),
+                    ))),
+                }
+            })
+            .boxed();
         Ok(DialStream {
             abort: Some(abort_tx),
             tx: PollSender::new(tx),
@@ -192,6 +322,7 @@ impl Dialer {
             stream_id: result.stream_id,
             tunnel_rtt: (result.tunnel_rtt_micros > 0)
                 .then(|| Duration::from_micros(result.tunnel_rtt_micros)),
+            unframed: false,
         })
     }
 
@@ -259,10 +390,12 @@ impl tower::Service<http::Uri> for TunnelConnector {
     }
 }
 
-/// The request side of a dial: queued frames, unless the stream is dropped without shutdown —
-/// then one `abort` frame, and the request stays open so that nothing reads as a half-close.
+/// The request side of a framed dial: the dial frame, then queued data frames, unless the
+/// stream is dropped without shutdown — then one `abort` frame, and the request stays open so
+/// that nothing reads as a half-close.
 struct RequestFrames {
-    frames: tokio_stream::wrappers::ReceiverStream<pb::DialFrame>,
+    first: Option<pb::DialFrame>,
+    frames: tokio_stream::wrappers::ReceiverStream<Bytes>,
     /// Fires on drop without shutdown; dropped unfired by `shutdown()`.
     abort: Option<tokio::sync::oneshot::Receiver<()>>,
     aborted: bool,
@@ -272,6 +405,9 @@ impl Stream for RequestFrames {
     type Item = pb::DialFrame;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<pb::DialFrame>> {
+        if let Some(f) = self.first.take() {
+            return Poll::Ready(Some(f));
+        }
         if self.aborted {
             return Poll::Pending; // the broker resets the call
         }
@@ -290,24 +426,138 @@ impl Stream for RequestFrames {
                 Poll::Pending => {}
             }
         }
-        Pin::new(&mut self.frames).poll_next(cx)
+        Pin::new(&mut self.frames).poll_next(cx).map(|b| {
+            b.map(|b| pb::DialFrame {
+                kind: Some(pb::dial_frame::Kind::Data(b)),
+            })
+        })
     }
 }
+
+/// The request body of an unframed dial: queued chunks as DATA frames, END_STREAM on
+/// `shutdown()`; dropped without shutdown, a body error, which resets the HTTP/2 stream (the
+/// broker then resets the target's connection).
+struct RawRequestBody {
+    frames: mpsc::Receiver<Bytes>,
+    /// Fires on drop without shutdown; dropped unfired by `shutdown()`.
+    abort: Option<tokio::sync::oneshot::Receiver<()>>,
+}
+
+impl http_body::Body for RawRequestBody {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, io::Error>>> {
+        if let Some(rx) = self.abort.as_mut() {
+            match Pin::new(rx).poll(cx) {
+                Poll::Ready(Ok(())) => {
+                    self.abort = None;
+                    return Poll::Ready(Some(Err(io::Error::new(
+                        io::ErrorKind::ConnectionAborted,
+                        "client dropped the stream",
+                    ))));
+                }
+                Poll::Ready(Err(_)) => self.abort = None, // shut down gracefully
+                Poll::Pending => {}
+            }
+        }
+        self.frames
+            .poll_recv(cx)
+            .map(|b| b.map(|b| Ok(http_body::Frame::data(b))))
+    }
+}
+
+/// The response body of an unframed dial as a stream of chunks; a body error (the broker reset
+/// the stream) is `ConnectionReset`.
+fn raw_inbound(body: tonic::body::Body) -> Inbound {
+    futures::stream::unfold(body, |mut body| async move {
+        loop {
+            let frame =
+                std::future::poll_fn(|cx| http_body::Body::poll_frame(Pin::new(&mut body), cx))
+                    .await?;
+            match frame {
+                Ok(f) => match f.into_data() {
+                    Ok(b) if !b.is_empty() => return Some((Ok(b), body)),
+                    _ => continue, // empty or trailers
+                },
+                Err(e) => {
+                    let e = io::Error::new(
+                        io::ErrorKind::ConnectionReset,
+                        format!("tunnel stream aborted: {e}"),
+                    );
+                    return Some((Err(e), body));
+                }
+            }
+        }
+    })
+    .boxed()
+}
+
+/// Reads a refusal's text (bounded in size and time).
+async fn read_refusal(body: &mut tonic::body::Body) -> String {
+    let mut out = Vec::new();
+    let read = async {
+        while out.len() < MAX_REFUSAL_BYTES {
+            match std::future::poll_fn(|cx| http_body::Body::poll_frame(Pin::new(&mut *body), cx))
+                .await
+            {
+                Some(Ok(f)) => {
+                    if let Ok(b) = f.into_data() {
+                        out.extend_from_slice(&b);
+                    }
+                }
+                _ => break,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(REFUSAL_READ_TIMEOUT, read).await;
+    out.truncate(MAX_REFUSAL_BYTES);
+    String::from_utf8_lossy(&out).trim_end().to_owned()
+}
+
+/// The broker's `tether-error` label as a dial error code.
+fn code_of_label(label: &str) -> pb::DialErrorCode {
+    use pb::DialErrorCode as C;
+    match label {
+        "bad_request" => C::BadRequest,
+        "forbidden" | "unauthenticated" => C::Forbidden,
+        "no_tunnel" | "tunnel_lost" => C::NoTunnel,
+        "agent_policy" => C::AgentPolicy,
+        "refused" => C::Refused,
+        "timeout" => C::Timeout,
+        "name_not_found" => C::NameNotFound,
+        "overloaded" => C::Overloaded,
+        "unknown_cluster" => C::UnknownCluster,
+        _ => C::Internal,
+    }
+}
+
+/// Chunks from the broker, either framing.
+type Inbound = Pin<Box<dyn Stream<Item = io::Result<Bytes>> + Send>>;
 
 /// One tunnelled TCP connection.
 pub struct DialStream {
     /// Fired on drop without shutdown (see [`RequestFrames`]).
     abort: Option<tokio::sync::oneshot::Sender<()>>,
-    tx: PollSender<pb::DialFrame>,
+    tx: PollSender<Bytes>,
     /// The response stream; taken only by `Drop`.
-    rx: Option<tonic::Streaming<pb::DialFrame>>,
+    rx: Option<Inbound>,
     pending: Bytes,
     eof: bool,
     stream_id: u64,
     tunnel_rtt: Option<Duration>,
+    unframed: bool,
 }
 
 impl DialStream {
+    /// Whether this stream uses the unframed Dial (`DialRaw`) rather than the framed gRPC one.
+    pub fn is_unframed(&self) -> bool {
+        self.unframed
+    }
+
     /// The broker's last measured round trip of the tunnel carrying this stream.
     pub fn tunnel_rtt(&self) -> Option<Duration> {
         self.tunnel_rtt
@@ -344,17 +594,9 @@ impl AsyncRead for DialStream {
             let Some(rx) = self.rx.as_mut() else {
                 return Poll::Ready(Ok(()));
             };
-            match ready!(Pin::new(rx).poll_next(cx)) {
-                Some(Ok(pb::DialFrame {
-                    kind: Some(pb::dial_frame::Kind::Data(b)),
-                })) => self.pending = b,
-                Some(Ok(_)) => {}
-                Some(Err(status)) => {
-                    return Poll::Ready(Err(io::Error::new(
-                        io::ErrorKind::ConnectionReset,
-                        format!("tunnel stream aborted: {}", status.message()),
-                    )));
-                }
+            match ready!(rx.as_mut().poll_next(cx)) {
+                Some(Ok(b)) => self.pending = b,
+                Some(Err(e)) => return Poll::Ready(Err(e)),
                 None => self.eof = true,
             }
         }
@@ -370,13 +612,8 @@ impl AsyncWrite for DialStream {
         ready!(self.tx.poll_reserve(cx))
             .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "stream closed"))?;
         let n = buf.len().min(MAX_FRAME_BYTES);
-        let frame = pb::DialFrame {
-            kind: Some(pb::dial_frame::Kind::Data(Bytes::copy_from_slice(
-                &buf[..n],
-            ))),
-        };
         self.tx
-            .send_item(frame)
+            .send_item(Bytes::copy_from_slice(&buf[..n]))
             .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "stream closed"))?;
         Poll::Ready(Ok(n))
     }
@@ -413,7 +650,7 @@ impl Drop for DialStream {
         };
         rt.spawn(async move {
             let _ = tokio::time::timeout(LINGER_AFTER_SHUTDOWN, async {
-                while let Ok(Some(_)) = rx.message().await {}
+                while let Some(Ok(_)) = rx.next().await {}
             })
             .await;
         });

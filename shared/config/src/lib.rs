@@ -85,6 +85,14 @@ pub fn from_str<T: DeserializeOwned + Validate>(
 /// Serde helpers for durations written as human-readable strings ("5s", "250ms", "1h").
 pub mod duration {
     pub use humantime_serde::{deserialize, serialize};
+
+    /// Parses a human-readable duration ("200ms", "2s", "24h", "90d"), e.g. a command-line
+    /// flag; the error names the text and what is wrong with it.
+    pub fn parse(
+        s: &str,
+    ) -> Result<std::time::Duration, humantime_serde::re::humantime::DurationError> {
+        humantime_serde::re::humantime::parse_duration(s.trim())
+    }
 }
 
 #[cfg(test)]

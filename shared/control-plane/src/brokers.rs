@@ -22,6 +22,15 @@ pub const PRESENCE_RENEW: Duration = Duration::from_secs(2);
 /// Renewal periods that may be missed before a broker counts as gone.
 pub const PRESENCE_MISSES: u32 = 3;
 /// KV max age of the presence bucket (garbage collection of dead brokers' keys).
+/// How many renewal intervals a broker stays in the tunnel-agent config (the brokers the
+/// agents dial) after its last presence renewal: 15 × 2 s = 30 s, longer than a NATS failover
+/// on the broker's side (its client gives up on a silent server after about three 5 s pings,
+/// `connect::DEFAULT_PING_INTERVAL`, then reconnects and re-announces; a stream leader lost
+/// with that server is re-elected meanwhile). A shorter window turns a NATS node partition
+/// into a config without that broker, and every agent drops its open tunnels to it (seen in
+/// `tests/tests/hub_chaos_tunnels.rs`). Availability still uses [`PRESENCE_MISSES`]: a dead
+/// broker stops counting within 6 s; agents merely keep redialing it for 30 s.
+pub const PRESENCE_LISTED_MISSES: u32 = 15;
 pub const PRESENCE_BUCKET_MAX_AGE: Duration = Duration::from_secs(300);
 
 /// Value of `tether-brokers/<id>`.
@@ -77,6 +86,17 @@ impl BrokerPresence {
     pub fn is_serving(&self, now: SystemTime) -> bool {
         self.is_live(now) && !self.draining
     }
+
+    /// Whether the tunnel-agent config lists it: not draining and renewed within
+    /// [`PRESENCE_LISTED_MISSES`] intervals.
+    pub fn is_listed(&self, now: SystemTime) -> bool {
+        let Some(renewed) = parse_rfc3339(&self.renew_time) else {
+            return false;
+        };
+        let grace = Duration::from_secs(u64::from(self.lease_duration_seconds.max(1)))
+            * PRESENCE_LISTED_MISSES;
+        !self.draining && renewed + grace > now
+    }
 }
 
 #[cfg(test)]
@@ -96,8 +116,12 @@ mod tests {
         assert!(p.is_live(now));
         p.renew_time = rfc3339(now - Duration::from_secs(7));
         assert!(!p.is_live(now));
+        assert!(p.is_listed(now), "listed for longer than live");
+        p.renew_time = rfc3339(now - Duration::from_secs(31));
+        assert!(!p.is_listed(now));
         p.renew_time = "garbage".into();
         assert!(!p.is_live(now));
+        assert!(!p.is_listed(now));
         p.renew_time = rfc3339(now);
         p.draining = true;
         assert!(p.is_live(now) && !p.is_serving(now));

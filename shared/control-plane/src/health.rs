@@ -4,7 +4,7 @@
 //! - KV bucket `tether-health`, key `<cluster>` → [`HealthRecord`] (the latest damped result).
 //! - `tether.v1.health.get` request/reply: [`HealthGetRequest`] → [`HealthGetReply`], answered
 //!   from the prober's memory (queue group `tether-health`, so several probers may run).
-//! - Transitions of the damped verdict: an [`crate::resources::Event`] on
+//! - Transitions of the damped verdict: an `resources::Event` on
 //!   `tether.v1.events.health.<cluster>` (reasons [`REASON_HEALTHY`] / [`REASON_UNHEALTHY`]).
 //!
 //! [`proxy_health`] reads ManagedClusters, the `cluster-proxy` ManagedClusterAddOns and the

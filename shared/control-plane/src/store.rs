@@ -10,13 +10,13 @@
 //! - `tether-addondeploymentconfigs` — key `<namespace>.<name>` → AddOnDeploymentConfig
 //! - `tether-managedproxyconfigurations` — key `<name>` → ManagedProxyConfiguration
 //! - `tether-addon-leases` — key `<cluster>.<addon>` → Lease (add-on health, Lease mode)
-//! - `tether-brokers` — key `<broker id>` → [`crate::brokers::BrokerPresence`] (memory storage,
+//! - `tether-brokers` — key `<broker id>` → `brokers::BrokerPresence` (memory storage,
 //!   renewed every couple of seconds; old keys age out)
-//! - `tether-hubclients` — key `<client>` → [`crate::clients::HubClient`]
-//! - `tether-clientaccesspolicies` — key `<policy>` → [`crate::clients::ClientAccessPolicy`]
+//! - `tether-hubclients` — key `<client>` → `clients::HubClient`
+//! - `tether-clientaccesspolicies` — key `<policy>` → `clients::ClientAccessPolicy`
 //! - `tether-serviceproxyallowlists` — key `<name>` →
-//!   [`crate::service_proxy::ServiceProxyAllowlist`]
-//! - `tether-leaders` — key `<controller>` → [`crate::leader::LeaderRecord`] (which hub
+//!   `service_proxy::ServiceProxyAllowlist`
+//! - `tether-leaders` — key `<controller>` → `leader::LeaderRecord` (which hub
 //!   replica runs that controller)
 //!
 //! Stream `TETHER_EVENTS` on `tether.v1.events.>` receives an [`Event`] for every change.
@@ -41,6 +41,39 @@ use crate::subjects;
 /// Events kept for a week, at most a million.
 const EVENTS_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 const EVENTS_MAX_MSGS: i64 = 1_000_000;
+
+/// How long a listing waits for the next message before it gives up on that consumer.
+const LIST_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Consumers a listing tries before it reads message by message from the stream leader.
+const LIST_ATTEMPTS: usize = 3;
+
+/// The last entry of one key.
+struct LastValue {
+    key: String,
+    value: bytes::Bytes,
+    revision: u64,
+}
+
+/// A KV delete or purge marker (the `KV-Operation` header, or a server marker).
+fn is_removal(headers: Option<&async_nats::HeaderMap>) -> bool {
+    let Some(h) = headers else {
+        return false;
+    };
+    if let Some(op) = h.get("KV-Operation") {
+        return matches!(op.as_str(), "DEL" | "PURGE");
+    }
+    h.get("Nats-Marker-Reason").is_some()
+}
+
+/// A valid KV key: `[-/_=.a-zA-Z0-9]+`, not starting or ending with `.`.
+fn valid_key(key: &str) -> bool {
+    !key.is_empty()
+        && !key.starts_with('.')
+        && !key.ends_with('.')
+        && key
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b"-/_=.".contains(&c))
+}
 
 /// Which bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -227,21 +260,45 @@ impl HubStore {
         &self.js
     }
 
-    /// The value and its revision.
+    /// The value and its revision, read from the stream leader.
+    ///
+    /// Not a KV "direct get": JetStream answers those from any replica, and a replica that
+    /// is catching up (a node just restarted or thawed after a partition) answers with what it
+    /// had — an old lease renewal time, or "no such key" for a cluster created while it was
+    /// away. The controllers act on these reads (an add-on of a "missing" cluster is removed,
+    /// a lease that "stopped" turns its add-on Unavailable), so every read goes to the leader,
+    /// which orders it after every acknowledged write. Seen in `tests/tests/hub_chaos_tunnels.rs`.
     pub async fn get<T: DeserializeOwned>(
         &self,
         b: Bucket,
         key: &str,
     ) -> Result<Option<(T, u64)>, ControlError> {
-        let entry = self.kv(b).entry(key).await.map_err(js_err)?;
-        match entry {
-            Some(e) if matches!(e.operation, kv::Operation::Put) => {
-                let v = serde_json::from_slice(&e.value)
-                    .map_err(|err| ControlError::Codec(format!("{}/{key}: {err}", b.name())))?;
-                Ok(Some((v, e.revision)))
-            }
-            _ => Ok(None),
+        if !valid_key(key) {
+            return Err(ControlError::JetStream(format!(
+                "{}: invalid key {key:?}",
+                b.name()
+            )));
         }
+        let kv = self.kv(b);
+        let subject = format!("{}{key}", kv.prefix);
+        let m = match kv.stream.get_last_raw_message_by_subject(&subject).await {
+            Ok(m) => m,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    jetstream::stream::LastRawMessageErrorKind::NoMessageFound
+                ) =>
+            {
+                return Ok(None);
+            }
+            Err(e) => return Err(js_err(e)),
+        };
+        if is_removal(Some(&m.headers)) {
+            return Ok(None);
+        }
+        let v = serde_json::from_slice(&m.payload)
+            .map_err(|err| ControlError::Codec(format!("{}/{key}: {err}", b.name())))?;
+        Ok(Some((v, m.sequence)))
     }
 
     pub async fn put<T: Serialize>(
@@ -291,32 +348,222 @@ impl HubStore {
 
     /// All keys of a bucket.
     pub async fn keys(&self, b: Bucket) -> Result<Vec<String>, ControlError> {
-        let mut keys = match self.kv(b).keys().await {
-            Ok(k) => k,
-            Err(e) => return Err(js_err(e)),
-        };
-        let mut out = Vec::new();
-        while let Some(k) = keys.next().await {
-            out.push(k.map_err(js_err)?);
-        }
-        Ok(out)
+        self.keys_matching(b, ">").await
+    }
+
+    /// The keys of a bucket that match the NATS subject `filter` (`>` for all, `c1.>` for
+    /// every key under `c1.`): one ordered consumer that delivers only the headers of the last
+    /// message of each key, so the cost follows the number of matching keys, not the bucket.
+    pub async fn keys_matching(
+        &self,
+        b: Bucket,
+        filter: &str,
+    ) -> Result<Vec<String>, ControlError> {
+        Ok(self
+            .last_values(b, filter, true)
+            .await?
+            .into_iter()
+            .map(|e| e.key)
+            .collect())
     }
 
     /// All values of a bucket (skips undecodable entries with a warning).
+    ///
+    /// One ordered consumer delivers the last value of every key in one stream of messages (the
+    /// KV "watch with history" without the watch): one round trip to set up and then a flow of
+    /// messages, instead of a get per key (65 s for 10,000 clusters through three nodes before,
+    /// see docs/scale.md).
     pub async fn list<T: DeserializeOwned>(
         &self,
         b: Bucket,
     ) -> Result<Vec<(String, T, u64)>, ControlError> {
+        self.list_matching(b, ">").await
+    }
+
+    /// The values of the keys that match the NATS subject `filter` (see [`Self::keys_matching`]).
+    pub async fn list_matching<T: DeserializeOwned>(
+        &self,
+        b: Bucket,
+        filter: &str,
+    ) -> Result<Vec<(String, T, u64)>, ControlError> {
         let mut out = Vec::new();
-        for k in self.keys(b).await? {
-            if let Some((v, rev)) = self.get::<T>(b, &k).await.or_else(|e| {
-                tracing::warn!(bucket = b.name(), key = %k, error = %e, "skipping entry");
-                Ok::<_, ControlError>(None)
-            })? {
-                out.push((k, v, rev));
+        for e in self.last_values(b, filter, false).await? {
+            match serde_json::from_slice::<T>(&e.value) {
+                Ok(v) => out.push((e.key, v, e.revision)),
+                Err(err) => {
+                    tracing::warn!(bucket = b.name(), key = %e.key, error = %err, "skipping entry")
+                }
             }
         }
         Ok(out)
+    }
+
+    /// The last live (not deleted) entry of every key matching `filter`, read with one ordered
+    /// push consumer (deliver policy last-per-subject) until the server reports nothing
+    /// pending.
+    ///
+    /// The consumer may be placed on any replica of the stream, and one that is catching up
+    /// (a node just restarted) delivers what it had. So a listing of the whole bucket first
+    /// asks the stream leader for its last sequence and checks that the consumer delivered it;
+    /// if not (or if the consumer goes quiet for [`LIST_IDLE_TIMEOUT`] before "0 pending"), it
+    /// tries [`LIST_ATTEMPTS`] times and then reads the bucket message by message from the
+    /// leader ([`Self::last_values_from_leader`]): slower, never stale.
+    async fn last_values(
+        &self,
+        b: Bucket,
+        filter: &str,
+        headers_only: bool,
+    ) -> Result<Vec<LastValue>, ControlError> {
+        let kv = self.kv(b);
+        let whole = filter == ">";
+        for _ in 0..LIST_ATTEMPTS {
+            let leader_last = if whole {
+                let info = self
+                    .js
+                    .get_stream(&kv.stream_name)
+                    .await
+                    .map_err(js_err)?
+                    .cached_info()
+                    .clone();
+                if info.state.messages == 0 {
+                    return Ok(Vec::new());
+                }
+                Some(info.state.last_sequence)
+            } else {
+                None
+            };
+            if let Some(v) = self
+                .last_values_once(b, filter, headers_only, leader_last)
+                .await?
+            {
+                return Ok(v);
+            }
+        }
+        tracing::warn!(
+            bucket = b.name(),
+            "list: the consumer lagged the stream leader; reading from the leader"
+        );
+        self.last_values_from_leader(b, filter, headers_only).await
+    }
+
+    /// One consumer pass; `None` when it stalled or delivered less than `leader_last`.
+    async fn last_values_once(
+        &self,
+        b: Bucket,
+        filter: &str,
+        headers_only: bool,
+        leader_last: Option<u64>,
+    ) -> Result<Option<Vec<LastValue>>, ControlError> {
+        let kv = self.kv(b);
+        let consumer = kv
+            .stream
+            .create_consumer(jetstream::consumer::push::OrderedConfig {
+                deliver_subject: self.js.client().new_inbox(),
+                description: Some("tether list".to_string()),
+                filter_subject: format!("{}{filter}", kv.prefix),
+                headers_only,
+                replay_policy: jetstream::consumer::ReplayPolicy::Instant,
+                deliver_policy: jetstream::consumer::DeliverPolicy::LastPerSubject,
+                ..Default::default()
+            })
+            .await
+            .map_err(js_err)?;
+        if consumer.cached_info().num_pending == 0 {
+            return Ok(leader_last.is_none().then(Vec::new));
+        }
+        let mut messages = consumer.messages().await.map_err(js_err)?;
+        let mut live: std::collections::BTreeMap<String, LastValue> = Default::default();
+        let mut max_seq = 0;
+        loop {
+            let m = match tokio::time::timeout(LIST_IDLE_TIMEOUT, messages.next()).await {
+                Ok(Some(m)) => m.map_err(js_err)?,
+                Ok(None) => break,
+                Err(_) => return Ok(None),
+            };
+            let info = m.info().map_err(js_err)?;
+            let (revision, pending) = (info.stream_sequence, info.pending);
+            max_seq = max_seq.max(revision);
+            let Some(key) = m.subject.strip_prefix(kv.prefix.as_str()) else {
+                continue;
+            };
+            let key = key.to_string();
+            if is_removal(m.headers.as_ref()) {
+                live.remove(&key);
+            } else {
+                live.insert(
+                    key.clone(),
+                    LastValue {
+                        key,
+                        value: m.payload.clone(),
+                        revision,
+                    },
+                );
+            }
+            if pending == 0 {
+                break;
+            }
+        }
+        if leader_last.is_some_and(|l| max_seq < l) {
+            return Ok(None);
+        }
+        Ok(Some(live.into_values().collect()))
+    }
+
+    /// Every message of the keys matching `filter`, read one by one from the stream leader
+    /// (`STREAM.MSG.GET` next-by-subject): the last one of each key wins.
+    async fn last_values_from_leader(
+        &self,
+        b: Bucket,
+        filter: &str,
+        headers_only: bool,
+    ) -> Result<Vec<LastValue>, ControlError> {
+        let kv = self.kv(b);
+        let subject = format!("{}{filter}", kv.prefix);
+        let mut live: std::collections::BTreeMap<String, LastValue> = Default::default();
+        let mut seq = 1u64;
+        loop {
+            let m = match kv
+                .stream
+                .raw_message_builder()
+                .sequence(seq)
+                .next_by_subject(subject.clone())
+                .send()
+                .await
+            {
+                Ok(m) => m,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        jetstream::stream::RawMessageErrorKind::NoMessageFound
+                    ) =>
+                {
+                    break;
+                }
+                Err(e) => return Err(js_err(e)),
+            };
+            seq = m.sequence + 1;
+            let Some(key) = m.subject.strip_prefix(kv.prefix.as_str()) else {
+                continue;
+            };
+            let key = key.to_string();
+            if is_removal(Some(&m.headers)) {
+                live.remove(&key);
+            } else {
+                live.insert(
+                    key.clone(),
+                    LastValue {
+                        key,
+                        value: if headers_only {
+                            Default::default()
+                        } else {
+                            m.payload
+                        },
+                        revision: m.sequence,
+                    },
+                );
+            }
+        }
+        Ok(live.into_values().collect())
     }
 
     /// Current values of a bucket, then every change (None = deleted), as a stream. Decoding
@@ -389,5 +636,172 @@ impl HubStore {
         }
         out.reverse();
         Ok(out)
+    }
+}
+
+pub mod memory;
+
+pub use memory::MemoryStore;
+
+/// The hub state the control-plane logic reads and writes: typed get / put / create /
+/// compare-and-swap update by revision / delete / keys / list / watch per [`Bucket`], and the
+/// events stream. [`HubStore`] is the JetStream implementation; [`MemoryStore`] keeps the same
+/// semantics (per-bucket revisions, CAS conflicts, current-then-changes watches) in memory for
+/// unit tests that run without NATS.
+///
+/// Conflicts are values, not errors: [`create`](Self::create) answers `Ok(None)` when the key
+/// exists and [`update`](Self::update) when the revision moved (re-read and retry). Errors are
+/// [`ControlError::JetStream`] (the backend failed) and [`ControlError::Codec`] (a value does not
+/// encode or decode).
+pub trait Store: Clone + Send + Sync + 'static {
+    /// The value and its revision; `None` when absent or deleted.
+    fn get<T: DeserializeOwned>(
+        &self,
+        b: Bucket,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<(T, u64)>, ControlError>> + Send;
+    /// Writes unconditionally; returns the new revision.
+    fn put<T: Serialize + Sync>(
+        &self,
+        b: Bucket,
+        key: &str,
+        v: &T,
+    ) -> impl Future<Output = Result<u64, ControlError>> + Send;
+    /// Creates; `Ok(None)` when the key already exists.
+    fn create<T: Serialize + Sync>(
+        &self,
+        b: Bucket,
+        key: &str,
+        v: &T,
+    ) -> impl Future<Output = Result<Option<u64>, ControlError>> + Send;
+    /// Compare-and-swap on `revision`; `Ok(None)` when the revision moved.
+    fn update<T: Serialize + Sync>(
+        &self,
+        b: Bucket,
+        key: &str,
+        v: &T,
+        revision: u64,
+    ) -> impl Future<Output = Result<Option<u64>, ControlError>> + Send;
+    fn delete(&self, b: Bucket, key: &str)
+    -> impl Future<Output = Result<(), ControlError>> + Send;
+    /// All keys of a bucket.
+    fn keys(&self, b: Bucket) -> impl Future<Output = Result<Vec<String>, ControlError>> + Send;
+    /// The keys that match the NATS subject `filter` (`c1.>`: every key under `c1.`; `*` one
+    /// token; `>` the rest).
+    fn keys_matching(
+        &self,
+        b: Bucket,
+        filter: &str,
+    ) -> impl Future<Output = Result<Vec<String>, ControlError>> + Send;
+    /// All values of a bucket with their keys and revisions (undecodable entries skipped).
+    fn list<T: DeserializeOwned + Send>(
+        &self,
+        b: Bucket,
+    ) -> impl Future<Output = Result<Vec<(String, T, u64)>, ControlError>> + Send;
+    /// Current values of a bucket, then every change (`None` = deleted).
+    fn watch<T: DeserializeOwned + Send + 'static>(
+        &self,
+        b: Bucket,
+    ) -> impl Future<
+        Output = Result<futures::stream::BoxStream<'static, (String, Option<T>)>, ControlError>,
+    > + Send;
+    /// Appends an event to the events stream.
+    fn publish_event(&self, ev: &Event) -> impl Future<Output = Result<(), ControlError>> + Send;
+}
+
+impl Store for HubStore {
+    fn get<T: DeserializeOwned>(
+        &self,
+        b: Bucket,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<(T, u64)>, ControlError>> + Send {
+        HubStore::get(self, b, key)
+    }
+    fn put<T: Serialize + Sync>(
+        &self,
+        b: Bucket,
+        key: &str,
+        v: &T,
+    ) -> impl Future<Output = Result<u64, ControlError>> + Send {
+        HubStore::put(self, b, key, v)
+    }
+    fn create<T: Serialize + Sync>(
+        &self,
+        b: Bucket,
+        key: &str,
+        v: &T,
+    ) -> impl Future<Output = Result<Option<u64>, ControlError>> + Send {
+        HubStore::create(self, b, key, v)
+    }
+    fn update<T: Serialize + Sync>(
+        &self,
+        b: Bucket,
+        key: &str,
+        v: &T,
+        revision: u64,
+    ) -> impl Future<Output = Result<Option<u64>, ControlError>> + Send {
+        HubStore::update(self, b, key, v, revision)
+    }
+    fn delete(
+        &self,
+        b: Bucket,
+        key: &str,
+    ) -> impl Future<Output = Result<(), ControlError>> + Send {
+        HubStore::delete(self, b, key)
+    }
+    fn keys(&self, b: Bucket) -> impl Future<Output = Result<Vec<String>, ControlError>> + Send {
+        HubStore::keys(self, b)
+    }
+    fn keys_matching(
+        &self,
+        b: Bucket,
+        filter: &str,
+    ) -> impl Future<Output = Result<Vec<String>, ControlError>> + Send {
+        HubStore::keys_matching(self, b, filter)
+    }
+    fn list<T: DeserializeOwned + Send>(
+        &self,
+        b: Bucket,
+    ) -> impl Future<Output = Result<Vec<(String, T, u64)>, ControlError>> + Send {
+        HubStore::list(self, b)
+    }
+    async fn watch<T: DeserializeOwned + Send + 'static>(
+        &self,
+        b: Bucket,
+    ) -> Result<futures::stream::BoxStream<'static, (String, Option<T>)>, ControlError> {
+        Ok(HubStore::watch::<T>(self, b).await?.boxed())
+    }
+    fn publish_event(&self, ev: &Event) -> impl Future<Output = Result<(), ControlError>> + Send {
+        HubStore::publish_event(self, ev)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_validity() {
+        assert!(valid_key("c1"));
+        assert!(valid_key("c1.cluster-proxy"));
+        assert!(!valid_key(""));
+        assert!(!valid_key(".c1"));
+        assert!(!valid_key("c1."));
+        assert!(!valid_key("c 1"));
+        assert!(!valid_key("c1.>"));
+    }
+
+    #[test]
+    fn removal_markers() {
+        assert!(!is_removal(None));
+        let mut h = async_nats::HeaderMap::new();
+        h.insert("KV-Operation", "DEL");
+        assert!(is_removal(Some(&h)));
+        let mut h = async_nats::HeaderMap::new();
+        h.insert("KV-Operation", "PURGE");
+        assert!(is_removal(Some(&h)));
+        let mut h = async_nats::HeaderMap::new();
+        h.insert("Nats-Msg-Id", "x");
+        assert!(!is_removal(Some(&h)));
     }
 }

@@ -46,18 +46,18 @@ pub fn cluster_csr_get(cluster: &str) -> String {
 pub fn cluster_notify(cluster: &str) -> String {
     format!("{ROOT}.cluster.{cluster}.notify")
 }
-/// Agent → hub: what the add-on agent has applied ([`crate::addons::AddOnStatusReport`]).
+/// Agent → hub: what the add-on agent has applied (`addons::AddOnStatusReport`).
 pub fn cluster_addon_status(cluster: &str, addon: &str) -> String {
     format!("{ROOT}.cluster.{cluster}.addon.{addon}.status")
 }
 pub const CLUSTER_ADDON_STATUS_ALL: &str = "tether.v1.cluster.*.addon.*.status";
-/// Agent → hub: renew the add-on's health lease ([`crate::addons::AddOnLeaseRenew`]).
+/// Agent → hub: renew the add-on's health lease (`addons::AddOnLeaseRenew`).
 pub fn cluster_addon_lease(cluster: &str, addon: &str) -> String {
     format!("{ROOT}.cluster.{cluster}.addon.{addon}.lease")
 }
 pub const CLUSTER_ADDON_LEASE_ALL: &str = "tether.v1.cluster.*.addon.*.lease";
 /// Agent → hub request: the add-on agent's desired config
-/// ([`crate::addons::AddOnAgentConfigRequest`] → [`crate::addons::AddOnAgentConfigReply`]).
+/// (`addons::AddOnAgentConfigRequest` → `addons::AddOnAgentConfigReply`).
 pub fn cluster_addon_config(cluster: &str, addon: &str) -> String {
     format!("{ROOT}.cluster.{cluster}.addon.{addon}.config")
 }
@@ -133,13 +133,13 @@ pub const STREAM_EVENTS: &str = "TETHER_EVENTS";
 
 // ---- health-prober (issue 5) ----
 
-/// Request/reply: the prober's latest results ([`crate::health::HealthGetRequest`] →
-/// [`crate::health::HealthGetReply`]), answered from memory by every prober (queue group
+/// Request/reply: the prober's latest results (`health::HealthGetRequest` →
+/// `health::HealthGetReply`), answered from memory by every prober (queue group
 /// [`HEALTH_QUEUE_GROUP`]).
 pub const HEALTH_GET: &str = "tether.v1.health.get";
 /// Queue group of the probers answering [`HEALTH_GET`].
 pub const HEALTH_QUEUE_GROUP: &str = "tether-health";
-/// KV bucket of per-cluster probe results (key `<cluster>`, [`crate::health::HealthRecord`]).
+/// KV bucket of per-cluster probe results (key `<cluster>`, `health::HealthRecord`).
 pub const BUCKET_HEALTH: &str = "tether-health";
 /// Health transitions on the events stream: `tether.v1.events.health.<cluster>`.
 pub fn health_event(cluster: &str) -> String {
@@ -148,18 +148,18 @@ pub fn health_event(cluster: &str) -> String {
 
 // ---- hub client credentials and access policy (issue 4) ----
 
-/// Admin request: issue a hub client credential ([`crate::clients::ClientCreateRequest`] →
-/// [`crate::clients::ClientCreateReply`]).
+/// Admin request: issue a hub client credential (`clients::ClientCreateRequest` →
+/// `clients::ClientCreateReply`).
 pub const ADMIN_CLIENT_CREATE: &str = "tether.v1.admin.client.create";
-/// Admin request: delete (revoke) a hub client ([`crate::clients::ClientDeleteRequest`] →
-/// [`crate::clients::ClientDeleteReply`]).
+/// Admin request: delete (revoke) a hub client (`clients::ClientDeleteRequest` →
+/// `clients::ClientDeleteReply`).
 pub const ADMIN_CLIENT_DELETE: &str = "tether.v1.admin.client.delete";
-/// KV bucket of hub clients (key `<client>`, [`crate::clients::HubClient`]).
+/// KV bucket of hub clients (key `<client>`, `clients::HubClient`).
 pub const BUCKET_HUB_CLIENTS: &str = "tether-hubclients";
-/// KV bucket of client access policies (key `<policy>`, [`crate::clients::ClientAccessPolicy`]).
+/// KV bucket of client access policies (key `<policy>`, `clients::ClientAccessPolicy`).
 pub const BUCKET_CLIENT_ACCESS_POLICIES: &str = "tether-clientaccesspolicies";
 /// KV bucket of the service proxy's allowlists (key `<name>`,
-/// [`crate::service_proxy::ServiceProxyAllowlist`]).
+/// `service_proxy::ServiceProxyAllowlist`).
 pub const BUCKET_SERVICE_PROXY_ALLOWLISTS: &str = "tether-serviceproxyallowlists";
 /// Controller leader leases of hub replicas (key = controller, e.g. `registration`).
 pub const BUCKET_LEADERS: &str = "tether-leaders";

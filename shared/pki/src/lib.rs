@@ -519,6 +519,16 @@ fn random_serial() -> SerialNumber {
     SerialNumber::from_slice(&b)
 }
 
+/// A client certificate [`HubCa::issue_client`] issued, with its new key.
+#[derive(Debug, Clone)]
+pub struct IssuedClient {
+    pub cert_pem: String,
+    pub key_pem: String,
+    /// Serial number, lower-case hex.
+    pub serial_hex: String,
+    pub not_after: SystemTime,
+}
+
 impl HubCa {
     /// A new self-signed CA.
     pub fn generate(common_name: &str, lifetime: Duration) -> Result<Self> {
@@ -624,6 +634,59 @@ impl HubCa {
         Ok((cert.pem(), key.serialize_pem()))
     }
 
+    /// Issues a client-auth certificate and its new key for common name `cn` (hub client
+    /// credentials, `tether.v1.admin.client.create`).
+    pub fn issue_client(&self, cn: &str, lifetime: Duration) -> Result<IssuedClient> {
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)
+            .map_err(|e| PkiError::KeyGeneration(e.to_string()))?;
+        let mut params = CertificateParams::default();
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, cn);
+        params.distinguished_name = dn;
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        let serial = random_serial();
+        params.serial_number = Some(serial.clone());
+        params.use_authority_key_identifier_extension = true;
+        validity(&mut params, lifetime);
+        let not_after = SystemTime::UNIX_EPOCH
+            + Duration::from_secs(params.not_after.unix_timestamp().max(0) as u64);
+        let cert = params
+            .signed_by(&key, &self.issuer()?)
+            .map_err(|e| PkiError::Signing(e.to_string()))?;
+        Ok(IssuedClient {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+            serial_hex: hex::encode(serial.as_ref()),
+            not_after,
+        })
+    }
+
+    /// Signs the public key of CSR `csr_pem` with a subject the hub chooses (common name `cn`,
+    /// organisations `orgs`, at most two), client-auth usage only; nothing else from the request
+    /// is copied (add-on agent credentials). Returns the certificate PEM.
+    pub fn sign_csr_as(
+        &self,
+        csr_pem: &str,
+        cn: &str,
+        orgs: &[String],
+        lifetime: Duration,
+    ) -> Result<String> {
+        let req = rcgen::CertificateSigningRequestParams::from_pem(csr_pem)
+            .map_err(|e| PkiError::InvalidCsr(e.to_string()))?;
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, cn);
+        if let Some(o) = orgs.first() {
+            dn.push(DnType::OrganizationName, o.as_str());
+        }
+        if let Some(o) = orgs.get(1) {
+            // rcgen keeps one value per attribute type; the same OID as a custom type adds the
+            // second O.
+            dn.push(DnType::CustomDnType(vec![2, 5, 4, 10]), o.as_str());
+        }
+        self.sign_request(req, dn, lifetime)
+    }
+
     /// Signs a validated CSR for `cluster`. The hub sets the subject (OCM's CN and the two
     /// organisations), client-auth usage only and the lifetime; nothing else from the request
     /// is copied. Returns the certificate PEM.
@@ -634,10 +697,21 @@ impl HubCa {
         lifetime: Duration,
     ) -> Result<String> {
         let agent = csr.validate_for(cluster)?;
-        let mut req = rcgen::CertificateSigningRequestParams::from_der(&csr.der.as_slice().into())
+        let req = rcgen::CertificateSigningRequestParams::from_der(&csr.der.as_slice().into())
             .map_err(|e| PkiError::InvalidCsr(e.to_string()))?;
+        self.sign_request(req, ocm_dn(cluster, &agent), lifetime)
+    }
+
+    /// Signs the public key of `req` with subject `dn`, client-auth usage only, a random serial
+    /// and `lifetime`; nothing else from the request is kept. Returns the certificate PEM.
+    fn sign_request(
+        &self,
+        mut req: rcgen::CertificateSigningRequestParams,
+        dn: DistinguishedName,
+        lifetime: Duration,
+    ) -> Result<String> {
         let mut params = CertificateParams::default();
-        params.distinguished_name = ocm_dn(cluster, &agent);
+        params.distinguished_name = dn;
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         params.serial_number = Some(random_serial());

@@ -16,6 +16,19 @@ pub fn actix_system(workers: Option<usize>) -> actix::SystemRunner {
     })
 }
 
+/// Default tokio worker threads of the data-plane processes (broker, agent): half the CPUs, at
+/// least one.
+///
+/// Every tunnelled byte crosses two tasks of this process (the stream's pump and the HTTP/2
+/// connection task), and the kernel's TCP work of its sockets needs CPU too. With one worker
+/// per CPU, socket events also unpark idle sibling workers that mostly find nothing to do
+/// (a futex wake and two context switches): on 2 CPUs one worker instead of two took about
+/// 25 % less broker+agent CPU per GB of one-stream upload and half the context switches per
+/// request/response round trip (docs/benchmarks.md, tuning log).
+pub fn data_plane_workers() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
+}
+
 /// Writes `json` to `path` atomically (temp file + rename), so a reader never sees half a file.
 pub fn write_ready_file(path: &Path, json: &serde_json::Value) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp");

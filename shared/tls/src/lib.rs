@@ -4,6 +4,7 @@
 //! Layout:
 //! - [`identity`]: who a peer is, read from its certificate's subject CN (OCM conventions for
 //!   managed-cluster agents, `tether:client:<name>` / `tether:broker:<id>` for hub components).
+//! - [`error`]: [`TlsError`], naming the file or the reason.
 //! - [`pem`]: reading certificate chains, keys and CA bundles, with errors naming the file.
 //! - [`reload`]: [`reload::TlsMaterial`] — the current cert/key/CA, re-read from disk when the
 //!   files change; the rustls configs built from it resolve the certificate and verify peers
@@ -11,6 +12,7 @@
 //! - [`pki`]: a certificate authority (generate, load, issue leaf certificates), used by
 //!   `tetherctl init`, the hub's signer and tests.
 
+pub mod error;
 pub mod identity;
 pub mod pem;
 pub mod pki;
@@ -28,4 +30,10 @@ pub const ALPN_RELAY: &[u8] = b"tether-relay/1";
 /// every `main` and test harness (two enabled providers make rustls refuse to pick one).
 pub fn install_default_crypto() {
     let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// Lower-case hex SHA-256 of `bytes`: config and file fingerprints, token hashes.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(bytes))
 }

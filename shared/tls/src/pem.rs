@@ -4,7 +4,7 @@ use std::path::Path;
 
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
 
-use crate::reload::TlsError;
+use crate::error::TlsError;
 
 /// Reads every certificate in a PEM file; fails if there is none.
 pub fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {

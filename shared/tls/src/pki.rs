@@ -1,7 +1,7 @@
 //! A small certificate authority: generate or load a CA, issue leaf certificates.
 //!
 //! Keys are ECDSA P-256. Leaf certificates carry the identity in the subject CN (see
-//! [`crate::identity`]), OCM's organisations, DNS/IP SANs for servers, and the extended key
+//! `identity`), OCM's organisations, DNS/IP SANs for servers, and the extended key
 //! usages their role needs.
 
 use std::time::{Duration, SystemTime};

@@ -30,27 +30,7 @@ use crate::pem;
 /// Default interval between checks of the certificate files.
 pub const DEFAULT_RELOAD_INTERVAL: Duration = Duration::from_secs(10);
 
-/// Errors loading TLS material; each names the file or the reason.
-#[derive(Debug, thiserror::Error)]
-pub enum TlsError {
-    #[error("cannot read {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("{path}: {reason}")]
-    Pem { path: PathBuf, reason: String },
-    #[error("certificate {cert} does not match key {key}: {reason}")]
-    KeyMismatch {
-        cert: PathBuf,
-        key: PathBuf,
-        reason: String,
-    },
-    #[error("CA bundle {path}: {reason}")]
-    Ca { path: PathBuf, reason: String },
-    #[error("TLS configuration error: {0}")]
-    Config(String),
-}
+pub use crate::error::TlsError;
 
 /// Where a component's certificate, key and trusted CA bundle live (the `tls:` section of
 /// every service's config).

@@ -118,7 +118,7 @@ impl Target {
         Ok(Self::host_port(cluster, host.to_ascii_lowercase(), port))
     }
 
-    /// The agent's HTTP service proxy ([`crate::wire::SERVICE_PROXY_DEST`]); only the broker's
+    /// The agent's HTTP service proxy (`wire::SERVICE_PROXY_DEST`); only the broker's
     /// service-proxy front end opens it (client addresses never parse to port 0).
     pub fn service_proxy(cluster: impl Into<String>) -> Self {
         let (host, port) = crate::wire::SERVICE_PROXY_DEST

@@ -1,8 +1,8 @@
-//! [`forward_writes!`](crate::forward_writes): the `AsyncWrite` methods of a wrapper that passes
+//! `forward_writes!`: the `AsyncWrite` methods of a wrapper that passes
 //! writes straight through to one of its fields.
 //!
-//! Transport wrappers here and in the services ([`crate::readahead::ReadAhead`],
-//! [`crate::lingering::LingeringClose`], the broker's reset-on-drop client streams) change how a
+//! Transport wrappers here and in the services (`readahead::ReadAhead`,
+//! `lingering::LingeringClose`, the broker's reset-on-drop client streams) change how a
 //! connection reads or closes but not how it writes. The macro writes the pass-through once, and
 //! includes the vectored writes a hand-written pass-through tends to forget (h2 and rustls write
 //! vectored, and a wrapper without them turns each vectored write into several calls).

@@ -47,14 +47,28 @@ pub struct WindowSampling {
 
 /// [`run_measured`] that also drives the adaptive receive window (the tunnel's single PING user
 /// does both): while data arrives and the window may still grow, a PING goes out every
-/// [`crate::window::SAMPLE_DELAY`] and its round trip is a BDP sample; the keepalive PING
+/// `window::SAMPLE_DELAY` and its round trip is a BDP sample; the keepalive PING
 /// counts as a sample too. The connection task applies the window changes.
 pub async fn run_adaptive(
+    pp: h2::PingPong,
+    interval: Duration,
+    timeout: Duration,
+    rtt_micros: &AtomicU64,
+    sampling: Option<WindowSampling>,
+) -> KeepaliveError {
+    run_probed(pp, interval, timeout, rtt_micros, sampling, None).await
+}
+
+/// [`run_adaptive`] that also sends a PING at once whenever the wedged-tunnel watchdog asks
+/// for one (`watchdog::Progress::probe`): bytes written to the peer went unanswered,
+/// and a live peer must ack the PING within a round trip.
+pub async fn run_probed(
     mut pp: h2::PingPong,
     interval: Duration,
     timeout: Duration,
     rtt_micros: &AtomicU64,
     sampling: Option<WindowSampling>,
+    probe: Option<&crate::watchdog::Progress>,
 ) -> KeepaliveError {
     let changes = sampling.as_ref().and_then(|s| s.changes.clone());
     let mut sampler = sampling
@@ -63,13 +77,23 @@ pub async fn run_adaptive(
         .map(Sampler::new);
     let mut next_keepalive = Instant::now() + FIRST_PING_DELAY.min(interval);
     loop {
+        let probed = async {
+            match probe {
+                Some(p) => p.probe().await,
+                None => std::future::pending().await,
+            }
+        };
         if let Some(s) = sampler.as_ref() {
             tokio::select! {
                 _ = tokio::time::sleep_until(next_keepalive.into()) => {}
                 _ = s.ready() => {}
+                _ = probed => {}
             }
         } else {
-            tokio::time::sleep_until(next_keepalive.into()).await;
+            tokio::select! {
+                _ = tokio::time::sleep_until(next_keepalive.into()) => {}
+                _ = probed => {}
+            }
         }
         if let Some(s) = sampler.as_mut()
             && let Some((old, new)) = s.reset_if_idle(Instant::now())

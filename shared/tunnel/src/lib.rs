@@ -23,6 +23,8 @@
 //! - [`forward_writes!`]: the write pass-through of transport wrappers.
 //! - [`http_proxy`]: hop-by-hop headers and upgrade-aware forwarding for the HTTP service
 //!   proxy (broker and agent ends).
+//! - [`watchdog`]: the wedged-tunnel watchdog (no bytes from the peer while bytes wait for an
+//!   answer: torn down and redialled).
 //! - [`window`]: adaptive receive windows sized to the tunnel's bandwidth × round trip.
 
 pub mod address;
@@ -35,6 +37,7 @@ pub mod pump;
 pub mod readahead;
 pub mod relay;
 pub mod settings;
+pub mod watchdog;
 pub mod window;
 pub mod wire;
 

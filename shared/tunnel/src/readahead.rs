@@ -9,7 +9,7 @@
 //! tunnel holds none.
 //!
 //! It also counts the bytes the tunnel receives for its adaptive window
-//! ([`ReadAhead::count_into`], see [`crate::window`]).
+//! ([`ReadAhead::count_into`], see `window`).
 
 use std::io;
 use std::pin::Pin;
@@ -174,5 +174,38 @@ mod tests {
         let n = r.read(&mut big).await.unwrap();
         assert_eq!(n, 1000);
         assert!(!r.holds_buffer());
+    }
+
+    #[tokio::test]
+    async fn read_ahead_counts_reads_and_wakes_a_waiting_sampler() {
+        use std::time::Duration;
+        let shared = AdaptiveWindow::new(4 << 20, 16 << 20);
+        let (a, mut b) = tokio::io::duplex(1024);
+        let mut io = ReadAhead::new(a);
+        io.count_into(Arc::clone(&shared));
+        let waiter = {
+            let shared = Arc::clone(&shared);
+            tokio::spawn(async move { shared.wait_for_data(5).await })
+        };
+        // Let the waiter register before data arrives.
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while !shared.sampler_waiting() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("sampler waits");
+        // 4 bytes do not reach the trigger; the fifth does.
+        b.write_all(b"hell").await.unwrap();
+        let mut buf = [0u8; 16];
+        assert_eq!(io.read(&mut buf).await.unwrap(), 4);
+        assert!(shared.sampler_waiting(), "woken before 5 bytes");
+        b.write_all(b"o").await.unwrap();
+        assert_eq!(io.read(&mut buf).await.unwrap(), 1);
+        assert_eq!(shared.received(), 5);
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("sampler woken by data")
+            .unwrap();
     }
 }

@@ -1,7 +1,7 @@
 //! Splicing two HTTP/2 streams: how a broker relays a stream it received from a peer broker to
 //! its own tunnel for the cluster.
 //!
-//! Each direction forwards DATA frames with [`crate::pump::send_chunk`] (waiting for the far
+//! Each direction forwards DATA frames with `pump::send_chunk` (waiting for the far
 //! side's window) and releases the near side's capacity only after forwarding, so the two
 //! windows chain: a slow client slows the agent's stream and nothing else. END_STREAM is
 //! forwarded as END_STREAM; an error in either direction resets both streams.

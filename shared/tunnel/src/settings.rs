@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 pub const MAX_WINDOW: u32 = (1 << 31) - 1;
 /// Default per-stream receive window: 4 MiB ≈ 670 Mbit/s at 50 ms RTT per stream.
 pub const DEFAULT_STREAM_WINDOW: u32 = 4 << 20;
-/// Default cap of the adaptive stream window (see [`crate::window`]): 16 MiB keeps one stream
+/// Default cap of the adaptive stream window (see `window`): 16 MiB keeps one stream
 /// at 1 Gbit/s up to ~130 ms RTT.
 pub const DEFAULT_MAX_STREAM_WINDOW: u32 = 16 << 20;
 /// Default HTTP/2 frame size (the maximum is 16 MiB − 1; 256 KiB halves per-frame overhead
@@ -25,6 +25,8 @@ pub const DEFAULT_MAX_FRAME: u32 = 256 << 10;
 pub const DEFAULT_MAX_STREAMS: u32 = 20_000;
 /// Default per-stream send buffer held by h2 before flow-control capacity is granted.
 pub const DEFAULT_SEND_BUFFER: usize = 1 << 20;
+/// Default wedged-tunnel stall timeout (see `stall_timeout`).
+pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default read size from sockets.
 pub const DEFAULT_READ_CHUNK: usize = 256 << 10;
 
@@ -57,6 +59,10 @@ pub struct TunnelSettings {
     /// Time allowed for TCP connect + TLS + HTTP/2 handshake of a tunnel.
     #[serde(with = "humantime_serde")]
     pub handshake_timeout: Duration,
+    /// Wedged-tunnel watchdog (tether_tunnel::watchdog): bytes written to the peer and not
+    /// answered by any byte back for this long tear the tunnel down (suspect at half of it).
+    #[serde(with = "humantime_serde")]
+    pub stall_timeout: Duration,
 }
 
 impl Default for TunnelSettings {
@@ -73,6 +79,7 @@ impl Default for TunnelSettings {
             keepalive_timeout: Duration::from_secs(5),
             write_stall_timeout: Duration::from_secs(120),
             handshake_timeout: Duration::from_secs(10),
+            stall_timeout: DEFAULT_STALL_TIMEOUT,
         }
     }
 }
@@ -115,6 +122,12 @@ impl TunnelSettings {
             return Err((
                 f("keepalive_interval"),
                 "keepalive interval and timeout must be > 0".into(),
+            ));
+        }
+        if self.stall_timeout < Duration::from_millis(100) {
+            return Err((
+                f("stall_timeout"),
+                "must be at least 100ms (a healthy peer needs a round trip to answer)".into(),
             ));
         }
         if self.handshake_timeout.is_zero() || self.write_stall_timeout.is_zero() {

@@ -32,7 +32,7 @@ pub const HEADER_AGENT: &str = "tether-agent";
 pub const HEADER_ERROR: &str = "tether-error";
 pub const HEADER_ERROR_MESSAGE: &str = "tether-error-message";
 
-/// Wire value of [`crate::Dest::ApiServer`].
+/// Wire value of `Dest::ApiServer`.
 pub const APISERVER_DEST: &str = "apiserver";
 /// `tether-target` of a stream to the agent's HTTP service proxy (the broker's service-proxy
 /// front end speaks HTTP/1.1 on it; docs/service-proxy.md). Port 0 is never a real target.

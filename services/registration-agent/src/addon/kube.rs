@@ -37,8 +37,9 @@ use super::runtime::{AddOnRuntime, Observed, RuntimeError};
 
 /// Where the Secret is mounted in the tunnel-agent pod.
 pub const POD_SECRET_DIR: &str = "/etc/tether/addon";
-/// Server-side apply field manager of everything the registration-agent writes.
-pub const FIELD_MANAGER: &str = "tether-registration-agent";
+/// Server-side apply field manager of everything the registration-agent writes (defined with the
+/// hub-credentials Secret store, the lower layer).
+pub use crate::secret::FIELD_MANAGER;
 /// Pod annotation carrying the SHA-256 of the config the pods run.
 pub const CONFIG_HASH_ANNOTATION: &str = "tether.io/config-sha256";
 /// The image's binary the container runs (the image has no ENTRYPOINT).

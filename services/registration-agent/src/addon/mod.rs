@@ -41,6 +41,8 @@ use crate::secret::{FileSecretStore, HubSecretStore};
 use render::RenderSettings;
 use runtime::AddOnRuntime;
 
+/// First retry of a failed add-on lease renewal (then doubling, jittered, up to the interval).
+pub const LEASE_RETRY_INITIAL: Duration = Duration::from_millis(500);
 /// How often the add-on loop looks at the running agent (applied hash, connected brokers,
 /// certificate age).
 pub const TICK: Duration = Duration::from_millis(500);
@@ -195,6 +197,15 @@ impl<R: AddOnRuntime> AddOnAgent<R> {
         });
         let mut fetch_due = Instant::now();
         let mut lease_due: Option<Instant> = None;
+        // A failed add-on lease renewal is retried soon (jittered, doubling up to the renewal
+        // interval), not one whole interval later: the hub's grace is 5 intervals, and a NATS
+        // failover (a silent server given up after ~3 pings) plus a hub-side JetStream blip
+        // can cost two attempts in a row.
+        let mut lease_backoff = tether_runtime::Backoff::new(tether_runtime::BackoffConfig {
+            initial: LEASE_RETRY_INITIAL,
+            max: Duration::from_secs(u64::from(self.s.lease_seconds.max(1))),
+            ..Default::default()
+        });
         let mut last_connected: Option<Vec<String>> = None;
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -324,7 +335,7 @@ impl<R: AddOnRuntime> AddOnAgent<R> {
                     lease_duration_seconds: self.s.lease_seconds,
                     connected_brokers: connected.clone(),
                 };
-                let next = jitter(
+                let mut next = jitter(
                     Duration::from_secs(u64::from(self.s.lease_seconds.max(1))),
                     0.25,
                 );
@@ -336,6 +347,7 @@ impl<R: AddOnRuntime> AddOnAgent<R> {
                 .await
                 {
                     Ok(r) if r.accepted => {
+                        lease_backoff.succeeded();
                         self.metrics
                             .lease_renewals_total
                             .with_label_values(&[&self.s.addon, "ok"])
@@ -354,7 +366,8 @@ impl<R: AddOnRuntime> AddOnAgent<R> {
                             .lease_renewals_total
                             .with_label_values(&[&self.s.addon, "error"])
                             .inc();
-                        tracing::warn!(error = %e, "add-on lease renewal failed");
+                        next = next.min(lease_backoff.failed());
+                        tracing::warn!(error = %e, retry_in = ?next, "add-on lease renewal failed");
                     }
                 }
                 lease_due = Some(Instant::now() + next);

@@ -7,7 +7,6 @@
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
-use sha2::{Digest, Sha256};
 use tether_control::addons::AddOnAgentConfig;
 
 /// File names in the runtime directory.
@@ -168,9 +167,7 @@ pub fn render(
     })
 }
 
-pub fn sha256_hex(b: &[u8]) -> String {
-    hex::encode(Sha256::digest(b))
-}
+pub use tether_tls::sha256_hex;
 
 /// Writes `contents` to `dir/name` atomically (temp file + rename) with `mode`.
 pub fn write_atomic(dir: &Path, name: &str, contents: &str, mode: u32) -> std::io::Result<()> {

@@ -430,6 +430,10 @@ fn upstream_error(e: &hyper_util::client::legacy::Error) -> DialError {
 fn status_response(e: &DialError) -> Response<Body> {
     let status = match e.kind {
         DialErrorKind::Unauthenticated => StatusCode::UNAUTHORIZED,
+        // A fairness budget (budget): kubectl and client-go back off on 429.
+        DialErrorKind::Overloaded if crate::budget::is_budget_error(e) => {
+            StatusCode::TOO_MANY_REQUESTS
+        }
         k => k.status(),
     };
     let reason = match status {
@@ -439,6 +443,7 @@ fn status_response(e: &DialError) -> Response<Body> {
         StatusCode::BAD_REQUEST => "BadRequest",
         StatusCode::GATEWAY_TIMEOUT => "Timeout",
         StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailable",
+        StatusCode::TOO_MANY_REQUESTS => "TooManyRequests",
         _ => "InternalError",
     };
     let body = serde_json::json!({

@@ -5,16 +5,24 @@
 //! merged and de-duplicated), `proxy-url`, and a bootstrap `token`. The hub kubeconfig
 //! (`hub-kubeconfig-secret`'s `kubeconfig`) copies server, CA and proxy-url and points its user
 //! at the `tls.crt` / `tls.key` files next to it.
+//!
+//! The endpoint types and `server` parsing are always built; reading and writing kubeconfig
+//! files with the `kube` crate's types needs feature `kube`, so the broker and the health-prober
+//! (which only parse a NATS URL) do not pull `kube` in.
+#![forbid(unsafe_code)]
 
+#[cfg(feature = "kube")]
 use std::path::Path;
 
+#[cfg(feature = "kube")]
 use base64::Engine;
+#[cfg(feature = "kube")]
 use kube::config::{
     AuthInfo, Cluster, Context, Kubeconfig, NamedAuthInfo, NamedCluster, NamedContext,
 };
 use secrecy::{ExposeSecret, SecretString};
 
-use crate::proxy::{ProxyError, ProxyUrl};
+use tether_proxy::{ProxyError, ProxyUrl};
 
 /// Errors reading a kubeconfig; each names the field or file at fault.
 #[derive(Debug, thiserror::Error)]
@@ -167,6 +175,7 @@ fn parse_one_server(server: &str) -> Option<(String, u16)> {
     Some((h.to_string(), p.parse().ok()?))
 }
 
+#[cfg(feature = "kube")]
 fn current_cluster<'a>(
     kc: &'a Kubeconfig,
     path: &str,
@@ -201,6 +210,7 @@ fn current_cluster<'a>(
     Ok((cluster, user))
 }
 
+#[cfg(feature = "kube")]
 fn endpoint_from(cluster: &Cluster, path: &str) -> Result<HubEndpoint, KubeconfigError> {
     let server = cluster.server.clone().ok_or(KubeconfigError::Missing {
         path: path.to_string(),
@@ -253,6 +263,7 @@ fn endpoint_from(cluster: &Cluster, path: &str) -> Result<HubEndpoint, Kubeconfi
     })
 }
 
+#[cfg(feature = "kube")]
 fn parse_file(path: &Path) -> Result<Kubeconfig, KubeconfigError> {
     let p = path.display().to_string();
     let text = std::fs::read_to_string(path).map_err(|source| KubeconfigError::Read {
@@ -265,6 +276,7 @@ fn parse_file(path: &Path) -> Result<Kubeconfig, KubeconfigError> {
     })
 }
 
+#[cfg(feature = "kube")]
 /// Reads and validates a bootstrap kubeconfig.
 pub fn read_bootstrap(path: &Path) -> Result<BootstrapConfig, KubeconfigError> {
     let p = path.display().to_string();
@@ -286,6 +298,7 @@ pub fn read_bootstrap(path: &Path) -> Result<BootstrapConfig, KubeconfigError> {
     Ok(BootstrapConfig { endpoint, token })
 }
 
+#[cfg(feature = "kube")]
 /// Parses the endpoint of a hub kubeconfig held in memory; `origin` names it in errors.
 pub fn parse_hub_endpoint(text: &str, origin: &str) -> Result<HubEndpoint, KubeconfigError> {
     let kc = Kubeconfig::from_yaml(text).map_err(|e| KubeconfigError::Parse {
@@ -296,6 +309,7 @@ pub fn parse_hub_endpoint(text: &str, origin: &str) -> Result<HubEndpoint, Kubec
     endpoint_from(cluster, origin)
 }
 
+#[cfg(feature = "kube")]
 /// Reads the endpoint of a hub kubeconfig (user = client cert files).
 pub fn read_hub_endpoint(path: &Path) -> Result<HubEndpoint, KubeconfigError> {
     let p = path.display().to_string();
@@ -304,6 +318,7 @@ pub fn read_hub_endpoint(path: &Path) -> Result<HubEndpoint, KubeconfigError> {
     endpoint_from(cluster, &p)
 }
 
+#[cfg(feature = "kube")]
 fn build(
     endpoint: &HubEndpoint,
     cluster_name: &str,
@@ -347,10 +362,12 @@ fn build(
     }
 }
 
+#[cfg(feature = "kube")]
 fn to_yaml(kc: &Kubeconfig) -> Result<String, KubeconfigError> {
     serde_saphyr::to_string(kc).map_err(|e| KubeconfigError::Serialize(e.to_string()))
 }
 
+#[cfg(feature = "kube")]
 /// The bootstrap kubeconfig `tetherctl join` writes.
 pub fn render_bootstrap(endpoint: &HubEndpoint, token: &Token) -> Result<String, KubeconfigError> {
     let user = AuthInfo {
@@ -360,6 +377,7 @@ pub fn render_bootstrap(endpoint: &HubEndpoint, token: &Token) -> Result<String,
     to_yaml(&build(endpoint, "default-cluster", "default-auth", user))
 }
 
+#[cfg(feature = "kube")]
 /// The hub kubeconfig the registration agent writes: same server, CA and proxy-url, user =
 /// `tls.crt` / `tls.key` (relative to the kubeconfig's directory, as OCM mounts the secret).
 pub fn render_hub(endpoint: &HubEndpoint) -> Result<String, KubeconfigError> {
@@ -371,7 +389,7 @@ pub fn render_hub(endpoint: &HubEndpoint) -> Result<String, KubeconfigError> {
     to_yaml(&build(endpoint, "default-cluster", "default-auth", user))
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "kube"))]
 mod tests {
     use super::*;
 

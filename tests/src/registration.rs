@@ -1,12 +1,12 @@
-//! Harness for the registration end-to-end tests: a real nats-server 2.15 (JetStream, TLS, auth
-//! callout) set up by `tetherctl init`, the real addon-manager, real squid / tinyproxy forward
-//! proxies and real registration-agent processes, optionally in network namespaces.
+//! The registration end-to-end harness (formerly `tests/tests/registration_support`, compiled
+//! into a dozen test files; now one module of the `tether-e2e` library next to
+//! [`crate::control_plane`]): a real nats-server 2.15 (JetStream, TLS, auth callout) set up by
+//! `tetherctl init`, the real addon-manager, real squid / tinyproxy forward proxies and real
+//! registration-agent processes, optionally in network namespaces.
 //!
 //! Everything runs on random ports (nats-server `listen: 127.0.0.1:-1` + `ports_file_dir`;
 //! proxies on a port the kernel picked a moment before). Processes are [`Child`]ren killed by
 //! PID on drop; waits poll conditions with deadlines, never fixed sleeps.
-#![allow(dead_code)]
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use tether_test_support::{Child, bin, wait_until};
 
-pub const START_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a process may take to start (the library's one value).
+pub use crate::START_TIMEOUT;
 
 /// nats-server ≥ 2.10 (auth callout): `$TETHER_NATS_SERVER`, `/usr/local/bin/nats-server`
 /// (install-deps.sh links PyPI's 2.15 there), pip's scripts dir, then PATH.

@@ -1,0 +1,369 @@
+//! Add-on reconcile unit tests: [`reconcile_at`] on a [`MemoryStore`] with tokio's paused clock
+//! (no NATS): install strategies, config hashes → Progressing, Degraded, and Available from the
+//! add-on lease and broker presence.
+
+use std::time::Duration;
+
+use serde_json::json;
+use tether_control::addons::{
+    ADC_GROUP, ADC_RESOURCE, AddOnLeaseRenew, AddOnStatusReport, AppliedConfig,
+    ClusterManagementAddOn, ManagedClusterAddOn, addon_key, condition,
+};
+use tether_control::brokers::BrokerPresence;
+use tether_control::clock::{Clock, TokioClock};
+use tether_control::resources::{
+    ManagedCluster, condition as mc_condition, rfc3339, set_condition,
+};
+use tether_control::store::{Bucket, MemoryStore, Store};
+
+use super::{
+    ADDON_LEASE_GRACE_MULTIPLIER, INSTALLED_BY_ANNOTATION, Scope, StatusReport, reconcile_at,
+    record_report, renew_lease,
+};
+
+async fn cluster(store: &MemoryStore, name: &str, accepted: bool, labels: &[(&str, &str)]) {
+    let mut mc = ManagedCluster::new(name);
+    mc.spec.hub_accepts_client = accepted;
+    mc.metadata.labels = labels
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    store.put(Bucket::Clusters, name, &mc).await.unwrap();
+}
+
+async fn cma(
+    store: &MemoryStore,
+    name: &str,
+    strategy: serde_json::Value,
+    defaults: serde_json::Value,
+) {
+    let cma: ClusterManagementAddOn = serde_json::from_value(json!({
+        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+        "kind": "ClusterManagementAddOn",
+        "metadata": {"name": name},
+        "spec": {"installStrategy": strategy, "defaultConfigs": defaults},
+    }))
+    .unwrap();
+    store
+        .put(Bucket::ClusterManagementAddOns, name, &cma)
+        .await
+        .unwrap();
+}
+
+async fn adc(store: &MemoryStore, name: &str, https_proxy: &str) {
+    let adc: tether_control::addons::AddOnDeploymentConfig = serde_json::from_value(json!({
+        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+        "kind": "AddOnDeploymentConfig",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"proxyConfig": {"httpsProxy": https_proxy}},
+    }))
+    .unwrap();
+    store
+        .put(
+            Bucket::AddOnDeploymentConfigs,
+            &format!("default.{name}"),
+            &adc,
+        )
+        .await
+        .unwrap();
+}
+
+async fn mca(store: &MemoryStore, cluster: &str, addon: &str) -> Option<ManagedClusterAddOn> {
+    store
+        .get::<ManagedClusterAddOn>(Bucket::ManagedClusterAddOns, &addon_key(cluster, addon))
+        .await
+        .unwrap()
+        .map(|(m, _)| m)
+}
+
+/// (status, reason) of a condition.
+fn cond(m: &ManagedClusterAddOn, t: &str) -> (String, String) {
+    m.status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == t)
+        .map(|c| (c.status.clone(), c.reason.clone()))
+        .unwrap_or_default()
+}
+
+async fn installed(store: &MemoryStore) -> Vec<String> {
+    store.keys(Bucket::ManagedClusterAddOns).await.unwrap()
+}
+
+async fn pass(store: &MemoryStore, clock: &TokioClock) -> Option<Duration> {
+    reconcile_at(store, None, &Scope::All, clock.now())
+        .await
+        .unwrap()
+        .1
+}
+
+#[tokio::test(start_paused = true)]
+async fn install_strategy_all_label_selector_and_manual() {
+    let store = MemoryStore::new();
+    let clock = TokioClock::new();
+    cluster(&store, "c1", true, &[("env", "prod")]).await;
+    cluster(&store, "c2", true, &[("env", "dev")]).await;
+    cluster(&store, "c3", false, &[("env", "prod")]).await;
+    cma(&store, "everywhere", json!({"type": "All"}), json!([])).await;
+    cma(
+        &store,
+        "prod-only",
+        json!({"type": "LabelSelector", "selector": {"matchLabels": {"env": "prod"}}}),
+        json!([]),
+    )
+    .await;
+    cma(&store, "by-hand", json!({"type": "Manual"}), json!([])).await;
+    pass(&store, &clock).await;
+    assert_eq!(
+        installed(&store).await,
+        ["c1.everywhere", "c1.prod-only", "c2.everywhere"],
+        "accepted clusters the strategy selects; Manual installs nothing"
+    );
+    let m = mca(&store, "c1", "prod-only").await.unwrap();
+    assert!(m.metadata.annotations.contains_key(INSTALLED_BY_ANNOTATION));
+    assert_eq!(store.event_reasons("c1.prod-only"), ["AddOnInstalled"]);
+
+    // A hand-applied add-on stays while its cluster and ClusterManagementAddOn exist.
+    let hand = ManagedClusterAddOn::new("c2", "by-hand");
+    store
+        .put(Bucket::ManagedClusterAddOns, "c2.by-hand", &hand)
+        .await
+        .unwrap();
+    // c1 stops matching the selector, c2 is no longer accepted.
+    cluster(&store, "c1", true, &[("env", "dev")]).await;
+    pass(&store, &clock).await;
+    assert_eq!(
+        installed(&store).await,
+        ["c1.everywhere", "c2.by-hand", "c2.everywhere"]
+    );
+    assert_eq!(
+        store.event_reasons("c1.prod-only"),
+        ["AddOnInstalled", "AddOnRemoved"]
+    );
+    cluster(&store, "c2", false, &[("env", "dev")]).await;
+    pass(&store, &clock).await;
+    assert_eq!(installed(&store).await, ["c1.everywhere"]);
+    // A second pass over an unchanged world writes nothing.
+    let (writes, _) = reconcile_at(&store, None, &Scope::All, clock.now())
+        .await
+        .unwrap();
+    assert_eq!(writes, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn config_hash_change_is_progressing_until_applied_and_missing_config_degrades() {
+    let store = MemoryStore::new();
+    let clock = TokioClock::new();
+    cluster(&store, "c1", true, &[]).await;
+    let defaults = json!([{"group": ADC_GROUP, "resource": ADC_RESOURCE, "name": "proxy"}]);
+    cma(&store, "a", json!({"type": "All"}), defaults).await;
+
+    // The referenced config does not exist yet.
+    pass(&store, &clock).await;
+    let m = mca(&store, "c1", "a").await.unwrap();
+    assert_eq!(
+        cond(&m, condition::DEGRADED),
+        ("True".into(), "ConfigurationNotFound".into())
+    );
+
+    adc(&store, "proxy", "http://proxy-1:3128").await;
+    pass(&store, &clock).await;
+    let m = mca(&store, "c1", "a").await.unwrap();
+    assert_eq!(cond(&m, condition::DEGRADED).0, "False");
+    let h1 = m.status.config_references[0]
+        .desired_config
+        .spec_hash
+        .clone();
+    assert!(!h1.is_empty());
+    assert_eq!(
+        cond(&m, condition::PROGRESSING),
+        ("True".into(), "Configuring".into())
+    );
+
+    // The agent reports h1 applied.
+    let report = |hash: &str| StatusReport {
+        cluster: "c1".into(),
+        addon: "a".into(),
+        report: AddOnStatusReport {
+            applied_configs: vec![AppliedConfig {
+                group: ADC_GROUP.into(),
+                resource: ADC_RESOURCE.into(),
+                namespace: "default".into(),
+                name: "proxy".into(),
+                spec_hash: hash.into(),
+            }],
+        },
+    };
+    record_report(&store, report(&h1)).await.unwrap();
+    let m = mca(&store, "c1", "a").await.unwrap();
+    assert_eq!(
+        cond(&m, condition::PROGRESSING),
+        ("False".into(), "Completed".into())
+    );
+
+    // The config changes: a new desired hash, Progressing again until the agent catches up.
+    adc(&store, "proxy", "http://proxy-2:3128").await;
+    pass(&store, &clock).await;
+    let m = mca(&store, "c1", "a").await.unwrap();
+    let h2 = m.status.config_references[0]
+        .desired_config
+        .spec_hash
+        .clone();
+    assert_ne!(h1, h2, "the spec hash follows the spec");
+    assert_eq!(cond(&m, condition::PROGRESSING).0, "True");
+    assert!(
+        store
+            .event_reasons("c1.a")
+            .contains(&"AddOnConfigChanged".to_string())
+    );
+    record_report(&store, report(&h1)).await.unwrap();
+    assert_eq!(
+        cond(
+            &mca(&store, "c1", "a").await.unwrap(),
+            condition::PROGRESSING
+        )
+        .0,
+        "True",
+        "an old hash is not the desired one"
+    );
+    record_report(&store, report(&h2)).await.unwrap();
+    assert_eq!(
+        cond(
+            &mca(&store, "c1", "a").await.unwrap(),
+            condition::PROGRESSING
+        )
+        .0,
+        "False"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn available_follows_the_addon_lease_and_every_live_broker() {
+    const LEASE_S: u32 = 10;
+    let store = MemoryStore::new();
+    let clock = TokioClock::new();
+    cluster(&store, "c1", true, &[]).await;
+    cma(&store, "a", json!({"type": "All"}), json!([])).await;
+    pass(&store, &clock).await;
+    let available = |m: ManagedClusterAddOn| cond(&m, condition::AVAILABLE);
+    assert_eq!(
+        available(mca(&store, "c1", "a").await.unwrap()),
+        ("Unknown".into(), "WaitingForLease".into())
+    );
+
+    let renew = |brokers: &[&str]| AddOnLeaseRenew {
+        holder_identity: "agent-1".into(),
+        lease_duration_seconds: LEASE_S,
+        connected_brokers: brokers.iter().map(|b| b.to_string()).collect(),
+    };
+    // A lease for an add-on that is not installed is refused.
+    let r = renew_lease(&store, "c9", "a", renew(&[]), clock.now())
+        .await
+        .unwrap();
+    assert!(!r.accepted && r.message.contains("not installed"), "{r:?}");
+    let r = renew_lease(&store, "c1", "a", renew(&[]), clock.now())
+        .await
+        .unwrap();
+    assert!(r.accepted);
+    // No broker announced: the lease alone decides.
+    let next = pass(&store, &clock).await.expect("a lease deadline");
+    let grace = Duration::from_secs(u64::from(LEASE_S * ADDON_LEASE_GRACE_MULTIPLIER));
+    assert!(
+        next <= grace && next > grace - Duration::from_secs(1),
+        "{next:?}"
+    );
+    assert_eq!(available(mca(&store, "c1", "a").await.unwrap()).0, "True");
+
+    // Two live brokers, only b1 holds a tunnel of c1 (what the agent claims does not count).
+    let presence = |id: &str, clusters: &[&str]| BrokerPresence {
+        id: id.into(),
+        agent_addresses: vec![format!("{id}:8443")],
+        server_name: id.into(),
+        clusters: clusters.iter().map(|c| c.to_string()).collect(),
+        renew_time: rfc3339(clock.now()),
+        lease_duration_seconds: 2,
+        ..Default::default()
+    };
+    store
+        .put(Bucket::Brokers, "b1", &presence("b1", &["c1"]))
+        .await
+        .unwrap();
+    store
+        .put(Bucket::Brokers, "b2", &presence("b2", &[]))
+        .await
+        .unwrap();
+    renew_lease(&store, "c1", "a", renew(&["b1", "b2"]), clock.now())
+        .await
+        .unwrap();
+    pass(&store, &clock).await;
+    let m = mca(&store, "c1", "a").await.unwrap();
+    assert_eq!(
+        available(m.clone()),
+        ("False".into(), "ProxyAgentNotConnected".into())
+    );
+    let msg = &m
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == condition::AVAILABLE)
+        .unwrap()
+        .message;
+    assert!(msg.contains("b2") && msg.contains("connected: b1"), "{msg}");
+
+    // b2 dies silently: 3 missed renewals later it is no longer live, Available is True again.
+    tokio::time::advance(Duration::from_secs(7)).await;
+    store
+        .put(Bucket::Brokers, "b1", &presence("b1", &["c1"]))
+        .await
+        .unwrap();
+    renew_lease(&store, "c1", "a", renew(&["b1"]), clock.now())
+        .await
+        .unwrap();
+    pass(&store, &clock).await;
+    assert_eq!(available(mca(&store, "c1", "a").await.unwrap()).0, "True");
+
+    // The agent stops renewing: False after leaseDurationSeconds × the grace multiplier.
+    tokio::time::advance(grace - Duration::from_secs(1)).await;
+    store
+        .put(Bucket::Brokers, "b1", &presence("b1", &["c1"]))
+        .await
+        .unwrap();
+    pass(&store, &clock).await;
+    assert_eq!(available(mca(&store, "c1", "a").await.unwrap()).0, "True");
+    tokio::time::advance(Duration::from_secs(2)).await;
+    pass(&store, &clock).await;
+    assert_eq!(
+        available(mca(&store, "c1", "a").await.unwrap()),
+        (
+            "False".into(),
+            "ManagedClusterAddOnLeaseUpdateStopped".into()
+        )
+    );
+
+    // A cluster whose own lease expired makes its add-ons Unknown, whatever their lease says.
+    renew_lease(&store, "c1", "a", renew(&["b1"]), clock.now())
+        .await
+        .unwrap();
+    let (mut mc, rev) = store
+        .get::<ManagedCluster>(Bucket::Clusters, "c1")
+        .await
+        .unwrap()
+        .unwrap();
+    set_condition(
+        &mut mc.status.conditions,
+        mc_condition::AVAILABLE,
+        "Unknown",
+        "ManagedClusterLeaseUpdateStopped",
+        "",
+    );
+    store
+        .update(Bucket::Clusters, "c1", &mc, rev)
+        .await
+        .unwrap()
+        .unwrap();
+    pass(&store, &clock).await;
+    assert_eq!(
+        available(mca(&store, "c1", "a").await.unwrap()),
+        ("Unknown".into(), "ClusterUnknown".into())
+    );
+}

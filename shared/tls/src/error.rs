@@ -1,0 +1,25 @@
+//! The error of loading TLS material, shared by `pem` and `reload`.
+
+use std::path::PathBuf;
+
+/// Errors loading TLS material; each names the file or the reason.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {reason}")]
+    Pem { path: PathBuf, reason: String },
+    #[error("certificate {cert} does not match key {key}: {reason}")]
+    KeyMismatch {
+        cert: PathBuf,
+        key: PathBuf,
+        reason: String,
+    },
+    #[error("CA bundle {path}: {reason}")]
+    Ca { path: PathBuf, reason: String },
+    #[error("TLS configuration error: {0}")]
+    Config(String),
+}

@@ -1,0 +1,302 @@
+//! Wedged-tunnel watchdog: a tunnel whose connection is up but moves no bytes is torn down.
+//!
+//! An HTTP/2 PING alone does not catch every wedge quickly: it goes out once per keepalive
+//! interval, and while streams wait a tunnel can sit for that whole interval before anyone asks.
+//! The watchdog looks at the transport itself, **below TLS**: [`ProgressIo`] wraps the socket
+//! and notes when this end wrote bytes that the peer has not answered yet (the first write
+//! after the last read). A healthy peer always answers within a round trip of being asked, so:
+//!
+//! - once bytes go unanswered for [`Watchdog::tick`] (a quarter of `stall_timeout`), the
+//!   watchdog asks the keepalive loop for an immediate PING ([`Progress::probe`]), which a live
+//!   peer must ack;
+//! - after half of `stall_timeout` unanswered the tunnel is *suspect*: the broker sends new
+//!   streams elsewhere ([`Progress::is_suspect`]);
+//! - after `stall_timeout` unanswered it is *wedged*: [`Watchdog::run`] returns, and the owner
+//!   tears the connection down (its streams end with an error) and the agent redials.
+//!
+//! Detection time: at most `stall_timeout + tick` after the first unanswered write (a stream's
+//! data, a dial, a window update); on an idle tunnel the keepalive PING is that write, so at
+//! most `keepalive_interval + 1.25 × stall_timeout`. A write blocked because the socket buffer
+//! is full also starts the clock (the peer is not reading), so a link that drops packets and one
+//! that stops reading are both caught, whether or not a FIN or RST ever arrives.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::Notify;
+
+/// Shortest watchdog tick (a tiny `stall_timeout` must not turn it into a busy loop).
+pub const MIN_TICK: Duration = Duration::from_millis(10);
+
+/// Transport progress of one tunnel connection, shared by its [`ProgressIo`], its watchdog and
+/// its keepalive loop.
+#[derive(Debug)]
+pub struct Progress {
+    epoch: Instant,
+    /// Milliseconds since `epoch` (+1) of the first write not yet followed by a read; 0: none.
+    unanswered_since: AtomicU64,
+    suspect: AtomicBool,
+    probe: Notify,
+}
+
+impl Default for Progress {
+    fn default() -> Self {
+        Self {
+            epoch: Instant::now(),
+            unanswered_since: AtomicU64::new(0),
+            suspect: AtomicBool::new(false),
+            probe: Notify::new(),
+        }
+    }
+}
+
+impl Progress {
+    pub fn new() -> Arc<Self> {
+        Arc::default()
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1
+    }
+
+    /// Bytes arrived from the peer: everything written so far counts as answered.
+    pub fn on_read(&self) {
+        if self.unanswered_since.load(Ordering::Relaxed) != 0 {
+            self.unanswered_since.store(0, Ordering::Relaxed);
+        }
+        if self.suspect.load(Ordering::Relaxed) {
+            self.suspect.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// Bytes were written (or a write is blocked): the peer owes an answer from now on.
+    pub fn on_write(&self) {
+        if self.unanswered_since.load(Ordering::Relaxed) == 0 {
+            let _ = self.unanswered_since.compare_exchange(
+                0,
+                self.now_ms(),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// How long bytes written to the peer have gone unanswered, if any have.
+    pub fn unanswered(&self) -> Option<Duration> {
+        match self.unanswered_since.load(Ordering::Relaxed) {
+            0 => None,
+            since => Some(Duration::from_millis(self.now_ms().saturating_sub(since))),
+        }
+    }
+
+    /// The peer has not answered for half the stall timeout: avoid the tunnel for new streams.
+    pub fn is_suspect(&self) -> bool {
+        self.suspect.load(Ordering::Relaxed)
+    }
+
+    /// Resolves when the watchdog wants an immediate PING (the keepalive loop waits on it).
+    pub async fn probe(&self) {
+        self.probe.notified().await
+    }
+}
+
+/// Why [`Watchdog::run`] returned: the tunnel is wedged.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(
+    "tunnel wedged: bytes written {}ms ago are still unanswered (stall timeout {}ms); \
+     the connection is up but moves no bytes",
+    unanswered.as_millis(),
+    stall_timeout.as_millis()
+)]
+pub struct Wedged {
+    pub unanswered: Duration,
+    pub stall_timeout: Duration,
+}
+
+/// The watchdog of one tunnel connection.
+#[derive(Debug, Clone)]
+pub struct Watchdog {
+    pub progress: Arc<Progress>,
+    pub stall_timeout: Duration,
+}
+
+impl Watchdog {
+    pub fn new(progress: Arc<Progress>, stall_timeout: Duration) -> Self {
+        Self {
+            progress,
+            stall_timeout,
+        }
+    }
+
+    /// How often progress is checked: a quarter of the stall timeout.
+    pub fn tick(&self) -> Duration {
+        (self.stall_timeout / 4).max(MIN_TICK)
+    }
+
+    /// Worst-case time from the first unanswered write to [`Watchdog::run`] returning.
+    pub fn detection_bound(&self) -> Duration {
+        self.stall_timeout + self.tick()
+    }
+
+    /// Watches until the tunnel is wedged; cancel it by dropping the future.
+    pub async fn run(&self) -> Wedged {
+        let tick = self.tick();
+        let mut interval = tokio::time::interval(tick);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            interval.tick().await;
+            let Some(waited) = self.progress.unanswered() else {
+                continue;
+            };
+            if waited >= self.stall_timeout {
+                return Wedged {
+                    unanswered: waited,
+                    stall_timeout: self.stall_timeout,
+                };
+            }
+            if waited >= self.stall_timeout / 2 {
+                self.progress.suspect.store(true, Ordering::Relaxed);
+            }
+            if waited >= tick {
+                self.progress.probe.notify_one();
+            }
+        }
+    }
+}
+
+/// A transport wrapper that reports reads and writes to a [`Progress`] (put it right on the
+/// socket, below TLS, so every byte counts and nothing buffered above hides a stall).
+pub struct ProgressIo<T> {
+    inner: T,
+    progress: Arc<Progress>,
+}
+
+impl<T> ProgressIo<T> {
+    pub fn new(inner: T, progress: Arc<Progress>) -> Self {
+        Self { inner, progress }
+    }
+
+    pub fn get_ref(&self) -> &T {
+        &self.inner
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for ProgressIo<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let me = self.get_mut();
+        let before = buf.filled().len();
+        let r = Pin::new(&mut me.inner).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            me.progress.on_read();
+        }
+        r
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for ProgressIo<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let me = self.get_mut();
+        let r = Pin::new(&mut me.inner).poll_write(cx, buf);
+        if !buf.is_empty() && !matches!(r, Poll::Ready(Err(_))) {
+            me.progress.on_write();
+        }
+        r
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let me = self.get_mut();
+        let r = Pin::new(&mut me.inner).poll_write_vectored(cx, bufs);
+        if bufs.iter().any(|b| !b.is_empty()) && !matches!(r, Poll::Ready(Err(_))) {
+            me.progress.on_write();
+        }
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::tcp_pair;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[tokio::test]
+    async fn answered_writes_never_wedge_and_silence_does() {
+        let (a, mut b) = tcp_pair().await;
+        let progress = Progress::new();
+        let mut a = ProgressIo::new(a, Arc::clone(&progress));
+        let dog = Watchdog::new(Arc::clone(&progress), Duration::from_millis(200));
+        // A peer that answers every write keeps the clock at zero.
+        let run = dog.run();
+        tokio::pin!(run);
+        for _ in 0..10 {
+            a.write_all(b"ping").await.unwrap();
+            assert!(progress.unanswered().is_some());
+            let mut buf = [0u8; 4];
+            b.read_exact(&mut buf).await.unwrap();
+            b.write_all(b"pong").await.unwrap();
+            a.read_exact(&mut buf).await.unwrap();
+            assert!(progress.unanswered().is_none());
+            tokio::select! {
+                w = &mut run => panic!("wedged while answered: {w}"),
+                _ = tokio::time::sleep(Duration::from_millis(30)) => {}
+            }
+        }
+        // An unanswered write: suspect, then wedged within the bound.
+        let started = Instant::now();
+        a.write_all(b"hello?").await.unwrap();
+        let w = run.await;
+        let took = started.elapsed();
+        assert!(progress.is_suspect());
+        assert!(w.unanswered >= Duration::from_millis(200), "{w}");
+        assert!(
+            took <= dog.detection_bound() + Duration::from_millis(100),
+            "{took:?}"
+        );
+        assert!(w.to_string().contains("stall timeout 200ms"), "{w}");
+    }
+
+    #[tokio::test]
+    async fn the_watchdog_asks_for_a_probe() {
+        let progress = Progress::new();
+        let dog = Watchdog::new(Arc::clone(&progress), Duration::from_millis(400));
+        progress.on_write();
+        let run = dog.run();
+        tokio::pin!(run);
+        tokio::select! {
+            _ = &mut run => panic!("wedged before probing"),
+            _ = progress.probe() => {}
+        }
+        // The probe's answer clears the clock and the suspicion.
+        progress.on_read();
+        assert!(progress.unanswered().is_none() && !progress.is_suspect());
+    }
+}
