@@ -437,6 +437,14 @@ const LAG_TICK: Duration = Duration::from_millis(5);
 pub const MIN_SHARE_BYTES: u64 = 512 << 10;
 /// Periods a cluster counts as flooding after a budget refused it (2 s).
 const FLOODING_PERIODS: u64 = 40;
+/// Periods (2 s) the CPU must stay free before the broker counts as uncontended again.
+/// On a quiet host contention comes in bursts — the other clusters' requests and transfers —
+/// and a paced flood that grew back in every quiet gap between them (a quarter more per 50 ms
+/// period: unpaced again within ~0.5 s) would be at full speed when the next burst arrives and
+/// take its CPU until the controller notices again (the likely cause of the victims' 80–102 %
+/// throughput on a quiet machine; on a loaded one the CPU is contended all along and the flood
+/// stays at 10 MiB/s while they are measured).
+pub const CALM_PERIODS: u64 = 40;
 /// Periods (1 s) a cluster must move most of the broker's bytes, while the CPU is contended and
 /// other clusters hold streams, to count as flooding without any budget refusal (a flood that
 /// stays within its stream budget but pushes bytes). A burst — one transfer of a few MiB — is
@@ -655,6 +663,8 @@ pub struct FairShare {
     /// Runtime lag above which the broker counts as contended.
     lag_target: Duration,
     lag_micros: AtomicU64,
+    /// Consecutive periods without contention.
+    calm: AtomicU64,
     paced: prometheus::IntGauge,
 }
 
@@ -673,6 +683,7 @@ impl FairShare {
             clusters: Mutex::default(),
             lag_target,
             lag_micros: AtomicU64::new(0),
+            calm: AtomicU64::new(CALM_PERIODS),
             paced,
         })
     }
@@ -728,7 +739,8 @@ impl FairShare {
         }
     }
 
-    /// One control step (public for tests): `contended` says whether the CPU is contended.
+    /// One control step (public for tests): `contended` says whether the CPU was contended
+    /// this period; the broker counts as contended until [`CALM_PERIODS`] in a row were not.
     ///
     /// A cluster *floods* while a budget refused it in the last 2 s, or after it was *heavy*
     /// for [`SUSTAINED_HEAVY_PERIODS`] in a row — it moved more than half of the broker's bytes
@@ -739,6 +751,13 @@ impl FairShare {
     /// that no longer floods (or once the CPU is free) gets a quarter more per period, and the
     /// limit is lifted once it uses under half of it.
     pub fn adjust(&self, contended: bool) {
+        let calm = if contended {
+            self.calm.store(0, Ordering::Relaxed);
+            0
+        } else {
+            self.calm.fetch_add(1, Ordering::Relaxed).saturating_add(1)
+        };
+        let contended = calm < CALM_PERIODS;
         let mut m = self.clusters.lock().unwrap_or_else(|p| p.into_inner());
         // Forget clusters no stream holds any more.
         m.retain(|_, r| Arc::strong_count(r) > 1);
@@ -932,6 +951,16 @@ mod share_tests {
             s.adjust(true);
         }
         assert!(light.pause_for(1 << 20).is_none(), "only floods are paced");
+        // A quiet gap shorter than CALM_PERIODS between the others' bursts does not lift it.
+        for _ in 0..CALM_PERIODS - 1 {
+            let _ = flood.pause_for(MIN_SHARE_BYTES as usize);
+            s.mark_flooding("flood");
+            s.adjust(false);
+        }
+        assert!(
+            flood.pause_for(1 << 20).is_some(),
+            "still paced in a short calm gap"
+        );
         // Without contention the limit grows back and is lifted.
         for _ in 0..200 {
             s.adjust(false);
