@@ -225,9 +225,14 @@ async fn a_byte_flood_within_its_budget_cannot_starve_the_others() -> anyhow::Re
     fairness(FLOOD_STREAMS / 2, usize::MAX, false).await
 }
 
+/// The flood tests run one at a time (the test harness runs tests in parallel): each measures
+/// the victims against the machine without another test's flood.
+static ONE_FLOOD_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// The fairness run with `loops` flood loops, each pushing `bytes_per_stream` per stream;
 /// `refused`: whether the flood exceeds its budget (else it must never be refused).
 async fn fairness(loops: usize, bytes_per_stream: usize, refused: bool) -> anyhow::Result<()> {
+    let _serial = ONE_FLOOD_AT_A_TIME.lock().await;
     let hub = Hub::new()?;
     let echo = echo_server().await?;
     let broker = hub.start_broker("b1", &budgets_yaml())?;
