@@ -15,8 +15,8 @@
 //!
 //! - victims keep ≥ 80 % of their unloaded throughput and at most 1/0.8 = 1.25 × their unloaded
 //!   latency: the median over [`ROUNDS`] of each round's flooded / unloaded ratio (a flooded
-//!   round is compared with the unloaded round just before it, so the machine's other load,
-//!   which drifts over seconds, cancels out) — whenever the machine lets the test measure a
+//!   round is compared with the unloaded rounds just before and after it, so the machine's
+//!   other load, which drifts over seconds, cancels out) — whenever the machine lets the test measure a
 //!   20 % difference at all (see [`DECIDABLE_SPREAD`]; else a looser latency bound, said so);
 //! - every victim dial succeeds; refusals are 503s naming the budget, counted in
 //!   `tether_broker_budget_rejections_total{budget,owner="flood"}`; the flood's open streams
@@ -279,7 +279,8 @@ async fn fairness(loops: usize, bytes_per_stream: usize, refused: bool) -> anyho
                 .sum::<f64>(),
         )
     };
-    for _ in 0..ROUNDS {
+    // Unloaded before every flooded round and once after the last (see the ratios below).
+    for round in 0..=ROUNDS {
         flood.send("idle").await?;
         tether_test_support::wait_until_async(
             Duration::from_secs(20),
@@ -289,6 +290,9 @@ async fn fairness(loops: usize, bytes_per_stream: usize, refused: bool) -> anyho
         .await?;
         for (i, v) in victims.iter().enumerate() {
             unloaded[i].push(measure(broker.client_addr, v).await?);
+        }
+        if round == ROUNDS {
+            break;
         }
         let (rejected_before, delivered_before) = (
             flood_rejections(broker.admin_addr).await?,
@@ -359,7 +363,6 @@ async fn fairness(loops: usize, bytes_per_stream: usize, refused: bool) -> anyho
         );
         flood_time += flood_started.elapsed();
     }
-    flood.send("idle").await?;
     let stats = flood.stats().await?;
     flood.stop().await?;
     drop(watches);
@@ -418,14 +421,23 @@ async fn fairness(loops: usize, bytes_per_stream: usize, refused: bool) -> anyho
         let mut base: Vec<f64> = unloaded[i].iter().map(|f| f.throughput).collect();
         base.sort_by(f64::total_cmp);
         worst_spread = worst_spread.max(base[base.len() - 2] / base[1]);
-        let pairs = unloaded[i].iter().zip(&loaded[i]);
+        // Each flooded round against the unloaded rounds just before and just after it
+        // (geometric mean): the machine's other load, drifting over seconds, cancels out.
+        let around = |r: usize, f: &dyn Fn(&Figures) -> f64| {
+            (f(&unloaded[i][r]) * f(&unloaded[i][r + 1])).sqrt()
+        };
         let lat = median(
-            pairs
-                .clone()
-                .map(|(u, l)| l.latency.as_secs_f64() / u.latency.as_secs_f64())
+            (0..ROUNDS)
+                .map(|r| {
+                    loaded[i][r].latency.as_secs_f64() / around(r, &|f| f.latency.as_secs_f64())
+                })
                 .collect(),
         );
-        let thr = median(pairs.map(|(u, l)| l.throughput / u.throughput).collect());
+        let thr = median(
+            (0..ROUNDS)
+                .map(|r| loaded[i][r].throughput / around(r, &|f| f.throughput))
+                .collect(),
+        );
         worst_latency = worst_latency.max(lat);
         worst_throughput = worst_throughput.min(thr);
         let show = |f: &[Figures]| {
