@@ -272,6 +272,9 @@ async fn fairness(loops: usize, bytes_per_stream: usize, refused: bool) -> anyho
     let mut flood_time = Duration::ZERO;
     // The flood's delivery rate while the victims were measured, per round.
     let mut flood_rates = Vec::new();
+    // How long the flood's streams took to end after it went idle, per round (seconds on a
+    // loaded machine: the nice-19 flood process itself is scheduled late to reset them).
+    let mut close_waits = Vec::new();
     let open_flood_streams = || async {
         let (_, body) = tether_e2e::admin_get(broker.admin_addr, "/debug/tunnels")
             .await
@@ -288,6 +291,7 @@ async fn fairness(loops: usize, bytes_per_stream: usize, refused: bool) -> anyho
     // Unloaded before every flooded round and once after the last (see the ratios below).
     for round in 0..=ROUNDS {
         flood.send("idle").await?;
+        let idled = Instant::now();
         if let Err(e) = tether_test_support::wait_until_async(
             Duration::from_secs(60),
             "the flood's streams to close",
@@ -298,6 +302,7 @@ async fn fairness(loops: usize, bytes_per_stream: usize, refused: bool) -> anyho
             let (_, tunnels) = tether_e2e::admin_get(broker.admin_addr, "/debug/tunnels").await?;
             anyhow::bail!("round {round}: {e}; tunnels: {tunnels}");
         }
+        close_waits.push(idled.elapsed());
         for (i, v) in victims.iter().enumerate() {
             unloaded[i].push(measure(broker.client_addr, v).await?);
         }
@@ -474,6 +479,7 @@ async fn fairness(loops: usize, bytes_per_stream: usize, refused: bool) -> anyho
             show(&loaded[i]),
         );
     }
+    eprintln!("the flood's streams ended after it went idle in {close_waits:.1?}");
     eprintln!(
         "flood while the victims were measured, per round: {}",
         flood_rates
