@@ -272,8 +272,10 @@ async fn fairness(loops: usize, bytes_per_stream: usize, refused: bool) -> anyho
     let mut flood_time = Duration::ZERO;
     // The flood's delivery rate while the victims were measured, per round.
     let mut flood_rates = Vec::new();
-    // How long the flood's streams took to end after it went idle, per round (seconds on a
-    // loaded machine: the nice-19 flood process itself is scheduled late to reset them).
+    // How long the flood's streams took to end after it went idle, per round. Seconds on a
+    // loaded machine: a paced stream notices its client's reset only after its current pause
+    // (at most 2 s), and the nice-19 flood process is scheduled late (1.2–3.6 s measured at
+    // normal priority, 2.9–16 s at nice 19, load average 12).
     let mut close_waits = Vec::new();
     let open_flood_streams = || async {
         let (_, body) = tether_e2e::admin_get(broker.admin_addr, "/debug/tunnels")
