@@ -1,62 +1,83 @@
-//! Fairness budgets (tunnel-broker `budget` module) through a real broker and real agents:
-//! three clusters on one broker, one of them (`flood`) flooded by a client that opens streams
-//! as fast as it can and pushes bytes on every stream it gets, while the other two (`victim-1`,
-//! `victim-2`) are measured — request/response latency (median of small echoes on a held
-//! stream) and throughput (an echo transfer) — first unloaded, then under the flood, in the
-//! same test. Asserted:
+//! Fairness budgets and the CPU share (tunnel-broker `budget` module) through a real broker and
+//! real agents: three clusters on one broker, one of them (`flood`) flooded by a client that
+//! opens streams and pushes bytes as fast as it can, while the other two (`victim-1`,
+//! `victim-2`) are measured — request/response latency (median of small echoes on a fresh
+//! stream) and throughput (an echo transfer) — alternately unloaded and under the flood, in the
+//! same test. Two floods:
 //!
-//! - the flood is held to its cluster's budget: refusals are 503s naming the budget and limit,
-//!   counted in `tether_broker_budget_rejections_total{budget,owner="flood"}`, and the broker's
-//!   open streams of that cluster never exceed `max_streams_per_cluster`;
-//! - every victim dial still succeeds, and victims' latency and throughput are compared with
-//!   their unloaded figures, medians over alternating unloaded and flooded rounds (the 80 %
-//!   criterion with `TETHER_FAIRNESS_STRICT` set, a looser default, see [`STRICT_ENV`]);
-//! - the broker's resident memory stays under the documented bound;
-//! - (second test) a client's budget spans clusters, is refused with a 503 naming it, and is
-//!   given back when its streams close.
+//! - [`one_flooding_cluster_cannot_starve_the_others`]: twice as many loops as the cluster's
+//!   stream budget, so the budget refuses some all the time;
+//! - [`a_byte_flood_within_its_budget_cannot_starve_the_others`]: half the stream budget, never
+//!   refused, pushing bytes on streams it never ends (paced once it has moved most of the broker's bytes
+//!   for `SUSTAINED_HEAVY_PERIODS` while the CPU is contended).
+//!
+//! Asserted, by default (no opt-in):
+//!
+//! - victims keep ≥ 80 % of their unloaded throughput and at most 1/0.8 = 1.25 × their unloaded
+//!   latency: the median over [`ROUNDS`] of each round's flooded / unloaded ratio (a flooded
+//!   round is compared with the unloaded rounds just before and after it, so the machine's
+//!   other load, which drifts over seconds, cancels out) — whenever the machine lets the test measure a
+//!   20 % difference at all (see [`DECIDABLE_SPREAD`]; else a looser latency bound, said so);
+//! - every victim dial succeeds; refusals are 503s naming the budget, counted in
+//!   `tether_broker_budget_rejections_total{budget,owner="flood"}`; the flood's open streams
+//!   never exceed `max_streams_per_cluster`; the broker paced the flood;
+//! - the flood still floods while the victims are measured (refusals or bytes keep coming);
+//! - the broker's resident memory grows under the flood by at most the flooded cluster's
+//!   documented bound ([`FLOOD_MEMORY_BOUND_BYTES`]) and stays under [`RSS_BOUND_BYTES`].
+//!
+//! How the flood is modelled (why the first version passed only 6 of 8 strict runs): the flood's
+//! client and target would run on other machines than the broker, but here they share the
+//! machine's 2 cores with the broker and the victims' client and echo server (the measuring
+//! instrument). Inside the test process the flood generator took the victims' CPU outside the
+//! broker's control. So the flood's client and sink run in their own process (`tether-flood`,
+//! `tests/src/bin/flood.rs`) and, with the flooded cluster's agent, at the lowest CPU priority
+//! (`nice 19`) — the broker, the victims' agents, client and targets keep normal priority.
+//! (A third test checks a client's budget across clusters.)
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use tether_e2e::{
     Hub, OPS_TOKEN, Payload, connect, connect_ok, echo_server, echo_transfer, metric, qualified,
     rate, wait_agent_ready, wait_tunnel,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 
 const FLOOD_STREAMS: usize = 16;
 const FLOOD_PENDING: usize = 8;
-/// Concurrent flood loops (each: CONNECT, push bytes, repeat) — twice the budget, so the
-/// budget refuses some all the time.
-const FLOOD_LOOPS: usize = 2 * FLOOD_STREAMS;
-/// Bytes a flood stream pushes before it closes and dials again.
-const FLOOD_BYTES_PER_STREAM: usize = 4 << 20;
 const ECHOES: usize = 200;
 const TRANSFER: u64 = 16 << 20;
 /// The flood's delivery rate (bytes/s at its agent) below which it is in its paced steady
 /// state (the broker paces a flooding cluster to 10 MiB/s; 2× for measurement slack).
 const STEADY_FLOOD_BYTES_PER_SEC: f64 = 20.0 * 1024.0 * 1024.0;
-/// Rounds of (unloaded, flooded) measurements; medians are compared.
-const ROUNDS: usize = 3;
-/// With this set the product's criterion is asserted: victims keep ≥ 80 % of their unloaded
-/// throughput and at most 1/0.8 = 1.25 × their unloaded latency. By default only the latency
-/// is asserted, with a looser bound that still fails without the budgets, the refusal pause and
-/// the CPU share (measured without them: 15–88 × latency): on a shared 2-core CI machine the
-/// flood's client, agent and sink compete with the victims for the same cores outside the
-/// broker's control, and other jobs' load makes throughput figures swing ±50 % between runs.
-/// The figures are printed either way.
-const STRICT_ENV: &str = "TETHER_FAIRNESS_STRICT";
-const DEFAULT_MAX_LATENCY: f64 = 3.0;
+/// Rounds of (unloaded, flooded) measurements; the median of the per-round ratios is compared.
+const ROUNDS: usize = 7;
+/// The product's criterion: ≥ 80 % of unloaded throughput, ≤ 1/0.8 × unloaded latency.
+const MIN_THROUGHPUT: f64 = 0.8;
+const MAX_LATENCY: f64 = 1.25;
+/// The criterion can only be decided when the machine lets the test measure 20 % differences:
+/// the victims' *unloaded* throughput, median-normalised, must stay within this spread
+/// (largest / smallest of the middle rounds, i.e. without the fastest and slowest). On a
+/// quiet machine it is ~1.1–1.3; while other jobs load the cores (load average 10+ on 2 cores)
+/// the same unloaded transfer swings 3–4× between rounds, and no 20 % bound is measurable.
+/// Then the test says so and asserts [`NOISY_MAX_LATENCY`] instead, which still fails without
+/// the budgets and the CPU share (15–88 × latency measured without them).
+const DECIDABLE_SPREAD: f64 = 1.6;
+const NOISY_MAX_LATENCY: f64 = 3.0;
 /// Documented bound of the broker's resident memory in this test (docs/architecture.md,
 /// "Fairness"): the budgets bound buffers to 16 flood streams × (16 MiB window + 256 KiB
 /// chunk) at worst plus the victims; 512 MiB leaves room for the runtime, TLS and the debug
 /// build.
 const RSS_BOUND_BYTES: u64 = 512 << 20;
+/// The flooded cluster's documented memory bound (docs/architecture.md, "Fairness"):
+/// `max_buffered_bytes_per_cluster` × 1 agent + `max_streams_per_cluster` × `read_chunk_bytes`
+/// (256 KiB by default). The broker's RSS may grow by at most this under the flood.
+const FLOOD_MEMORY_BOUND_BYTES: u64 = FLOOD_BUFFERED_BYTES + FLOOD_STREAMS as u64 * (256 << 10);
+const FLOOD_BUFFERED_BYTES: u64 = 64 << 20;
 
 fn budgets_yaml() -> String {
     format!(
-        "budgets:\n  max_streams_per_cluster: {FLOOD_STREAMS}\n  max_pending_dials_per_cluster: {FLOOD_PENDING}\n  max_streams_per_client: 10000\n  max_pending_dials_per_client: 10000\n  max_buffered_bytes_per_cluster: 67108864\n"
+        "budgets:\n  max_streams_per_cluster: {FLOOD_STREAMS}\n  max_pending_dials_per_cluster: {FLOOD_PENDING}\n  max_streams_per_client: 10000\n  max_pending_dials_per_client: 10000\n  max_buffered_bytes_per_cluster: {FLOOD_BUFFERED_BYTES}\n"
     )
 }
 
@@ -80,7 +101,7 @@ async fn measure(broker: std::net::SocketAddr, authority: &str) -> anyhow::Resul
     }
     rtts.sort();
     let s = connect_ok(broker, authority).await?;
-    let t = echo_transfer(s, Arc::new(Payload::new()), TRANSFER).await?;
+    let t = echo_transfer(s, std::sync::Arc::new(Payload::new()), TRANSFER).await?;
     anyhow::ensure!(t.intact(), "victim transfer not intact");
     Ok(Figures {
         latency: rtts[ECHOES / 2],
@@ -100,36 +121,139 @@ fn rss_bytes(pid: u32) -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// A TCP sink inside the flooded cluster: reads and discards.
-async fn sink_server() -> anyhow::Result<std::net::SocketAddr> {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let a = l.local_addr()?;
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = l.accept().await {
-            tokio::spawn(async move {
-                let mut b = vec![0u8; 256 << 10];
-                while matches!(s.read(&mut b).await, Ok(n) if n > 0) {}
-            });
-        }
-    });
-    Ok(a)
+/// Lowest CPU priority for a process of the flood's side (see the module docs).
+fn renice(pid: u32) -> anyhow::Result<()> {
+    let st = std::process::Command::new("renice")
+        .args(["-n", "19", "-p", &pid.to_string()])
+        .stdout(Stdio::null())
+        .status()?;
+    anyhow::ensure!(st.success(), "renice {pid}: {st}");
+    Ok(())
+}
+
+/// The `tether-flood` process (client and sink of the flood), at `nice 19`.
+struct Flood {
+    child: tokio::process::Child,
+    stdin: tokio::process::ChildStdin,
+    stdout: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    sink: std::net::SocketAddr,
+}
+
+impl Flood {
+    async fn start(
+        broker: std::net::SocketAddr,
+        loops: usize,
+        bytes_per_stream: usize,
+    ) -> anyhow::Result<Self> {
+        let mut child = tokio::process::Command::new("nice")
+            .args(["-n", "19", env!("CARGO_BIN_EXE_tether-flood")])
+            .args(["--broker", &broker.to_string(), "--cluster", "flood"])
+            .args(["--loops", &loops.to_string()])
+            .args(["--bytes-per-stream", &bytes_per_stream.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
+        let stdin = child.stdin.take().expect("piped stdin");
+        let mut stdout =
+            tokio::io::BufReader::new(child.stdout.take().expect("piped stdout")).lines();
+        let first = tokio::time::timeout(Duration::from_secs(20), stdout.next_line())
+            .await??
+            .unwrap_or_default();
+        let sink = first
+            .strip_prefix("sink ")
+            .ok_or_else(|| anyhow::anyhow!("tether-flood said {first:?}"))?
+            .parse()?;
+        Ok(Self {
+            child,
+            stdin,
+            stdout,
+            sink,
+        })
+    }
+
+    async fn send(&mut self, cmd: &str) -> anyhow::Result<()> {
+        self.stdin.write_all(format!("{cmd}\n").as_bytes()).await?;
+        self.stdin.flush().await?;
+        Ok(())
+    }
+
+    async fn stats(&mut self) -> anyhow::Result<serde_json::Value> {
+        self.send("stats").await?;
+        let line = tokio::time::timeout(Duration::from_secs(20), self.stdout.next_line())
+            .await??
+            .unwrap_or_default();
+        let json = line
+            .strip_prefix("stats ")
+            .ok_or_else(|| anyhow::anyhow!("tether-flood said {line:?}"))?;
+        Ok(serde_json::from_str(json)?)
+    }
+
+    /// Ends the process (EOF on its stdin) and waits for it.
+    async fn stop(mut self) -> anyhow::Result<()> {
+        drop(self.stdin);
+        let st = tokio::time::timeout(Duration::from_secs(20), self.child.wait()).await??;
+        anyhow::ensure!(st.success(), "tether-flood ended with {st}");
+        Ok(())
+    }
+}
+
+/// Sum of the budget rejections counted for the flood.
+async fn flood_rejections(admin: std::net::SocketAddr) -> anyhow::Result<f64> {
+    metric(
+        admin,
+        "tether_broker_budget_rejections_total",
+        &[("owner", "flood")],
+    )
+    .await
+}
+
+/// Bytes the flood's agent delivered to its sink.
+async fn flood_delivered(agent_admin: std::net::SocketAddr) -> anyhow::Result<f64> {
+    metric(
+        agent_admin,
+        "tether_agent_bytes_total",
+        &[("direction", "to_target")],
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_flooding_cluster_cannot_starve_the_others() -> anyhow::Result<()> {
+    fairness(2 * FLOOD_STREAMS, 4 << 20, true).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_byte_flood_within_its_budget_cannot_starve_the_others() -> anyhow::Result<()> {
+    // Streams that never end: a stream the client closed still counts against the budget while
+    // its buffered bytes drain through the paced cluster, so a flood that redials would exceed
+    // the budget after all.
+    fairness(FLOOD_STREAMS / 2, usize::MAX, false).await
+}
+
+/// The flood tests run one at a time (the test harness runs tests in parallel): each measures
+/// the victims against the machine without another test's flood.
+static ONE_FLOOD_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The fairness run with `loops` flood loops, each pushing `bytes_per_stream` per stream;
+/// `refused`: whether the flood exceeds its budget (else it must never be refused).
+async fn fairness(loops: usize, bytes_per_stream: usize, refused: bool) -> anyhow::Result<()> {
+    let _serial = ONE_FLOOD_AT_A_TIME.lock().await;
     let hub = Hub::new()?;
     let echo = echo_server().await?;
-    let sink = sink_server().await?;
     let broker = hub.start_broker("b1", &budgets_yaml())?;
+    let mut flood = Flood::start(broker.client_addr, loops, bytes_per_stream).await?;
     let mut agents = Vec::new();
     for c in ["victim-1", "victim-2", "flood"] {
-        let target = if c == "flood" { sink } else { echo };
+        let target = if c == "flood" { flood.sink } else { echo };
         agents.push(hub.start_agent(c, c, &[vec![broker.agent_addr]], target, "")?);
     }
+    renice(agents[2].child.pid())?;
     for (a, c) in agents.iter().zip(["victim-1", "victim-2", "flood"]) {
         wait_agent_ready(a).await?;
         wait_tunnel(&broker, c).await?;
     }
+    let flood_admin = agents[2].admin_addr;
     let victims = [qualified("victim-1", echo), qualified("victim-2", echo)];
     // Like a watch, each victim keeps one idle stream open all along (real clusters always
     // have some), and is measured on fresh streams beside it.
@@ -139,72 +263,6 @@ async fn one_flooding_cluster_cannot_starve_the_others() -> anyhow::Result<()> {
         watches.push(connect_ok(broker.client_addr, v).await?);
     }
 
-    // The flood runs on its own runtime thread, so its loops do not queue in front of the
-    // victims' client tasks in this process (the broker is under test, not this client). It
-    // floods while `flooding` is set, idles otherwise, and ends when `stop` is set.
-    let stop = Arc::new(AtomicBool::new(false));
-    let flooding = Arc::new(AtomicBool::new(false));
-    let opened = Arc::new(AtomicU64::new(0));
-    let refused = Arc::new(AtomicU64::new(0));
-    let pushed = Arc::new(AtomicU64::new(0));
-    let bad_refusals = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    let flood_authority = qualified("flood", sink);
-    let flood_rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let mut loops = Vec::new();
-    for _ in 0..FLOOD_LOOPS {
-        let (stop, flooding, opened, refused, pushed, bad) = (
-            Arc::clone(&stop),
-            Arc::clone(&flooding),
-            Arc::clone(&opened),
-            Arc::clone(&refused),
-            Arc::clone(&pushed),
-            Arc::clone(&bad_refusals),
-        );
-        let (addr, authority) = (broker.client_addr, flood_authority.clone());
-        loops.push(flood_rt.spawn(async move {
-            let chunk = vec![0x5au8; 256 << 10];
-            let on = || flooding.load(Ordering::Relaxed) && !stop.load(Ordering::Relaxed);
-            while !stop.load(Ordering::Relaxed) {
-                if !on() {
-                    // Idle phase of the flood client (not a wait in the test's logic).
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    continue;
-                }
-                match connect(addr, &authority, Some(OPS_TOKEN)).await {
-                    Ok(Ok(mut s)) => {
-                        opened.fetch_add(1, Ordering::Relaxed);
-                        let mut sent = 0;
-                        while sent < FLOOD_BYTES_PER_STREAM && on() {
-                            if s.write_all(&chunk).await.is_err() {
-                                break;
-                            }
-                            sent += chunk.len();
-                            pushed.fetch_add(chunk.len() as u64, Ordering::Relaxed);
-                        }
-                    }
-                    Ok(Err((code, body))) => {
-                        refused.fetch_add(1, Ordering::Relaxed);
-                        if code != 503 || !body.contains("budgets.max_") {
-                            bad.lock().unwrap().push(format!("{code} {body}"));
-                        }
-                    }
-                    Err(_) => {}
-                }
-            }
-        }));
-    }
-    let flood_thread = std::thread::spawn(move || {
-        flood_rt.block_on(async move {
-            for l in loops {
-                let _ = l.await;
-            }
-        })
-    });
-
-    // Alternate unloaded and flooded rounds (the machine's other load drifts; alternating
-    // compares like with like), each measuring both victims.
     let mut unloaded: Vec<Vec<Figures>> = vec![Vec::new(); victims.len()];
     let mut loaded: Vec<Vec<Figures>> = vec![Vec::new(); victims.len()];
     let mut peak_flood_streams = 0.0f64;
@@ -212,106 +270,143 @@ async fn one_flooding_cluster_cannot_starve_the_others() -> anyhow::Result<()> {
     let mut rss_loaded = 0u64;
     let rss_before = rss_bytes(broker.child.pid());
     let mut flood_time = Duration::ZERO;
-    for _ in 0..ROUNDS {
-        flooding.store(false, Ordering::Relaxed);
-        tether_test_support::wait_until_async(
-            Duration::from_secs(20),
-            "the flood's streams to close",
-            || async {
-                let (_, body) = tether_e2e::admin_get(broker.admin_addr, "/debug/tunnels")
-                    .await
-                    .ok()?;
-                let list: serde_json::Value = serde_json::from_str(&body).ok()?;
-                list.as_array()?
-                    .iter()
-                    .filter(|t| t["cluster"] == "flood")
-                    .all(|t| t["open_streams"] == 0)
-                    .then_some(())
-            },
+    // The flood's delivery rate while the victims were measured, per round.
+    let mut flood_rates = Vec::new();
+    // How long the flood's streams took to end after it went idle, per round. Seconds on a
+    // loaded machine: a paced stream notices its client's reset only after its current pause
+    // (at most 2 s), and the nice-19 flood process is scheduled late (1.2–3.6 s measured at
+    // normal priority, 2.9–16 s at nice 19, load average 12).
+    let mut close_waits = Vec::new();
+    let open_flood_streams = || async {
+        let (_, body) = tether_e2e::admin_get(broker.admin_addr, "/debug/tunnels")
+            .await
+            .ok()?;
+        let list: serde_json::Value = serde_json::from_str(&body).ok()?;
+        Some(
+            list.as_array()?
+                .iter()
+                .filter(|t| t["cluster"] == "flood")
+                .filter_map(|t| t["open_streams"].as_f64())
+                .sum::<f64>(),
         )
-        .await?;
+    };
+    // Unloaded before every flooded round and once after the last (see the ratios below).
+    for round in 0..=ROUNDS {
+        flood.send("idle").await?;
+        let idled = Instant::now();
+        if let Err(e) = tether_test_support::wait_until_async(
+            Duration::from_secs(60),
+            "the flood's streams to close",
+            || async { (open_flood_streams().await? == 0.0).then_some(()) },
+        )
+        .await
+        {
+            let (_, tunnels) = tether_e2e::admin_get(broker.admin_addr, "/debug/tunnels").await?;
+            anyhow::bail!("round {round}: {e}; tunnels: {tunnels}");
+        }
+        close_waits.push(idled.elapsed());
         for (i, v) in victims.iter().enumerate() {
             unloaded[i].push(measure(broker.client_addr, v).await?);
         }
-        let refused_before = refused.load(Ordering::Relaxed);
+        if round == ROUNDS {
+            break;
+        }
+        let (rejected_before, delivered_before) = (
+            flood_rejections(broker.admin_addr).await?,
+            flood_delivered(flood_admin).await?,
+        );
         let flood_started = Instant::now();
-        flooding.store(true, Ordering::Relaxed);
+        flood.send("flood").await?;
         tether_test_support::wait_until_async(
             Duration::from_secs(20),
-            "the flood to hit its budget",
-            || async { (refused.load(Ordering::Relaxed) > refused_before).then_some(()) },
+            "the flood to start",
+            || async {
+                let hit = if refused {
+                    flood_rejections(broker.admin_addr).await.ok()? > rejected_before
+                } else {
+                    flood_delivered(flood_admin).await.ok()? > delivered_before
+                };
+                hit.then_some(())
+            },
         )
         .await?;
         // Measure the flood's steady state: once the broker paces it, the burst it got in
-        // before its first refusal (up to a window per stream) drains through its agent first.
-        let flood_admin = agents[2].admin_addr;
+        // before the broker reacted (up to a window per stream) drains through its agent first.
         tether_test_support::wait_until_async(
-            Duration::from_secs(20),
+            Duration::from_secs(30),
             "the flood to be paced to its steady state",
             || async {
                 let paced = metric(broker.admin_addr, "tether_broker_paced_clusters", &[])
                     .await
                     .ok()?;
-                let delivered = || {
-                    metric(
-                        flood_admin,
-                        "tether_agent_bytes_total",
-                        &[("direction", "to_target")],
-                    )
-                };
-                let (a, t) = (delivered().await.ok()?, Instant::now());
+                let (a, t) = (flood_delivered(flood_admin).await.ok()?, Instant::now());
                 tokio::time::sleep(Duration::from_millis(250)).await;
-                let b = delivered().await.ok()?;
+                let b = flood_delivered(flood_admin).await.ok()?;
                 let rate = (b - a) / t.elapsed().as_secs_f64();
                 (paced >= 1.0 && rate < STEADY_FLOOD_BYTES_PER_SEC).then_some(())
             },
         )
         .await?;
+        let (rejected_before, delivered_before) = (
+            flood_rejections(broker.admin_addr).await?,
+            flood_delivered(flood_admin).await?,
+        );
+        let measured_from = Instant::now();
         for (i, v) in victims.iter().enumerate() {
             loaded[i].push(measure(broker.client_addr, v).await?);
             paced =
                 paced.max(metric(broker.admin_addr, "tether_broker_paced_clusters", &[]).await?);
-            let (_, body) = tether_e2e::admin_get(broker.admin_addr, "/debug/tunnels").await?;
-            let list: serde_json::Value = serde_json::from_str(&body)?;
-            for t in list.as_array().into_iter().flatten() {
-                if t["cluster"] == "flood" {
-                    peak_flood_streams =
-                        peak_flood_streams.max(t["open_streams"].as_f64().unwrap_or(0.0));
-                }
-            }
+            peak_flood_streams = peak_flood_streams.max(open_flood_streams().await.unwrap_or(0.0));
             rss_loaded = rss_loaded.max(rss_bytes(broker.child.pid()));
         }
+        // The flood kept flooding while the victims were measured (at nice 19 it still gets
+        // the CPU the victims leave).
+        if refused {
+            let r = flood_rejections(broker.admin_addr).await?;
+            assert!(
+                r > rejected_before,
+                "no budget refusal of the flood while the victims were measured"
+            );
+        } else {
+            let d = flood_delivered(flood_admin).await?;
+            assert!(
+                d > delivered_before,
+                "the flood delivered no byte while the victims were measured"
+            );
+        }
+        flood_rates.push(
+            (flood_delivered(flood_admin).await? - delivered_before)
+                / measured_from.elapsed().as_secs_f64(),
+        );
         flood_time += flood_started.elapsed();
     }
-    stop.store(true, Ordering::Relaxed);
+    let stats = flood.stats().await?;
+    flood.stop().await?;
     drop(watches);
-    tokio::task::spawn_blocking(move || flood_thread.join())
-        .await?
-        .map_err(|_| anyhow::anyhow!("flood thread panicked"))?;
 
-    let delivered = metric(
-        agents[2].admin_addr,
-        "tether_agent_bytes_total",
-        &[("direction", "to_target")],
-    )
-    .await?;
+    let delivered = flood_delivered(flood_admin).await?;
     eprintln!(
         "flood delivered {} MiB to its target through the broker in {flood_time:?} of flooding ({})",
         delivered as u64 >> 20,
         rate(delivered / flood_time.as_secs_f64())
     );
-    let bad = bad_refusals.lock().unwrap().clone();
+    let bad = stats["bad"].as_array().cloned().unwrap_or_default();
     assert!(
         bad.is_empty(),
         "refusals that do not name the budget: {bad:?}"
     );
-    let rejections = metric(
-        broker.admin_addr,
-        "tether_broker_budget_rejections_total",
-        &[("owner", "flood")],
-    )
-    .await?;
-    assert!(rejections >= 1.0, "budget rejections counted: {rejections}");
+    let rejections = flood_rejections(broker.admin_addr).await?;
+    let refusals = stats["refused"].as_f64().unwrap_or(0.0);
+    if refused {
+        assert!(rejections >= 1.0, "budget rejections counted: {rejections}");
+    } else {
+        assert_eq!(
+            (rejections, refusals),
+            (0.0, 0.0),
+            "a flood within its budget was refused"
+        );
+    }
+    assert!(paced >= 1.0, "the flood was never paced");
     assert!(
         peak_flood_streams <= FLOOD_STREAMS as f64,
         "the flood held {peak_flood_streams} streams, budget {FLOOD_STREAMS}"
@@ -332,54 +427,95 @@ async fn one_flooding_cluster_cannot_starve_the_others() -> anyhow::Result<()> {
         rss_loaded < RSS_BOUND_BYTES,
         "broker RSS {rss_loaded} under flood, bound {RSS_BOUND_BYTES}"
     );
-    let median = |v: &[Figures], f: &dyn Fn(&Figures) -> f64| {
-        let mut x: Vec<f64> = v.iter().map(f).collect();
+    assert!(
+        rss_loaded.saturating_sub(rss_before) <= FLOOD_MEMORY_BOUND_BYTES,
+        "broker RSS grew from {rss_before} to {rss_loaded} under flood, more than the flooded cluster's bound {FLOOD_MEMORY_BOUND_BYTES}"
+    );
+    let median = |mut x: Vec<f64>| {
         x.sort_by(f64::total_cmp);
         x[x.len() / 2]
     };
     let mut worst_latency: f64 = 0.0;
     let mut worst_throughput: f64 = f64::MAX;
+    let mut worst_spread: f64 = 1.0;
     for i in 0..victims.len() {
-        let (ul, ll) = (
-            median(&unloaded[i], &|f| f.latency.as_secs_f64()),
-            median(&loaded[i], &|f| f.latency.as_secs_f64()),
+        let mut base: Vec<f64> = unloaded[i].iter().map(|f| f.throughput).collect();
+        base.sort_by(f64::total_cmp);
+        worst_spread = worst_spread.max(base[base.len() - 2] / base[1]);
+        // Each flooded round against the unloaded rounds just before and just after it
+        // (geometric mean): the machine's other load, drifting over seconds, cancels out.
+        let around = |r: usize, f: &dyn Fn(&Figures) -> f64| {
+            (f(&unloaded[i][r]) * f(&unloaded[i][r + 1])).sqrt()
+        };
+        let lat = median(
+            (0..ROUNDS)
+                .map(|r| {
+                    loaded[i][r].latency.as_secs_f64() / around(r, &|f| f.latency.as_secs_f64())
+                })
+                .collect(),
         );
-        let (ut, lt) = (
-            median(&unloaded[i], &|f| f.throughput),
-            median(&loaded[i], &|f| f.throughput),
+        let thr = median(
+            (0..ROUNDS)
+                .map(|r| loaded[i][r].throughput / around(r, &|f| f.throughput))
+                .collect(),
         );
-        let (lat, thr) = (ll / ul, lt / ut);
         worst_latency = worst_latency.max(lat);
         worst_throughput = worst_throughput.min(thr);
+        let show = |f: &[Figures]| {
+            f.iter()
+                .map(|f| {
+                    format!(
+                        "{:.0}us/{}",
+                        f.latency.as_secs_f64() * 1e6,
+                        rate(f.throughput)
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
         eprintln!(
-            "victim-{}: median latency {:.0} us -> {:.0} us (x{lat:.2}), median throughput {} -> {} ({:.0} %)",
+            "victim-{}: median per-round ratio latency x{lat:.2}, throughput {:.0} %; unloaded [{}] flooded [{}]",
             i + 1,
-            ul * 1e6,
-            ll * 1e6,
-            rate(ut),
-            rate(lt),
-            thr * 100.0
+            thr * 100.0,
+            show(&unloaded[i]),
+            show(&loaded[i]),
         );
     }
+    eprintln!("the flood's streams ended after it went idle in {close_waits:.1?}");
     eprintln!(
-        "flood: {} streams opened, {} refused by the budget, {} MiB pushed, peak {peak_flood_streams} open streams (budget {FLOOD_STREAMS}), up to {paced} cluster(s) paced; broker RSS {} MiB before / max {} MiB under flood (bound {} MiB); {rejections} rejections counted",
-        opened.load(Ordering::Relaxed),
-        refused.load(Ordering::Relaxed),
-        pushed.load(Ordering::Relaxed) >> 20,
+        "flood while the victims were measured, per round: {}",
+        flood_rates
+            .iter()
+            .map(|r| rate(*r))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    eprintln!(
+        "flood ({loops} loops): {} streams opened, {refusals} refused by the budget, {} MiB pushed, peak {peak_flood_streams} open streams (budget {FLOOD_STREAMS}), up to {paced} cluster(s) paced; broker RSS {} MiB before / max {} MiB under flood (bound {} MiB); {rejections} rejections counted; load average {}",
+        stats["opened"],
+        stats["pushed"].as_u64().unwrap_or(0) >> 20,
         rss_before >> 20,
         rss_loaded >> 20,
-        RSS_BOUND_BYTES >> 20
+        RSS_BOUND_BYTES >> 20,
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim(),
     );
-    let (min_thr, max_lat) = if std::env::var_os(STRICT_ENV).is_some() {
-        (0.8, 1.25)
-    } else {
-        (0.0, DEFAULT_MAX_LATENCY)
-    };
+    if worst_spread > DECIDABLE_SPREAD {
+        eprintln!(
+            "NOT DECIDABLE on this machine now: the victims' unloaded throughput spread x{worst_spread:.2} between rounds (decidable up to x{DECIDABLE_SPREAD}); asserting latency at most x{NOISY_MAX_LATENCY} only"
+        );
+        assert!(
+            worst_latency <= NOISY_MAX_LATENCY,
+            "victims under flood: latency x{worst_latency:.2} (at most x{NOISY_MAX_LATENCY})"
+        );
+        return Ok(());
+    }
     assert!(
-        worst_throughput >= min_thr && worst_latency <= max_lat,
-        "victims under flood: throughput {:.0} % of unloaded (need {:.0} %), latency x{worst_latency:.2} (at most x{max_lat})",
+        worst_throughput >= MIN_THROUGHPUT && worst_latency <= MAX_LATENCY,
+        "victims under flood: throughput {:.0} % of unloaded (need {:.0} %), latency x{worst_latency:.2} (at most x{MAX_LATENCY}); unloaded throughput spread x{worst_spread:.2}",
         worst_throughput * 100.0,
-        min_thr * 100.0
+        MIN_THROUGHPUT * 100.0
     );
     Ok(())
 }

@@ -19,9 +19,13 @@
 //! slow client cannot make the broker buffer more than that of one cluster's data. The memory
 //! bound is in docs/architecture.md ("Fairness").
 //!
-//! Budgets bound concurrency, not bytes per second: [`FairShare`] paces a cluster that floods
-//! its budgets while the CPU is contended and other clusters hold streams (the CONNECT front
-//! ends wrap their client side in [`PacedReader`] / [`PacedWriter`]).
+//! Budgets bound concurrency, not bytes per second: [`FairShare`] paces a cluster that floods —
+//! a budget refuses it, or it moves most of the broker's bytes for [`SUSTAINED_HEAVY_PERIODS`]
+//! within its budgets — while the CPU is contended and other clusters hold streams. Every front
+//! end charges the bytes it moves to the stream's [`Pacer`] (one mechanism): CONNECT and the
+//! service proxy wrap their client side in [`PacedReader`] / [`PacedWriter`], the native gRPC
+//! `Dial` and konnectivity byte loops call [`Pacer::charge`], and `DialRaw`'s response body
+//! polls a [`PollPacer`].
 //!
 //! A refused dial is a [`DialErrorKind::Overloaded`] error naming the budget and its limit
 //! (CONNECT 503, gRPC RESOURCE_EXHAUSTED, konnectivity DIAL_RSP error, service proxy 429) and
@@ -433,6 +437,22 @@ const LAG_TICK: Duration = Duration::from_millis(5);
 pub const MIN_SHARE_BYTES: u64 = 512 << 10;
 /// Periods a cluster counts as flooding after a budget refused it (2 s).
 const FLOODING_PERIODS: u64 = 40;
+/// Periods (2 s) the CPU must stay free before the broker counts as uncontended again.
+/// On a quiet host contention comes in bursts — the other clusters' requests and transfers —
+/// and a paced flood that grew back in every quiet gap between them (a quarter more per 50 ms
+/// period: unpaced again within ~0.5 s) would be at full speed when the next burst arrives and
+/// take its CPU until the controller notices again (the likely cause of the victims' 80–102 %
+/// throughput on a quiet machine; on a loaded one the CPU is contended all along and the flood
+/// stays at 10 MiB/s while they are measured).
+pub const CALM_PERIODS: u64 = 40;
+/// Periods (1 s) a cluster must move most of the broker's bytes, while the CPU is contended and
+/// other clusters hold streams, to count as flooding without any budget refusal (a flood that
+/// stays within its stream budget but pushes bytes). A burst — one transfer of a few MiB — is
+/// shorter and is never paced.
+pub const SUSTAINED_HEAVY_PERIODS: u64 = 20;
+/// Bytes per period below which a cluster never counts as heavy (the paced rate: a paced
+/// cluster using all of its allowance stays heavy).
+const HEAVY_MIN_BYTES: u64 = MIN_SHARE_BYTES;
 
 /// Longest single pause of a paced stream (a stream's write-stall timeout is far longer).
 const MAX_PAUSE: Duration = Duration::from_secs(2);
@@ -445,6 +465,8 @@ pub struct ClusterRate {
     limit: AtomicU64,
     /// Periods left during which the cluster counts as flooding (it exhausted a budget).
     flooding: AtomicU64,
+    /// Consecutive periods the cluster was heavy (see [`SUSTAINED_HEAVY_PERIODS`]).
+    heavy: AtomicU64,
     /// Virtual clock of a paced cluster (µs since `epoch`): when its last scheduled byte is due.
     clock: AtomicU64,
     epoch: Instant,
@@ -462,6 +484,7 @@ impl Default for ClusterRate {
             bytes: AtomicU64::new(0),
             limit: AtomicU64::new(u64::MAX),
             flooding: AtomicU64::new(0),
+            heavy: AtomicU64::new(0),
             clock: AtomicU64::new(0),
             epoch: Instant::now(),
         }
@@ -532,20 +555,49 @@ impl<R: ChunkReader> ChunkReader for PacedReader<R> {
     }
 }
 
+/// [`Pacer`] for byte loops written as `poll_*` functions: [`PollPacer::charge`] after moving
+/// bytes, and [`PollPacer::poll_ready`] before moving more (pending while the stream pauses).
+#[derive(Debug, Default)]
+pub struct PollPacer {
+    pacer: Pacer,
+    pause: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl PollPacer {
+    pub fn new(pacer: Pacer) -> Self {
+        Self { pacer, pause: None }
+    }
+
+    /// Ready once the pause of the last charge (if any) is over.
+    pub fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> Poll<()> {
+        if let Some(p) = self.pause.as_mut() {
+            ready!(p.as_mut().poll(cx));
+            self.pause = None;
+        }
+        Poll::Ready(())
+    }
+
+    /// Counts `n` bytes; the next [`PollPacer::poll_ready`] waits if the cluster is over its
+    /// allowance.
+    pub fn charge(&mut self, n: usize) {
+        if let Some(d) = self.pacer.pause_for(n) {
+            self.pause = Some(Box::pin(tokio::time::sleep(d)));
+        }
+    }
+}
+
 /// A client-side writer whose writes are charged to the cluster's share (a paused write
 /// holds the stream's window, so the agent is paced too).
 pub struct PacedWriter<W> {
     inner: W,
-    pacer: Pacer,
-    pause: Option<Pin<Box<tokio::time::Sleep>>>,
+    pace: PollPacer,
 }
 
 impl<W> PacedWriter<W> {
     pub fn new(inner: W, pacer: Pacer) -> Self {
         Self {
             inner,
-            pacer,
-            pause: None,
+            pace: PollPacer::new(pacer),
         }
     }
 }
@@ -557,15 +609,10 @@ impl<W: AsyncWrite + Unpin> AsyncWrite for PacedWriter<W> {
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
         let me = self.get_mut();
-        if let Some(p) = me.pause.as_mut() {
-            ready!(p.as_mut().poll(cx));
-            me.pause = None;
-        }
+        ready!(me.pace.poll_ready(cx));
         let r = ready!(Pin::new(&mut me.inner).poll_write(cx, buf));
-        if let Ok(n) = &r
-            && let Some(d) = me.pacer.pause_for(*n)
-        {
-            me.pause = Some(Box::pin(tokio::time::sleep(d)));
+        if let Ok(n) = &r {
+            me.pace.charge(*n);
         }
         Poll::Ready(r)
     }
@@ -616,6 +663,8 @@ pub struct FairShare {
     /// Runtime lag above which the broker counts as contended.
     lag_target: Duration,
     lag_micros: AtomicU64,
+    /// Consecutive periods without contention.
+    calm: AtomicU64,
     paced: prometheus::IntGauge,
 }
 
@@ -634,6 +683,7 @@ impl FairShare {
             clusters: Mutex::default(),
             lag_target,
             lag_micros: AtomicU64::new(0),
+            calm: AtomicU64::new(CALM_PERIODS),
             paced,
         })
     }
@@ -689,14 +739,25 @@ impl FairShare {
         }
     }
 
-    /// One control step (public for tests): `contended` says whether the CPU is contended.
+    /// One control step (public for tests): `contended` says whether the CPU was contended
+    /// this period; the broker counts as contended until [`CALM_PERIODS`] in a row were not.
     ///
-    /// A cluster *floods* while a budget refused it in the last 2 s and another cluster holds
-    /// streams on this broker. While the CPU is contended a flooding cluster is paced to
+    /// A cluster *floods* while a budget refused it in the last 2 s, or after it was *heavy*
+    /// for [`SUSTAINED_HEAVY_PERIODS`] in a row — it moved more than half of the broker's bytes
+    /// of a contended period (at least [`MIN_SHARE_BYTES`]), or, while paced, used at least
+    /// half of its allowance — and another cluster holds streams on this broker. While the CPU is
+    /// contended a flooding cluster is paced to
     /// [`MIN_SHARE_BYTES`] per period at once; other clusters are never paced. A paced cluster
     /// that no longer floods (or once the CPU is free) gets a quarter more per period, and the
     /// limit is lifted once it uses under half of it.
     pub fn adjust(&self, contended: bool) {
+        let calm = if contended {
+            self.calm.store(0, Ordering::Relaxed);
+            0
+        } else {
+            self.calm.fetch_add(1, Ordering::Relaxed).saturating_add(1)
+        };
+        let contended = calm < CALM_PERIODS;
         let mut m = self.clusters.lock().unwrap_or_else(|p| p.into_inner());
         // Forget clusters no stream holds any more.
         m.retain(|_, r| Arc::strong_count(r) > 1);
@@ -712,14 +773,32 @@ impl FairShare {
             })
             .collect();
         drop(m);
+        let total: u64 = rates.iter().map(|(_, _, b)| *b).sum();
         let mut paced = 0;
         for (cluster, r, bytes) in rates {
+            let limit = r.limit.load(Ordering::Relaxed);
+            let heavy = present > 1
+                && bytes >= HEAVY_MIN_BYTES
+                && if limit == u64::MAX {
+                    contended && bytes.saturating_mul(2) > total
+                } else {
+                    // Paced: using at least half of its allowance, i.e. still pushing.
+                    bytes.saturating_mul(2) >= limit
+                };
+            let heavy_for = if heavy {
+                r.heavy.fetch_add(1, Ordering::Relaxed) + 1
+            } else {
+                r.heavy.store(0, Ordering::Relaxed);
+                0
+            };
+            if heavy_for >= SUSTAINED_HEAVY_PERIODS {
+                r.flooding.store(FLOODING_PERIODS, Ordering::Relaxed);
+            }
             let flooding = r
                 .flooding
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |f| f.checked_sub(1))
                 .is_ok()
                 && present > 1;
-            let limit = r.limit.load(Ordering::Relaxed);
             let next = if contended && flooding {
                 MIN_SHARE_BYTES
             } else if limit == u64::MAX {
@@ -865,17 +944,72 @@ mod share_tests {
             last + Duration::from_millis(20) >= expected.min(MAX_PAUSE),
             "last wait {last:?}, expected about {expected:?}"
         );
-        // A light cluster moving many bytes (not refused by any budget) is still not paced.
-        for _ in 0..10 {
+        // A light cluster moving many bytes for a burst shorter than SUSTAINED_HEAVY_PERIODS
+        // (not refused by any budget) is still not paced.
+        for _ in 0..SUSTAINED_HEAVY_PERIODS / 2 {
             let _ = light.pause_for(64 << 20);
             s.adjust(true);
         }
         assert!(light.pause_for(1 << 20).is_none(), "only floods are paced");
+        // A quiet gap shorter than CALM_PERIODS between the others' bursts does not lift it.
+        for _ in 0..CALM_PERIODS - 1 {
+            let _ = flood.pause_for(MIN_SHARE_BYTES as usize);
+            s.mark_flooding("flood");
+            s.adjust(false);
+        }
+        assert!(
+            flood.pause_for(1 << 20).is_some(),
+            "still paced in a short calm gap"
+        );
         // Without contention the limit grows back and is lifted.
         for _ in 0..200 {
             s.adjust(false);
         }
         assert!(flood.pause_for(1 << 20).is_none(), "lifted");
+    }
+
+    #[test]
+    fn a_byte_flood_within_its_budgets_is_paced_once_sustained() {
+        let s = share();
+        let (flood, light) = (s.pacer("flood"), s.pacer("light"));
+        // Never refused by a budget, but most of the broker's bytes, period after period.
+        for i in 0..SUSTAINED_HEAVY_PERIODS {
+            assert!(
+                flood.pause_for(8 << 20).is_none(),
+                "paced too early, period {i}"
+            );
+            let _ = light.pause_for(64 << 10);
+            s.adjust(true);
+        }
+        assert!(
+            flood.pause_for(8 << 20).is_some(),
+            "a sustained byte flood is paced"
+        );
+        assert!(
+            light.pause_for(1 << 20).is_none(),
+            "the light cluster is not"
+        );
+        // Still pushing at its paced rate: it stays paced while the CPU is contended.
+        for _ in 0..2 * FLOODING_PERIODS {
+            let _ = flood.pause_for(MIN_SHARE_BYTES as usize);
+            s.adjust(true);
+        }
+        assert!(flood.pause_for(1 << 20).is_some(), "still paced");
+        // Without contention (nor bytes) the limit grows back and is lifted.
+        for _ in 0..200 {
+            s.adjust(false);
+        }
+        assert!(flood.pause_for(1 << 20).is_none(), "lifted");
+        // Without contention a heavy cluster is never marked.
+        for _ in 0..2 * SUSTAINED_HEAVY_PERIODS {
+            let _ = flood.pause_for(8 << 20);
+            s.adjust(false);
+        }
+        s.adjust(true);
+        assert!(
+            flood.pause_for(8 << 20).is_none(),
+            "not heavy while uncontended"
+        );
     }
 
     #[test]

@@ -177,9 +177,12 @@ enum Inbound {
 }
 
 /// Copies client messages → tunnel and tunnel → client messages until both ends finish.
-/// `wrap` builds an outbound data message; returns the stream's outcome.
+/// `wrap` builds an outbound data message; returns the stream's outcome. Bytes both ways are
+/// charged to `pacer` (the cluster's CPU share, `budget`).
+#[allow(clippy::too_many_arguments)]
 async fn pump<In, Out>(
     broker: &Broker,
+    pacer: &crate::budget::Pacer,
     mut inbound: Streaming<In>,
     mut tx: SendStream<Bytes>,
     mut rx: RecvStream,
@@ -197,6 +200,7 @@ async fn pump<In, Out>(
                         Inbound::Data(b) => {
                             let n = b.len() as u64;
                             send_chunk(&mut tx, b).await?;
+                            pacer.charge(n as usize).await;
                             stats.to_tunnel_bytes += n;
                             if let Some(c) = &broker.counters.to_tunnel {
                                 c.inc_by(n);
@@ -234,6 +238,7 @@ async fn pump<In, Out>(
                     return Err(AbortReason::Cancelled("client went away".into()));
                 }
                 let _ = rx.flow_control().release_capacity(n);
+                pacer.charge(n).await;
                 down_bytes += n as u64;
                 if let Some(c) = &broker.counters.from_tunnel {
                     c.inc_by(n as u64);
@@ -359,6 +364,7 @@ impl pb::dialer_server::Dialer for DialerSvc {
             async move {
                 let r = pump(
                     &broker,
+                    &ticket.pacer,
                     inbound,
                     send,
                     recv,

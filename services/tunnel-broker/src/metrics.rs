@@ -144,7 +144,7 @@ impl BrokerMetrics {
             )?,
             paced_clusters: IntGauge::new(
                 "tether_broker_paced_clusters",
-                "Clusters whose streams the broker paces now: the CPU is contended (runtime lag above budgets.cpu_share_lag, or host CPU pressure above 20 %) and the cluster floods its budgets while other clusters hold streams.",
+                "Clusters whose streams the broker paces now: the CPU is contended (runtime lag above budgets.cpu_share_lag, or host CPU pressure above 20 %) and the cluster floods (refused by a budget, or most of the broker's bytes for 1 s) while other clusters hold streams.",
             )?,
             konnectivity_errors: IntCounterVec::new(
                 Opts::new(

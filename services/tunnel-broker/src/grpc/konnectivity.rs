@@ -266,7 +266,7 @@ impl Conn {
             Dialed::Open(OpenStream { send, recv, ticket }) => {
                 self.send(dial_rsp(String::new(), self.connect_id, random))
                     .await;
-                let (outcome, close_error) = self.carry(inbound, send, recv).await;
+                let (outcome, close_error) = self.carry(inbound, send, recv, &ticket.pacer).await;
                 if let Some(error) = close_error {
                     self.send(close_rsp(error.clone(), self.connect_id)).await;
                     if !error.is_empty() {
@@ -329,11 +329,13 @@ impl Conn {
 
     /// Carries the open connection. Returns the stream outcome and the CLOSE_RSP error still to
     /// send (`None` when CLOSE_RSP already went out, because the target closed first).
+    /// Bytes both ways are charged to `pacer` (the cluster's CPU share, `budget`).
     async fn carry(
         &self,
         mut inbound: Streaming<k::Packet>,
         mut tx: SendStream<Bytes>,
         mut rx: RecvStream,
+        pacer: &crate::budget::Pacer,
     ) -> (Result<SpliceStats, SpliceError>, Option<String>) {
         let broker = &self.broker;
         let id = self.connect_id;
@@ -381,6 +383,7 @@ impl Conn {
                                 )));
                             }
                             send_chunk(&mut tx, d.data).await.map_err(Abort::Tunnel)?;
+                            pacer.charge(n).await;
                             up_bytes += n as u64;
                             if let Some(c) = &broker.counters.to_tunnel {
                                 c.inc_by(n as u64);
@@ -440,6 +443,7 @@ impl Conn {
                         }
                     }
                     let _ = rx.flow_control().release_capacity(n);
+                    pacer.charge(n).await;
                 }
                 // A clean END_STREAM: the target closed its side.
                 if phase

@@ -158,6 +158,7 @@ pub async fn serve(broker: Arc<Broker>, req: http::Request<Incoming>) -> Respons
     let down_bytes = Arc::new(AtomicU64::new(0));
     let body = TunnelBody {
         rx: recv,
+        pace: crate::budget::PollPacer::new(ticket.pacer.clone()),
         broker: Arc::clone(&broker),
         bytes: Arc::clone(&down_bytes),
         done: Some(done_tx),
@@ -166,7 +167,7 @@ pub async fn serve(broker: Arc<Broker>, req: http::Request<Incoming>) -> Respons
     tokio::spawn(
         async move {
             let mut tx = send;
-            let up = upstream(&broker, inbound, &mut tx).await;
+            let up = upstream(&broker, &ticket.pacer, inbound, &mut tx).await;
             // The response body reports how the tunnel → client direction ended (a dropped body:
             // the client went away).
             let down = match up {
@@ -203,9 +204,10 @@ pub async fn serve(broker: Arc<Broker>, req: http::Request<Incoming>) -> Respons
 }
 
 /// Client → tunnel: every request DATA frame as it is; END_STREAM → END_STREAM. Returns the
-/// bytes sent.
+/// bytes sent (charged to `pacer`, the cluster's CPU share).
 async fn upstream(
     broker: &Broker,
+    pacer: &crate::budget::Pacer,
     mut inbound: Incoming,
     tx: &mut SendStream<Bytes>,
 ) -> Result<u64, AbortReason> {
@@ -229,6 +231,7 @@ async fn upstream(
                     continue;
                 }
                 send_chunk(tx, data).await?;
+                pacer.charge(len as usize).await;
                 n += len;
                 if let Some(c) = &broker.counters.to_tunnel {
                     c.inc_by(len);
@@ -252,6 +255,8 @@ async fn upstream(
 /// hyper turns into RST_STREAM towards the client.
 struct TunnelBody {
     rx: RecvStream,
+    /// The cluster's CPU share: a paced stream waits here before reading the next chunk.
+    pace: crate::budget::PollPacer,
     broker: Arc<Broker>,
     bytes: Arc<AtomicU64>,
     done: Option<oneshot::Sender<Result<(), AbortReason>>>,
@@ -273,6 +278,7 @@ impl hyper::body::Body for TunnelBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
+        std::task::ready!(self.pace.poll_ready(cx));
         loop {
             match std::task::ready!(self.rx.poll_data(cx)) {
                 Some(Ok(data)) => {
@@ -281,6 +287,7 @@ impl hyper::body::Body for TunnelBody {
                         continue;
                     }
                     let _ = self.rx.flow_control().release_capacity(n);
+                    self.pace.charge(n);
                     self.bytes.fetch_add(n as u64, Ordering::Relaxed);
                     if let Some(c) = &self.broker.counters.from_tunnel {
                         c.inc_by(n as u64);

@@ -7,7 +7,8 @@
 //! the pool is per cluster and a warm connection serves request after request with no dial.
 //!
 //! The stream is bridged to hyper through an in-memory pipe of [`PIPE_BYTES`] spliced to the
-//! HTTP/2 stream by the same [`splice`] every front end uses (flow control, half-close, abort).
+//! HTTP/2 stream by the same [`splice`] every front end uses (flow control, half-close, abort),
+//! its bytes charged to the cluster's CPU share like every front end's (`budget::PacedReader`).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -22,6 +23,7 @@ use tether_tunnel::pump::{AsyncChunkReader, splice};
 use tokio::io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf};
 use tracing::Instrument;
 
+use crate::budget::{PacedReader, PacedWriter};
 use crate::dial::Broker;
 
 /// Bytes buffered between a pooled connection and its tunnel stream.
@@ -73,9 +75,13 @@ impl tower::Service<Uri> for TunnelConnector {
             tokio::spawn(
                 async move {
                     let (rd, wr) = tokio::io::split(theirs);
+                    let pacer = ticket.pacer.clone();
                     let r = splice(
-                        AsyncChunkReader::new(rd, broker.settings.read_chunk_bytes),
-                        wr,
+                        PacedReader::new(
+                            AsyncChunkReader::new(rd, broker.settings.read_chunk_bytes),
+                            pacer.clone(),
+                        ),
+                        PacedWriter::new(wr, pacer),
                         send,
                         recv,
                         broker.settings.write_stall_timeout,
