@@ -21,12 +21,12 @@ use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use h2::{Reason, RecvStream, SendStream};
 use prometheus::IntCounter;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
 /// A read buffer unused this long is freed.
@@ -59,6 +59,13 @@ pub struct TcpChunkReader {
     chunk: usize,
     current: Option<Vec<u8>>,
     pool: Arc<Mutex<Pool>>,
+    /// When the last chunk was read (the idle release counts from here).
+    last_data: Instant,
+    /// The idle-release timer, armed while buffers are held. It is not re-armed per read: when
+    /// it fires early (data came since it was set) it moves to `last_data` +
+    /// [`IDLE_BUFFER_RELEASE`], so a busy stream touches the timer wheel about once per
+    /// release period instead of twice per chunk.
+    idle: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 /// Reads up to this size are copied out of the read buffer rather than handed over.
@@ -104,6 +111,8 @@ impl TcpChunkReader {
             chunk,
             current: None,
             pool: Arc::default(),
+            last_data: Instant::now(),
+            idle: None,
         }
     }
 
@@ -137,9 +146,39 @@ impl TcpChunkReader {
 
     fn release_buffers(&mut self) {
         self.current = None;
+        self.idle = None;
         if let Ok(mut p) = self.pool.lock() {
             p.active = false;
             p.free = Vec::new();
+        }
+    }
+}
+
+impl TcpChunkReader {
+    /// Waits until the socket is readable; frees the buffers when nothing came for
+    /// [`IDLE_BUFFER_RELEASE`] since the last chunk.
+    async fn wait_readable(&mut self) -> io::Result<()> {
+        let holding = self.current.is_some() || self.pool.lock().is_ok_and(|p| p.active);
+        if !holding {
+            self.idle = None;
+            return self.rd.readable().await;
+        }
+        loop {
+            let release_at = self.last_data + IDLE_BUFFER_RELEASE;
+            let idle = self
+                .idle
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(release_at.into())));
+            tokio::select! {
+                biased;
+                r = self.rd.readable() => return r,
+                () = idle.as_mut() => {
+                    if Instant::now() >= release_at {
+                        self.release_buffers();
+                        return self.rd.readable().await;
+                    }
+                    idle.as_mut().reset(release_at.into());
+                }
+            }
         }
     }
 }
@@ -148,39 +187,39 @@ impl ChunkReader for TcpChunkReader {
     async fn next_chunk(&mut self) -> io::Result<Option<Bytes>> {
         loop {
             // Wait for data before holding a buffer; free buffers when none comes for a while.
-            let holding = self.current.is_some() || self.pool.lock().is_ok_and(|p| p.active);
-            if holding {
-                match tokio::time::timeout(IDLE_BUFFER_RELEASE, self.rd.readable()).await {
-                    Ok(r) => r?,
-                    Err(_) => {
-                        self.release_buffers();
-                        self.rd.readable().await?;
-                    }
-                }
-            } else {
-                self.rd.readable().await?;
-            }
+            self.wait_readable().await?;
             let mut buf = self.take_buffer();
-            match self.rd.try_read(&mut buf) {
-                Ok(0) => {
-                    self.release_buffers();
-                    return Ok(None);
-                }
-                Ok(n) if n < COPY_BELOW => {
-                    let out = Bytes::copy_from_slice(&buf[..n]);
+            // One read attempt through `poll_read` rather than `try_read`: after a short read
+            // tokio clears the socket's readiness itself, so the next chunk waits for epoll
+            // instead of spending a `recv` that fails with EAGAIN (one syscall per small
+            // message, e.g. every request of a request/response exchange).
+            let mut rb = ReadBuf::new(&mut buf);
+            let rd = &mut self.rd;
+            let polled = poll_fn(|cx| Poll::Ready(Pin::new(&mut *rd).poll_read(cx, &mut rb))).await;
+            let n = match polled {
+                Poll::Pending => {
+                    // Spurious readiness: wait again, keeping the buffer.
                     self.current = Some(buf);
-                    return Ok(Some(out));
+                    continue;
                 }
-                Ok(n) => {
-                    let lent = Lent {
-                        buf,
-                        pool: Arc::downgrade(&self.pool),
-                    };
-                    return Ok(Some(Bytes::from_owner(lent).slice(..n)));
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.current = Some(buf),
-                Err(e) => return Err(e),
+                Poll::Ready(Err(e)) => return Err(e),
+                Poll::Ready(Ok(())) => rb.filled().len(),
+            };
+            if n == 0 {
+                self.release_buffers();
+                return Ok(None);
             }
+            self.last_data = Instant::now();
+            if n < COPY_BELOW {
+                let out = Bytes::copy_from_slice(&buf[..n]);
+                self.current = Some(buf);
+                return Ok(Some(out));
+            }
+            let lent = Lent {
+                buf,
+                pool: Arc::downgrade(&self.pool),
+            };
+            return Ok(Some(Bytes::from_owner(lent).slice(..n)));
         }
     }
 }
