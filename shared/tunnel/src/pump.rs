@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use h2::{Reason, RecvStream, SendStream};
 use prometheus::IntCounter;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
 /// A read buffer unused this long is freed.
@@ -99,7 +99,9 @@ impl Drop for Lent {
             && p.active
             && p.free.len() < POOLED_BUFFERS
         {
-            p.free.push(std::mem::take(&mut self.buf));
+            let mut buf = std::mem::take(&mut self.buf);
+            buf.clear();
+            p.free.push(buf);
         }
     }
 }
@@ -141,7 +143,10 @@ impl TcpChunkReader {
             p.active = true;
             p.free.pop()
         });
-        pooled.unwrap_or_else(|| vec![0; self.chunk])
+        // Not zeroed: reads fill the spare capacity, and a small first read touches one page of
+        // it instead of clearing (and faulting in) the whole chunk — a new stream's first byte
+        // no longer waits for a 256 KiB memset.
+        pooled.unwrap_or_else(|| Vec::with_capacity(self.chunk))
     }
 
     fn release_buffers(&mut self) {
@@ -189,13 +194,15 @@ impl ChunkReader for TcpChunkReader {
             // Wait for data before holding a buffer; free buffers when none comes for a while.
             self.wait_readable().await?;
             let mut buf = self.take_buffer();
-            // One read attempt through `poll_read` rather than `try_read`: after a short read
-            // tokio clears the socket's readiness itself, so the next chunk waits for epoll
-            // instead of spending a `recv` that fails with EAGAIN (one syscall per small
-            // message, e.g. every request of a request/response exchange).
-            let mut rb = ReadBuf::new(&mut buf);
-            let rd = &mut self.rd;
-            let polled = poll_fn(|cx| Poll::Ready(Pin::new(&mut *rd).poll_read(cx, &mut rb))).await;
+            // One read attempt into the spare capacity through `poll_read` rather than
+            // `try_read`: after a short read tokio clears the socket's readiness itself, so the
+            // next chunk waits for epoll instead of spending a `recv` that fails with EAGAIN
+            // (one syscall per small message, e.g. every request of a request/response
+            // exchange). Dropping the pending read loses nothing.
+            let polled = {
+                let mut read = std::pin::pin!(self.rd.read_buf(&mut buf));
+                poll_fn(|cx| Poll::Ready(read.as_mut().poll(cx))).await
+            };
             let n = match polled {
                 Poll::Pending => {
                     // Spurious readiness: wait again, keeping the buffer.
@@ -203,7 +210,7 @@ impl ChunkReader for TcpChunkReader {
                     continue;
                 }
                 Poll::Ready(Err(e)) => return Err(e),
-                Poll::Ready(Ok(())) => rb.filled().len(),
+                Poll::Ready(Ok(n)) => n,
             };
             if n == 0 {
                 self.release_buffers();
@@ -211,7 +218,8 @@ impl ChunkReader for TcpChunkReader {
             }
             self.last_data = Instant::now();
             if n < COPY_BELOW {
-                let out = Bytes::copy_from_slice(&buf[..n]);
+                let out = Bytes::copy_from_slice(&buf);
+                buf.clear();
                 self.current = Some(buf);
                 return Ok(Some(out));
             }
@@ -219,7 +227,7 @@ impl ChunkReader for TcpChunkReader {
                 buf,
                 pool: Arc::downgrade(&self.pool),
             };
-            return Ok(Some(Bytes::from_owner(lent).slice(..n)));
+            return Ok(Some(Bytes::from_owner(lent)));
         }
     }
 }
