@@ -21,7 +21,7 @@ use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use h2::{Reason, RecvStream, SendStream};
@@ -59,6 +59,13 @@ pub struct TcpChunkReader {
     chunk: usize,
     current: Option<Vec<u8>>,
     pool: Arc<Mutex<Pool>>,
+    /// When the last chunk was read (the idle release counts from here).
+    last_data: Instant,
+    /// The idle-release timer, armed while buffers are held. It is not re-armed per read: when
+    /// it fires early (data came since it was set) it moves to `last_data` +
+    /// [`IDLE_BUFFER_RELEASE`], so a busy stream touches the timer wheel about once per
+    /// release period instead of twice per chunk.
+    idle: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 /// Reads up to this size are copied out of the read buffer rather than handed over.
@@ -92,7 +99,9 @@ impl Drop for Lent {
             && p.active
             && p.free.len() < POOLED_BUFFERS
         {
-            p.free.push(std::mem::take(&mut self.buf));
+            let mut buf = std::mem::take(&mut self.buf);
+            buf.clear();
+            p.free.push(buf);
         }
     }
 }
@@ -104,6 +113,8 @@ impl TcpChunkReader {
             chunk,
             current: None,
             pool: Arc::default(),
+            last_data: Instant::now(),
+            idle: None,
         }
     }
 
@@ -132,14 +143,47 @@ impl TcpChunkReader {
             p.active = true;
             p.free.pop()
         });
-        pooled.unwrap_or_else(|| vec![0; self.chunk])
+        // Not zeroed: reads fill the spare capacity, and a small first read touches one page of
+        // it instead of clearing (and faulting in) the whole chunk — a new stream's first byte
+        // no longer waits for a 256 KiB memset.
+        pooled.unwrap_or_else(|| Vec::with_capacity(self.chunk))
     }
 
     fn release_buffers(&mut self) {
         self.current = None;
+        self.idle = None;
         if let Ok(mut p) = self.pool.lock() {
             p.active = false;
             p.free = Vec::new();
+        }
+    }
+}
+
+impl TcpChunkReader {
+    /// Waits until the socket is readable; frees the buffers when nothing came for
+    /// [`IDLE_BUFFER_RELEASE`] since the last chunk.
+    async fn wait_readable(&mut self) -> io::Result<()> {
+        let holding = self.current.is_some() || self.pool.lock().is_ok_and(|p| p.active);
+        if !holding {
+            self.idle = None;
+            return self.rd.readable().await;
+        }
+        loop {
+            let release_at = self.last_data + IDLE_BUFFER_RELEASE;
+            let idle = self
+                .idle
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(release_at.into())));
+            tokio::select! {
+                biased;
+                r = self.rd.readable() => return r,
+                () = idle.as_mut() => {
+                    if Instant::now() >= release_at {
+                        self.release_buffers();
+                        return self.rd.readable().await;
+                    }
+                    idle.as_mut().reset(release_at.into());
+                }
+            }
         }
     }
 }
@@ -148,39 +192,42 @@ impl ChunkReader for TcpChunkReader {
     async fn next_chunk(&mut self) -> io::Result<Option<Bytes>> {
         loop {
             // Wait for data before holding a buffer; free buffers when none comes for a while.
-            let holding = self.current.is_some() || self.pool.lock().is_ok_and(|p| p.active);
-            if holding {
-                match tokio::time::timeout(IDLE_BUFFER_RELEASE, self.rd.readable()).await {
-                    Ok(r) => r?,
-                    Err(_) => {
-                        self.release_buffers();
-                        self.rd.readable().await?;
-                    }
-                }
-            } else {
-                self.rd.readable().await?;
-            }
+            self.wait_readable().await?;
             let mut buf = self.take_buffer();
-            match self.rd.try_read(&mut buf) {
-                Ok(0) => {
-                    self.release_buffers();
-                    return Ok(None);
-                }
-                Ok(n) if n < COPY_BELOW => {
-                    let out = Bytes::copy_from_slice(&buf[..n]);
+            // One read attempt into the spare capacity through `poll_read` rather than
+            // `try_read`: after a short read tokio clears the socket's readiness itself, so the
+            // next chunk waits for epoll instead of spending a `recv` that fails with EAGAIN
+            // (one syscall per small message, e.g. every request of a request/response
+            // exchange). Dropping the pending read loses nothing.
+            let polled = {
+                let mut read = std::pin::pin!(self.rd.read_buf(&mut buf));
+                poll_fn(|cx| Poll::Ready(read.as_mut().poll(cx))).await
+            };
+            let n = match polled {
+                Poll::Pending => {
+                    // Spurious readiness: wait again, keeping the buffer.
                     self.current = Some(buf);
-                    return Ok(Some(out));
+                    continue;
                 }
-                Ok(n) => {
-                    let lent = Lent {
-                        buf,
-                        pool: Arc::downgrade(&self.pool),
-                    };
-                    return Ok(Some(Bytes::from_owner(lent).slice(..n)));
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.current = Some(buf),
-                Err(e) => return Err(e),
+                Poll::Ready(Err(e)) => return Err(e),
+                Poll::Ready(Ok(n)) => n,
+            };
+            if n == 0 {
+                self.release_buffers();
+                return Ok(None);
             }
+            self.last_data = Instant::now();
+            if n < COPY_BELOW {
+                let out = Bytes::copy_from_slice(&buf);
+                buf.clear();
+                self.current = Some(buf);
+                return Ok(Some(out));
+            }
+            let lent = Lent {
+                buf,
+                pool: Arc::downgrade(&self.pool),
+            };
+            return Ok(Some(Bytes::from_owner(lent)));
         }
     }
 }

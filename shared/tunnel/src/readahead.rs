@@ -28,7 +28,7 @@ pub const READ_AHEAD: usize = 64 << 10;
 #[derive(Debug)]
 pub struct ReadAhead<T> {
     inner: T,
-    buf: Option<Box<[u8]>>,
+    buf: Option<Vec<u8>>,
     pos: usize,
     filled: usize,
     counter: Option<Arc<AdaptiveWindow>>,
@@ -94,17 +94,23 @@ impl<T: AsyncRead + Unpin> ReadAhead<T> {
             this.buf = None;
             return Pin::new(&mut this.inner).poll_read(cx, out);
         }
+        // Not zeroed: the read fills the spare capacity, so a small message costs no 64 KiB
+        // memset per wake-up (the buffer comes and goes with every burst).
         let buf = this
             .buf
-            .get_or_insert_with(|| vec![0u8; READ_AHEAD].into_boxed_slice());
-        let mut rb = ReadBuf::new(buf);
-        match Pin::new(&mut this.inner).poll_read(cx, &mut rb) {
-            Poll::Ready(Ok(())) => {
-                let got = rb.filled().len();
+            .get_or_insert_with(|| Vec::with_capacity(READ_AHEAD));
+        buf.clear();
+        let polled = {
+            let mut read = std::pin::pin!(tokio::io::AsyncReadExt::read_buf(&mut this.inner, buf));
+            read.as_mut().poll(cx)
+        };
+        match polled {
+            Poll::Ready(Ok(got)) => {
                 if got == 0 {
                     this.buf = None;
                     return Poll::Ready(Ok(()));
                 }
+                let buf = this.buf.as_deref().expect("just filled");
                 let n = got.min(out.remaining());
                 out.put_slice(&buf[..n]);
                 this.pos = n;

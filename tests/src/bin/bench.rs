@@ -437,20 +437,58 @@ where
     Ok((total, (end - start).as_secs_f64()))
 }
 
+/// A path counts as quiet below this share of one CPU ...
+const STALL_QUIET_CPU: f64 = 0.05;
+/// ... over this window (twice in a row).
+const STALL_QUIET_WINDOW: Duration = Duration::from_millis(50);
+/// Longest wait for a stalled stream to fill its buffers.
+const STALL_FILL_DEADLINE: Duration = Duration::from_secs(5);
+
+/// Waits until the processes `pids` are nearly idle (see [`download`]); on the deadline it
+/// says so and goes on.
+async fn wait_until_quiet(pids: &[u32]) {
+    let cpu = || pids.iter().map(|p| cpu_secs(*p)).sum::<f64>();
+    let deadline = Instant::now() + STALL_FILL_DEADLINE;
+    let mut quiet = 0;
+    let mut last = cpu();
+    while quiet < 2 {
+        if Instant::now() >= deadline {
+            println!(
+                "  (stalled stream still moving bytes after {STALL_FILL_DEADLINE:?}; measuring anyway)"
+            );
+            return;
+        }
+        tokio::time::sleep(STALL_QUIET_WINDOW).await;
+        let now = cpu();
+        if now - last < STALL_QUIET_CPU * STALL_QUIET_WINDOW.as_secs_f64() {
+            quiet += 1;
+        } else {
+            quiet = 0;
+        }
+        last = now;
+    }
+}
+
 /// Bulk download from sources on `healthy` connections for `dur`, optionally while one more
 /// stream's reader is stalled (it never reads). Returns the healthy streams' bytes/s.
+///
+/// The stalled stream is opened first and the measurement starts once it has filled every
+/// buffer and window on its way: when the processes of the path (`path_pids`: target, and
+/// broker and agent for the tunnel) have used less than [`STALL_QUIET_CPU`] of a CPU for two
+/// consecutive [`STALL_QUIET_WINDOW`]s (at most [`STALL_FILL_DEADLINE`]; a fixed pause was
+/// sometimes too short on a loaded machine, so the "stalled" half also measured the fill).
 async fn download(
     ends: &Ends,
     via: Via,
     healthy: usize,
     stalled: bool,
     dur: Duration,
+    path_pids: &[u32],
 ) -> anyhow::Result<f64> {
     let stall = if stalled {
         let mut s = ends.open(via).await?;
         s.write_all(b"G").await?;
-        // Let the stalled stream fill every buffer and window on its way.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        wait_until_quiet(path_pids).await;
         Some(s)
     } else {
         None
@@ -1087,28 +1125,39 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         let mut rss_growth = 0u64;
         for round in 0..setup.stall_rounds {
             for via in Setup::order2(round) {
-                let order = if round.is_multiple_of(2) {
-                    [false, true]
-                } else {
-                    [true, false]
-                };
-                let mut r = [0.0f64; 2];
-                for stalled in order {
+                // Alone, stalled, alone: the "alone" figure is the mean of the two around the
+                // stalled half, so load from other work that rises or falls during the round
+                // hits both sides alike instead of deciding the ratio.
+                let mut path_pids = vec![target_proc.pid()];
+                if via == Via::Tunnel {
+                    path_pids.extend(pids);
+                }
+                let mut alone = Vec::new();
+                let mut with_stalled = 0.0;
+                for stalled in [false, true, false] {
                     let before: u64 = pids.iter().map(|p| rss(*p)).sum();
-                    r[stalled as usize] =
-                        download(&ends, via, HEALTHY, stalled, setup.secs).await?;
+                    let rate =
+                        download(&ends, via, HEALTHY, stalled, setup.secs, &path_pids).await?;
+                    if stalled {
+                        with_stalled = rate;
+                    } else {
+                        alone.push(rate);
+                    }
                     if stalled && via == Via::Tunnel {
                         let after: u64 = pids.iter().map(|p| rss(*p)).sum();
                         rss_growth = rss_growth.max(after.saturating_sub(before));
                     }
                 }
+                let r = [mean(&alone), with_stalled];
                 kept[via as usize].push(r[1] / r[0]);
                 healthy_rate[via as usize].push(r[0]);
                 println!(
-                    "  {HEALTHY} healthy streams, {} round {}: {} alone, {} with 1 stalled ({:.0} %)",
+                    "  {HEALTHY} healthy streams, {} round {}: {} alone (before {}, after {}), {} with 1 stalled ({:.0} %)",
                     via.name(),
                     round + 1,
                     gbit(r[0]),
+                    gbit(alone[0]),
+                    gbit(alone[1]),
                     gbit(r[1]),
                     r[1] / r[0] * 100.0
                 );
