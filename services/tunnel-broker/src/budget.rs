@@ -694,6 +694,12 @@ impl FairShare {
         Pacer(Some(Arc::clone(m.entry(cluster.to_owned()).or_default())))
     }
 
+    /// Clusters some stream holds (pacing needs two).
+    fn clusters_present(&self) -> usize {
+        let m = self.clusters.lock().unwrap_or_else(|p| p.into_inner());
+        m.values().filter(|r| Arc::strong_count(r) > 1).count()
+    }
+
     /// Mean runtime lag of the last period.
     pub fn lag(&self) -> Duration {
         Duration::from_micros(self.lag_micros.load(Ordering::Relaxed))
@@ -711,6 +717,15 @@ impl FairShare {
     pub async fn run(self: Arc<Self>) {
         let mut pressure_before = cpu_pressure_total();
         loop {
+            if self.clusters_present() <= 1 {
+                // Nothing to share between (pacing needs another cluster holding streams): no
+                // lag probe, which would wake the broker every LAG_TICK and cost the data path
+                // latency on an idle or single-cluster broker.
+                tokio::time::sleep(SHARE_PERIOD).await;
+                pressure_before = cpu_pressure_total();
+                self.adjust(false);
+                continue;
+            }
             // Measure how late LAG_TICK timers fire over one period.
             let started = Instant::now();
             let (mut lag, mut ticks) = (Duration::ZERO, 0u32);
