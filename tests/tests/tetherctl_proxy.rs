@@ -126,17 +126,31 @@ async fn proxy_connect_round_trip_and_kubectl_through_the_tunnel() -> anyhow::Re
         .nth(2)
         .and_then(|a| a.parse().ok())
         .unwrap_or_else(|| panic!("no address in {line:?}"));
-    // Two connections, each a round trip of distinct bytes through the tunnel and back.
-    for i in 0..2u8 {
+    // Two connections one after the other, then three at once (spread over the forward's
+    // connections to the broker): each a round trip of distinct bytes (more than one 256 KiB
+    // chunk) through the tunnel and back, the half-close passed on both ways.
+    let round_trip = move |i: u8| -> anyhow::Result<()> {
         let mut s = std::net::TcpStream::connect(local)?;
-        s.set_read_timeout(Some(Duration::from_secs(10)))?;
-        let payload: Vec<u8> = (0..64 * 1024).map(|b| (b as u8).wrapping_add(i)).collect();
+        s.set_read_timeout(Some(Duration::from_secs(20)))?;
+        let payload: Vec<u8> = (0..600 * 1024)
+            .map(|b: u32| (b as u8).wrapping_add(i))
+            .collect();
         s.write_all(&payload)?;
         s.shutdown(std::net::Shutdown::Write)?;
         let mut back = Vec::new();
         s.read_to_end(&mut back)?;
         assert_eq!(back.len(), payload.len(), "connection {i}");
         assert!(back == payload, "connection {i}: bytes differ");
+        Ok(())
+    };
+    for i in 0..2u8 {
+        round_trip(i)?;
+    }
+    let together: Vec<_> = (2..5u8)
+        .map(|i| std::thread::spawn(move || round_trip(i)))
+        .collect();
+    for t in together {
+        t.join().expect("round trip thread")?;
     }
     drop(forward);
 

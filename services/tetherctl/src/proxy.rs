@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use tether_client::{ClientCert, Dialer, DialerConfig, Token};
+use tether_client::{ClientCert, DialStream, Dialer, DialerConfig, Token};
 use tether_control::health::{self, ProxyHealthRow};
 use tether_control::store::HubStore;
 use tokio::net::TcpListener;
@@ -37,7 +37,8 @@ pub const BROKER_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// ([`tether_client::MAX_FRAME_BYTES`]) per read when data flows, instead of tokio's 8 KiB
 /// default (which made 32× more gRPC messages, each a task hand-off and an HTTP/2 frame).
 pub const FORWARD_BUFFER_BYTES: usize = tether_client::MAX_FRAME_BYTES;
-/// Most worker threads of the forward's runtime (at least 2; one per CPU up to this).
+/// Most worker threads of the forward's runtime, and HTTP/2 connections to the broker (at
+/// least 2; one per CPU up to this).
 pub const FORWARD_MAX_WORKERS: usize = 4;
 
 /// Runs `fut`; if it takes longer than [`PROGRESS_AFTER`], says on stderr what is awaited.
@@ -86,8 +87,14 @@ fn read(p: &Path) -> anyhow::Result<String> {
 }
 
 impl BrokerArgs {
-    /// Connects to the broker's native Dial API.
+    /// Connects to the broker's native Dial API (one HTTP/2 connection).
     pub async fn dialer(&self) -> anyhow::Result<Dialer> {
+        self.dialer_pool(1).await
+    }
+
+    /// Connects to the broker's native Dial API with `connections` HTTP/2 connections (new
+    /// streams go on the least busy one).
+    pub async fn dialer_pool(&self, connections: usize) -> anyhow::Result<Dialer> {
         let Some(endpoint) = self.broker.clone() else {
             bail!("no broker: pass --broker https://host:port (or set TETHER_BROKER)");
         };
@@ -130,7 +137,7 @@ impl BrokerArgs {
         };
         progress(
             &format!("connecting to broker {endpoint}"),
-            Dialer::connect(cfg),
+            Dialer::connect_pool(cfg, connections),
         )
         .await
         .with_context(|| format!("broker {endpoint}"))
@@ -194,7 +201,7 @@ async fn forward(
     target: Option<(String, u16)>,
 ) {
     loop {
-        let (mut local, peer) = match listener.accept().await {
+        let (local, peer) = match listener.accept().await {
             Ok(a) => a,
             Err(e) => {
                 eprintln!("accept: {e}");
@@ -221,18 +228,93 @@ async fn forward(
                 }
             };
             let _ = local.set_nodelay(true);
-            if let Err(e) = tokio::io::copy_bidirectional_with_sizes(
-                &mut local,
-                &mut remote,
-                FORWARD_BUFFER_BYTES,
-                FORWARD_BUFFER_BYTES,
-            )
-            .await
-            {
+            if let Err(e) = splice(local, &mut remote).await {
                 tracing::debug!(%peer, error = %e, "forwarded connection ended");
             }
         });
     }
+}
+
+/// A read from the local connection starts a fresh buffer of [`FORWARD_BUFFER_BYTES`] when
+/// less than this is left in the current one.
+const MIN_READ_BYTES: usize = 16 * 1024;
+
+/// Copies both ways between a local connection and its tunnel stream until both directions
+/// ended, without copying in user space: the kernel reads into a `BytesMut` whose filled part
+/// is handed to the stream as it is ([`tether_client::DialStream::send`]), and chunks from
+/// the tunnel are written to the socket as they are. An EOF either way is passed on as a
+/// half-close; an error ends both (the caller drops the stream: an abort).
+async fn splice(local: tokio::net::TcpStream, remote: &mut DialStream) -> std::io::Result<()> {
+    use std::pin::Pin;
+    use std::task::Poll;
+    use tokio::io::AsyncWrite;
+    let (mut lr, mut lw) = local.into_split();
+    let mut buf = bytes::BytesMut::new();
+    let mut up: Option<bytes::Bytes> = None;
+    let mut down: Option<bytes::Bytes> = None;
+    let (mut up_done, mut down_done) = (false, false);
+    std::future::poll_fn(|cx| {
+        // Local → tunnel.
+        while !up_done {
+            if let Some(chunk) = up.take() {
+                match remote.poll_send_ready(cx) {
+                    Poll::Ready(Ok(())) => remote.send(chunk)?,
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => {
+                        up = Some(chunk);
+                        break;
+                    }
+                }
+                continue;
+            }
+            if buf.capacity() - buf.len() < MIN_READ_BYTES {
+                buf = bytes::BytesMut::with_capacity(FORWARD_BUFFER_BYTES);
+            }
+            match tokio_util::io::poll_read_buf(Pin::new(&mut lr), cx, &mut buf) {
+                Poll::Ready(Ok(0)) => {
+                    std::task::ready!(Pin::new(&mut *remote).poll_shutdown(cx))?;
+                    up_done = true;
+                }
+                Poll::Ready(Ok(_)) => up = Some(buf.split().freeze()),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => break,
+            }
+        }
+        // Tunnel → local.
+        while !down_done {
+            if let Some(chunk) = down.as_mut() {
+                match Pin::new(&mut lw).poll_write(cx, chunk) {
+                    Poll::Ready(Ok(0)) => {
+                        return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()));
+                    }
+                    Poll::Ready(Ok(n)) => {
+                        bytes::Buf::advance(chunk, n);
+                        if chunk.is_empty() {
+                            down = None;
+                        }
+                    }
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => break,
+                }
+                continue;
+            }
+            match remote.poll_recv(cx) {
+                Poll::Ready(Some(Ok(b))) => down = Some(b),
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(e)),
+                Poll::Ready(None) => {
+                    std::task::ready!(Pin::new(&mut lw).poll_shutdown(cx))?;
+                    down_done = true;
+                }
+                Poll::Pending => break,
+            }
+        }
+        if up_done && down_done {
+            Poll::Ready(Ok(()))
+        } else {
+            Poll::Pending
+        }
+    })
+    .await
 }
 
 /// `tetherctl proxy connect`.
@@ -246,7 +328,7 @@ pub async fn connect(
     tether_tls::identity::validate_dns_label(cluster)
         .map_err(|r| anyhow::anyhow!("cluster {cluster:?}: {r}"))?;
     let target = target.map(parse_target).transpose()?;
-    // The forward (its gRPC connection to the broker included) runs on its own multi-threaded
+    // The forward (its connections to the broker included) runs on its own multi-threaded
     // runtime: tetherctl's main runtime is single-threaded, which put every stream's copies,
     // the HTTP/2 connection and TLS on one core (8 streams were slower than 1).
     let workers = std::thread::available_parallelism()
@@ -260,7 +342,10 @@ pub async fn connect(
         .context("starting the forward's runtime")?;
     let (broker, cluster, address) = (broker.clone(), cluster.to_string(), address.to_string());
     let run = rt.spawn(async move {
-        let dialer = broker.dialer().await?;
+        // One HTTP/2 connection (TLS session, connection task) per worker: with one, every
+        // stream's framing and encryption ran on one core, here and on the broker, and 8
+        // streams were slower than 1.
+        let dialer = broker.dialer_pool(workers).await?;
         let listener = TcpListener::bind((address.as_str(), local_port))
             .await
             .with_context(|| format!("cannot listen on {address}:{local_port}"))?;

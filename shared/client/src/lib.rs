@@ -2,7 +2,10 @@
 //!
 //! - [`Dialer`]: one gRPC channel (HTTP/2, TLS) to a broker; [`Dialer::dial`] opens a TCP
 //!   connection to a target inside a managed cluster and returns a [`DialStream`] that
-//!   implements `AsyncRead + AsyncWrite`. Many streams share the channel.
+//!   implements `AsyncRead + AsyncWrite`. Many streams share the channel;
+//!   [`Dialer::connect_pool`] opens several HTTP/2 connections and puts each new stream on the
+//!   least busy one. [`DialStream::send`] / [`DialStream::poll_recv`] move owned `Bytes`
+//!   without the copy that `AsyncWrite`/`AsyncRead` make (used by `tetherctl proxy connect`).
 //! - [`Dialer::kube_client`]: a `kube::Client` for a cluster whose every connection goes
 //!   through the tunnel to that cluster's API server (TLS to the API server end to end, with
 //!   the kubeconfig's CA and credentials).
@@ -22,7 +25,7 @@
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -108,15 +111,36 @@ pub enum ClientError {
     Kube(String),
 }
 
-/// A connection to a broker's native Dial API.
+/// A connection (or a few, see [`Dialer::connect_pool`]) to a broker's native Dial API.
 #[derive(Clone)]
 pub struct Dialer {
-    client: pb::dialer_client::DialerClient<Channel>,
-    channel: Channel,
+    conns: Arc<[Conn]>,
+    /// Where the search for the least busy connection starts (round robin among equals).
+    next: Arc<AtomicUsize>,
     token: Option<MetadataValue<Ascii>>,
     /// Cleared once the broker answered `DialRaw` as an unknown gRPC method (an older broker).
     raw: Arc<AtomicBool>,
 }
+
+/// One HTTP/2 connection of a [`Dialer`] and the streams open on it.
+struct Conn {
+    client: pb::dialer_client::DialerClient<Channel>,
+    channel: Channel,
+    /// Open [`DialStream`]s on this connection (each holds a [`ConnLoad`]).
+    open: Arc<AtomicUsize>,
+}
+
+/// A stream's share of its connection's load (and the connection's index); released on drop.
+struct ConnLoad(Arc<AtomicUsize>, usize);
+
+impl Drop for ConnLoad {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Most HTTP/2 connections one [`Dialer`] opens ([`Dialer::connect_pool`]).
+pub const MAX_CONNECTIONS: usize = 16;
 
 /// Path of the unframed Dial (`docs/tunnel-protocol.md`).
 pub const RAW_DIAL_PATH: &str = "/tether.tunnel.v1.Dialer/DialRaw";
@@ -126,8 +150,54 @@ const MAX_REFUSAL_BYTES: usize = 16 * 1024;
 const REFUSAL_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Dialer {
-    /// Connects (TLS, HTTP/2) to the broker.
+    /// Connects (TLS, HTTP/2) to the broker: one connection, which every stream shares.
     pub async fn connect(cfg: DialerConfig) -> Result<Self, ClientError> {
+        Self::connect_pool(cfg, 1).await
+    }
+
+    /// Opens `connections` HTTP/2 connections (1 to [`MAX_CONNECTIONS`]) to the broker; each
+    /// new stream goes on the one with the fewest open streams. One connection is one TLS
+    /// session and one HTTP/2 connection task on each end, so its streams' encryption and
+    /// framing run on one core at a time: several busy streams go faster over several
+    /// connections (`tetherctl proxy connect` opens one per worker thread).
+    pub async fn connect_pool(cfg: DialerConfig, connections: usize) -> Result<Self, ClientError> {
+        let n = connections.clamp(1, MAX_CONNECTIONS);
+        let conns = futures::future::try_join_all((0..n).map(|_| Self::connect_one(&cfg))).await?;
+        let token = match &cfg.token {
+            Some(t) => Some(
+                format!("Bearer {}", t.0)
+                    .parse()
+                    .map_err(|_| ClientError::BadToken)?,
+            ),
+            None => None,
+        };
+        Ok(Self {
+            conns: conns.into(),
+            next: Arc::new(AtomicUsize::new(0)),
+            token,
+            raw: Arc::new(AtomicBool::new(true)),
+        })
+    }
+
+    /// Number of HTTP/2 connections to the broker.
+    pub fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// The connection with the fewest open streams (ties: round robin), and its load share.
+    fn pick(&self) -> (&Conn, ConnLoad) {
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        let n = self.conns.len();
+        let i = (0..n)
+            .map(|i| (start + i) % n)
+            .min_by_key(|&i| self.conns[i].open.load(Ordering::Relaxed))
+            .expect("at least one connection");
+        let c = &self.conns[i];
+        c.open.fetch_add(1, Ordering::Relaxed);
+        (c, ConnLoad(Arc::clone(&c.open), i))
+    }
+
+    async fn connect_one(cfg: &DialerConfig) -> Result<Conn, ClientError> {
         let endpoint_err = |reason: String| ClientError::Endpoint {
             endpoint: cfg.endpoint.clone(),
             reason,
@@ -153,20 +223,11 @@ impl Dialer {
             .map_err(|e| {
                 ClientError::Connect(format!("{e}: {:?}", std::error::Error::source(&e)))
             })?;
-        let token = match &cfg.token {
-            Some(t) => Some(
-                format!("Bearer {}", t.0)
-                    .parse()
-                    .map_err(|_| ClientError::BadToken)?,
-            ),
-            None => None,
-        };
-        Ok(Self {
+        Ok(Conn {
             client: pb::dialer_client::DialerClient::new(channel.clone())
                 .max_decoding_message_size(4 * MAX_FRAME_BYTES),
             channel,
-            token,
-            raw: Arc::new(AtomicBool::new(true)),
+            open: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -195,6 +256,7 @@ impl Dialer {
         port: u16,
     ) -> Result<Option<DialStream>, ClientError> {
         use tower::ServiceExt as _;
+        let (conn, load) = self.pick();
         let (tx, rx) = mpsc::channel(SEND_QUEUE_FRAMES);
         let (abort_tx, abort_rx) = tokio::sync::oneshot::channel();
         let body = RawRequestBody {
@@ -217,7 +279,7 @@ impl Dialer {
                 endpoint: RAW_DIAL_PATH.into(),
                 reason: e.to_string(),
             })?;
-        let resp = self
+        let resp = conn
             .channel
             .clone()
             .oneshot(req)
@@ -259,6 +321,7 @@ impl Dialer {
             stream_id,
             tunnel_rtt: (rtt > 0).then(|| Duration::from_micros(rtt)),
             unframed: true,
+            load,
         }))
     }
 
@@ -288,7 +351,8 @@ impl Dialer {
         if let Some(t) = &self.token {
             req.metadata_mut().insert("authorization", t.clone());
         }
-        let mut inbound = self.client.clone().dial(req).await?.into_inner();
+        let (conn, load) = self.pick();
+        let mut inbound = conn.client.clone().dial(req).await?.into_inner();
         let first = inbound.message().await?.ok_or(ClientError::NoAnswer)?;
         let Some(pb::dial_frame::Kind::Result(result)) = first.kind else {
             return Err(ClientError::NoAnswer);
@@ -323,6 +387,7 @@ impl Dialer {
             tunnel_rtt: (result.tunnel_rtt_micros > 0)
                 .then(|| Duration::from_micros(result.tunnel_rtt_micros)),
             unframed: false,
+            load,
         })
     }
 
@@ -550,6 +615,8 @@ pub struct DialStream {
     stream_id: u64,
     tunnel_rtt: Option<Duration>,
     unframed: bool,
+    /// Counts this stream on its connection until dropped.
+    load: ConnLoad,
 }
 
 impl DialStream {
@@ -566,6 +633,58 @@ impl DialStream {
     /// The broker's id for this stream (appears in its logs and traces).
     pub fn stream_id(&self) -> u64 {
         self.stream_id
+    }
+
+    /// Index of the [`Dialer`]'s HTTP/2 connection this stream is on (0 without a pool).
+    pub fn connection(&self) -> usize {
+        self.load.1
+    }
+
+    /// Ready once [`DialStream::send`] may queue a chunk (the owned-buffer form of
+    /// `poll_write`, for callers that read into their own `Bytes`: no copy here).
+    pub fn poll_send_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.tx
+            .poll_reserve(cx)
+            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "stream closed"))
+    }
+
+    /// Queues `data` (at most [`MAX_FRAME_BYTES`]) towards the target as it is, without
+    /// copying; call after [`DialStream::poll_send_ready`] returned `Ready(Ok(()))`.
+    pub fn send(&mut self, data: Bytes) -> io::Result<()> {
+        if data.len() > MAX_FRAME_BYTES {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("chunk of {} bytes exceeds {MAX_FRAME_BYTES}", data.len()),
+            ));
+        }
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.tx
+            .send_item(data)
+            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "stream closed"))
+    }
+
+    /// The next chunk from the target as the broker sent it (the owned-buffer form of
+    /// `poll_read`: no copy); `None` at the target's EOF. Bytes already partly read through
+    /// `AsyncRead` come first.
+    pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<Bytes>>> {
+        if !self.pending.is_empty() {
+            return Poll::Ready(Some(Ok(std::mem::take(&mut self.pending))));
+        }
+        if self.eof {
+            return Poll::Ready(None);
+        }
+        let Some(rx) = self.rx.as_mut() else {
+            return Poll::Ready(None);
+        };
+        match ready!(rx.as_mut().poll_next(cx)) {
+            Some(r) => Poll::Ready(Some(r)),
+            None => {
+                self.eof = true;
+                Poll::Ready(None)
+            }
+        }
     }
 }
 
