@@ -86,7 +86,10 @@ pub async fn create(
                     MIN_CERT_LIFETIME.as_secs()
                 ));
             }
-            let (pem, key, serial, not_after) = issue_cert(&ctx.ca, &name, lifetime)?;
+            let (pem, key, serial, not_after) = {
+                let name = name.clone();
+                crate::signing::with_ca(&ctx.ca, move |ca| issue_cert(ca, &name, lifetime)).await?
+            };
             (
                 HubClientSpec {
                     token_sha256: None,

@@ -267,8 +267,17 @@ pub async fn submit_addon_csr(
         return Ok(csr_reply(csr));
     }
     let lifetime = ctx.policy.client_cert_lifetime;
-    let cert = sign_addon_csr(&ctx.ca, &req.csr, cluster, addon, &req.agent_name, lifetime)
-        .map_err(DeliveryError::Rejected)?;
+    let (csr_pem, c, a, agent) = (
+        req.csr.clone(),
+        cluster.to_owned(),
+        addon.to_owned(),
+        req.agent_name.clone(),
+    );
+    let cert = crate::signing::with_ca(&ctx.ca, move |ca| {
+        sign_addon_csr(ca, &csr_pem, &c, &a, &agent, lifetime)
+    })
+    .await
+    .map_err(DeliveryError::Rejected)?;
     let mut meta = ObjectMeta::new(&name);
     meta.labels.insert(
         CertificateSigningRequest::CLUSTER_LABEL.into(),
