@@ -181,39 +181,52 @@ impl Kind {
     }
 }
 
-fn parse(kind: Kind, msg: &async_nats::Message) -> Result<Request, String> {
+/// Why a registration request could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ParseError {
+    #[error("subject {0} names no cluster")]
+    NoCluster(String),
+    #[error("malformed {what} body: {source}")]
+    Malformed {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+fn parse(kind: Kind, msg: &async_nats::Message) -> Result<Request, ParseError> {
     let subject = msg.subject.as_str();
     let cluster = || {
         subjects::cluster_of(subject)
             .map(str::to_string)
-            .ok_or_else(|| format!("subject {subject} names no cluster"))
+            .ok_or_else(|| ParseError::NoCluster(subject.to_owned()))
     };
-    let body = |what: &str| format!("malformed {what} body: ");
+    fn body<T: serde::de::DeserializeOwned>(
+        msg: &async_nats::Message,
+        what: &'static str,
+    ) -> Result<T, ParseError> {
+        serde_json::from_slice(&msg.payload)
+            .map_err(|source| ParseError::Malformed { what, source })
+    }
     let trace_id = tether_control::trace::extract(msg.headers.as_ref()).map(|t| t.trace_id);
     Ok(match kind {
         Kind::BootstrapCsr | Kind::ClusterCsr => Request::SubmitCsr {
             cluster: cluster()?,
-            body: serde_json::from_slice(&msg.payload).map_err(|e| body("CSR") + &e.to_string())?,
+            body: body(msg, "CSR")?,
             renewal: matches!(kind, Kind::ClusterCsr),
             trace_id,
         },
         Kind::BootstrapCsrGet | Kind::ClusterCsrGet => Request::GetCsr {
             cluster: cluster()?,
-            body: serde_json::from_slice(&msg.payload)
-                .map_err(|e| body("CSR get") + &e.to_string())?,
+            body: body(msg, "CSR get")?,
             renewal: matches!(kind, Kind::ClusterCsrGet),
         },
         Kind::Lease => Request::Lease {
             cluster: cluster()?,
-            body: serde_json::from_slice(&msg.payload)
-                .map_err(|e| body("lease") + &e.to_string())?,
+            body: body(msg, "lease")?,
         },
-        Kind::Accept => Request::Accept(
-            serde_json::from_slice(&msg.payload).map_err(|e| body("accept") + &e.to_string())?,
-        ),
-        Kind::Deny => Request::Deny(
-            serde_json::from_slice(&msg.payload).map_err(|e| body("deny") + &e.to_string())?,
-        ),
+        Kind::Accept => Request::Accept(body(msg, "accept")?),
+        Kind::Deny => Request::Deny(body(msg, "deny")?),
         Kind::Callout => Request::Callout(msg.payload.clone()),
     })
 }
@@ -280,7 +293,7 @@ pub async fn start_pumps(
                     tether_control::trace::set_parent(&span, msg.headers.as_ref());
                     let reply = match parse(kind, &msg) {
                         Ok(req) => tracing::Instrument::instrument(handle(&hub, req), span).await,
-                        Err(e) => Reply::Error(e),
+                        Err(e) => Reply::Error(e.to_string()),
                     };
                     if let Reply::Error(e) = &reply {
                         tracing::info!(subject = %msg.subject, error = %e, "request refused");
