@@ -952,7 +952,7 @@ pub async fn start(
                         Ok(req) => addr.send(req).await.unwrap_or_else(|e| Err(e.into())),
                         Err(e) => Err(e),
                     };
-                    r.map(|v| bytes::Bytes::from(v.to_string()))
+                    r.map(|v| Some(bytes::Bytes::from(v.to_string())))
                         .map_err(|e| e.to_string())
                 }
             },

@@ -229,7 +229,7 @@ pub async fn start(
                 tether_control::trace::set_parent(&span, msg.headers.as_ref());
                 tracing::Instrument::instrument(serve(&ctx, kind, &msg.payload), span)
                     .await
-                    .map(bytes::Bytes::from)
+                    .map(|b| Some(bytes::Bytes::from(b)))
                     .map_err(|e| e.to_string())
             }
         },

@@ -14,15 +14,14 @@
 
 use std::sync::Arc;
 
-use futures::StreamExt;
-use tether_control::connect::ERROR_HEADER;
-use tether_control::resources::{AdminClusterRequest, CsrGet, CsrSubmit, ErrorReply, LeaseRenew};
+use tether_control::resources::{AdminClusterRequest, CsrGet, CsrSubmit, LeaseRenew};
 use tether_control::subjects;
 use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
 use crate::hub::HubCtx;
+use crate::serve::Answer;
 
 /// Concurrent requests in flight per subscription.
 pub const MAX_INFLIGHT_PER_SUBJECT: usize = 64;
@@ -54,15 +53,6 @@ pub enum Request {
     Deny(AdminClusterRequest),
     /// A raw auth-callout request JWT.
     Callout(bytes::Bytes),
-}
-
-/// The answer to publish.
-#[derive(Debug)]
-pub enum Reply {
-    Json(Vec<u8>),
-    Error(String),
-    /// A JWT (callout response), or nothing when the request was not understood.
-    Raw(Option<String>),
 }
 
 /// Runs the leader-only periodic controllers until `shutdown`: the lease monitor every
@@ -123,18 +113,13 @@ async fn next_tick(tick: &mut tokio::time::Interval, stop: &CancellationToken) -
     }
 }
 
-fn json<T: serde::Serialize>(r: Result<T, crate::hub::HubError>) -> Reply {
-    match r {
-        Ok(v) => match serde_json::to_vec(&v) {
-            Ok(b) => Reply::Json(b),
-            Err(e) => Reply::Error(e.to_string()),
-        },
-        Err(e) => Reply::Error(e.to_string()),
-    }
+fn json<T: serde::Serialize>(r: Result<T, crate::hub::HubError>) -> Answer {
+    let body = serde_json::to_vec(&r.map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+    Ok(Some(body.into()))
 }
 
 /// Serves one request.
-async fn handle(hub: &HubCtx, req: Request) -> Reply {
+async fn handle(hub: &HubCtx, req: Request) -> Answer {
     match req {
         Request::SubmitCsr {
             cluster,
@@ -150,7 +135,7 @@ async fn handle(hub: &HubCtx, req: Request) -> Reply {
         Request::Lease { cluster, body } => json(hub.renew_lease(&cluster, body).await),
         Request::Accept(r) => json(hub.accept(r).await),
         Request::Deny(r) => json(hub.deny(r).await),
-        Request::Callout(raw) => Reply::Raw(crate::callout::respond(hub, &raw).await),
+        Request::Callout(raw) => Ok(crate::callout::respond(hub, &raw).await.map(Into::into)),
     }
 }
 
@@ -231,24 +216,8 @@ fn parse(kind: Kind, msg: &async_nats::Message) -> Result<Request, ParseError> {
     })
 }
 
-async fn answer(client: &async_nats::Client, reply_to: async_nats::Subject, reply: Reply) {
-    let r = match reply {
-        Reply::Json(b) => client.publish(reply_to, b.into()).await,
-        Reply::Raw(Some(jwt)) => client.publish(reply_to, jwt.into()).await,
-        Reply::Raw(None) => Ok(()),
-        Reply::Error(e) => {
-            let mut h = async_nats::HeaderMap::new();
-            h.insert(ERROR_HEADER, e.replace(['\r', '\n'], " ").as_str());
-            let body = serde_json::to_vec(&ErrorReply { error: e }).unwrap_or_default();
-            client.publish_with_headers(reply_to, h, body.into()).await
-        }
-    };
-    if let Err(e) = r {
-        tracing::debug!(error = %e, "cannot publish reply");
-    }
-}
-
-/// Subscribes to every controller subject and serves its requests.
+/// Subscribes to every controller subject and serves its requests
+/// ([`crate::serve::serve_subjects`]).
 pub async fn start_pumps(
     client: async_nats::Client,
     hub: Arc<HubCtx>,
@@ -264,48 +233,28 @@ pub async fn start_pumps(
         (subjects::ADMIN_DENY, Kind::Deny),
         (subjects::AUTH_CALLOUT, Kind::Callout),
     ];
-    let mut handles = Vec::new();
-    for (subject, kind) in table {
-        let sub = client
-            .queue_subscribe(subject, QUEUE_GROUP.to_string())
-            .await
-            .map_err(|e| crate::ManagerError::Subscribe {
-                subject: subject.to_string(),
-                reason: e.to_string(),
-            })?;
-        let client = client.clone();
-        let hub = Arc::clone(&hub);
-        let stop = shutdown.clone();
-        let metrics_label = kind.label();
-        handles.push(tokio::spawn(async move {
-            let work = sub.for_each_concurrent(MAX_INFLIGHT_PER_SUBJECT, |msg| {
-                let client = client.clone();
-                let hub = Arc::clone(&hub);
-                async move {
-                    let Some(reply_to) = msg.reply.clone() else {
-                        return;
-                    };
-                    let span = tracing::info_span!(
-                        "registration.request",
-                        subject = %msg.subject,
-                        kind = metrics_label,
-                    );
-                    tether_control::trace::set_parent(&span, msg.headers.as_ref());
-                    let reply = match parse(kind, &msg) {
-                        Ok(req) => tracing::Instrument::instrument(handle(&hub, req), span).await,
-                        Err(e) => Reply::Error(e.to_string()),
-                    };
-                    if let Reply::Error(e) = &reply {
-                        tracing::info!(subject = %msg.subject, error = %e, "request refused");
-                    }
-                    answer(&client, reply_to, reply).await;
+    crate::serve::serve_subjects(
+        &client,
+        QUEUE_GROUP,
+        table,
+        MAX_INFLIGHT_PER_SUBJECT,
+        "registration",
+        &shutdown,
+        move |kind, msg| {
+            let hub = Arc::clone(&hub);
+            async move {
+                let span = tracing::info_span!(
+                    "registration.request",
+                    subject = %msg.subject,
+                    kind = kind.label(),
+                );
+                tether_control::trace::set_parent(&span, msg.headers.as_ref());
+                match parse(kind, &msg) {
+                    Ok(req) => tracing::Instrument::instrument(handle(&hub, req), span).await,
+                    Err(e) => Err(e.to_string()),
                 }
-            });
-            tokio::select! {
-                _ = stop.cancelled() => {}
-                _ = work => tracing::warn!(subject = metrics_label, "subscription ended"),
             }
-        }));
-    }
-    Ok(handles)
+        },
+    )
+    .await
 }

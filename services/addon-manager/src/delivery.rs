@@ -494,7 +494,7 @@ pub async fn start(
                     .requests_total
                     .with_label_values(&[label, if r.is_ok() { "ok" } else { "error" }])
                     .inc();
-                r.map(|v| bytes::Bytes::from(v.to_string()))
+                r.map(|v| Some(bytes::Bytes::from(v.to_string())))
                     .map_err(|e| e.to_string())
             }
         },
