@@ -224,7 +224,7 @@ pub async fn run(
         metrics,
     ));
     retry("cannot watch the hub state", &shutdown, || {
-        ctx.start_watches()
+        ctx.start_watches(&tasks, &shutdown)
     })
     .await?;
     retry("cannot load the cluster leases", &shutdown, || {
