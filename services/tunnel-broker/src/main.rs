@@ -29,12 +29,6 @@ struct Args {
     worker_threads: Option<usize>,
 }
 
-async fn bind(addr: std::net::SocketAddr, field: &str) -> anyhow::Result<TcpListener> {
-    TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("cannot bind {field} {addr}"))
-}
-
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     tether_tls::install_default_crypto();
@@ -43,6 +37,7 @@ fn main() -> anyhow::Result<()> {
     let workers = args
         .worker_threads
         .unwrap_or_else(tether_runtime::data_plane_workers);
+    let bind = tether_runtime::bind;
     tether_runtime::actix_system(Some(workers)).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("tunnel-broker");
         let shutdown = tether_runtime::shutdown_token();
