@@ -71,11 +71,7 @@ impl Printer {
                     e.event_time,
                     e.type_,
                     e.reason,
-                    format!(
-                        "{}/{}",
-                        e.involved_object.kind.to_ascii_lowercase(),
-                        e.involved_object.name
-                    ),
+                    object_ref(e),
                     e.message
                 );
             }
@@ -206,6 +202,15 @@ pub fn subject_matches(filter: &str, subject: &str) -> bool {
             _ => return false,
         }
     }
+}
+
+/// `kind/name` of the object an event is about, as the tables show it.
+pub(crate) fn object_ref(e: &Event) -> String {
+    format!(
+        "{}/{}",
+        e.involved_object.kind.to_ascii_lowercase(),
+        e.involved_object.name
+    )
 }
 
 #[cfg(test)]
