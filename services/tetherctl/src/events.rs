@@ -71,7 +71,7 @@ impl Printer {
                     e.event_time,
                     e.type_,
                     e.reason,
-                    object_ref(e),
+                    crate::ops::object_ref(e),
                     e.message
                 );
             }
@@ -202,15 +202,6 @@ pub fn subject_matches(filter: &str, subject: &str) -> bool {
             _ => return false,
         }
     }
-}
-
-/// `kind/name` of the object an event is about, as the tables show it.
-pub(crate) fn object_ref(e: &Event) -> String {
-    format!(
-        "{}/{}",
-        e.involved_object.kind.to_ascii_lowercase(),
-        e.involved_object.name
-    )
 }
 
 #[cfg(test)]

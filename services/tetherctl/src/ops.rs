@@ -182,6 +182,15 @@ pub async fn get_clusters(hub: &HubArgs, name: Option<&str>, output: Output) -> 
     Ok(())
 }
 
+/// `kind/name` of the object an event is about, as the tables show it.
+pub(crate) fn object_ref(e: &tether_control::resources::Event) -> String {
+    format!(
+        "{}/{}",
+        e.involved_object.kind.to_ascii_lowercase(),
+        e.involved_object.name
+    )
+}
+
 pub(crate) fn print_table(rows: &[Vec<String>]) {
     print!("{}", tether_control::health::format_table(rows));
 }
@@ -205,7 +214,7 @@ pub async fn get_events(
                     .to_vec(),
             ];
             for e in events {
-                let object = crate::events::object_ref(&e);
+                let object = object_ref(&e);
                 rows.push(vec![e.event_time, e.type_, e.reason, object, e.message]);
             }
             print_table(&rows);
