@@ -439,6 +439,15 @@ async fn event(store: &impl Store, ev: Event) {
     }
 }
 
+/// A `Normal` event about ManagedClusterAddOn `key`.
+async fn addon_event(store: &impl Store, key: &str, reason: &str, message: impl Into<String>) {
+    event(
+        store,
+        Event::new(ManagedClusterAddOn::KIND, key, "Normal", reason, message),
+    )
+    .await;
+}
+
 /// One pass over every add-on; returns how many objects it wrote and when the next add-on
 /// lease expires (re-run then).
 pub async fn reconcile_all(
@@ -585,17 +594,7 @@ pub async fn reconcile_at(
         writes += 1;
         to_notify.push((cluster.clone(), name.clone()));
         tracing::info!(cluster = %cluster, addon = %name, reason = %why, "add-on removed");
-        event(
-            store,
-            Event::new(
-                ManagedClusterAddOn::KIND,
-                &key,
-                "Normal",
-                "AddOnRemoved",
-                why,
-            ),
-        )
-        .await;
+        addon_event(store, &key, "AddOnRemoved", why).await;
     }
 
     for (key, (cluster, name, by_strategy)) in want {
@@ -798,17 +797,8 @@ pub async fn reconcile_at(
                     writes += 1;
                     to_notify.push((cluster.clone(), name.clone()));
                     tracing::info!(cluster = %cluster, addon = %name, "add-on installed");
-                    event(
-                        store,
-                        Event::new(
-                            ManagedClusterAddOn::KIND,
-                            &key,
-                            "Normal",
-                            "AddOnInstalled",
-                            format!("{name} installed on {cluster}"),
-                        ),
-                    )
-                    .await;
+                    let msg = format!("{name} installed on {cluster}");
+                    addon_event(store, &key, "AddOnInstalled", msg).await;
                 }
             }
             Some((_, rev)) if before != after => {
@@ -835,11 +825,7 @@ pub async fn reconcile_at(
                     } else {
                         ("AddOnStatusChanged", summary.join(" "))
                     };
-                    event(
-                        store,
-                        Event::new(ManagedClusterAddOn::KIND, &key, "Normal", reason, msg),
-                    )
-                    .await;
+                    addon_event(store, &key, reason, msg).await;
                 }
                 // On a CAS conflict the watch brings us back.
             }
