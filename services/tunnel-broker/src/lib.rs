@@ -179,7 +179,8 @@ pub async fn run(
             Arc::clone(&broker),
             peer_table.clone(),
             cfg.max_pending_dials_per_tunnel,
-        );
+        )
+        .with_drain(tasks.clone(), &close);
         peer_connectors.push(Supervisor::start_in_arbiter(&arbiter, move |_| c));
     }
     let accepting = CancellationToken::new();
@@ -246,6 +247,7 @@ pub async fn run(
                 arbiter.clone(),
                 metrics.discovered_peers.clone(),
             )
+            .with_drain(tasks.clone(), &close)
         });
         let plane = control::ControlPlane {
             connect,

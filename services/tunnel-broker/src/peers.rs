@@ -86,8 +86,11 @@ pub struct PeerConnector {
     pub backoff: Backoff,
     pub max_pending_dials: usize,
     pub generation: u64,
-    /// Cancelled when the peer is dropped (its presence disappeared or went stale).
+    /// Cancelled when the peer is dropped (its presence disappeared or went stale), and at the
+    /// end of the broker's drain (a child of its close token, see [`PeerConnector::with_drain`]).
     pub stop: tokio_util::sync::CancellationToken,
+    /// The connection attempts and relay connections run as tasks of this drain.
+    pub tasks: tether_runtime::Drain,
 }
 
 impl PeerConnector {
@@ -111,7 +114,20 @@ impl PeerConnector {
             max_pending_dials,
             generation: 0,
             stop: Default::default(),
+            tasks: tether_runtime::Drain::new("tunnel-broker peer"),
         }
+    }
+
+    /// Runs the connector's tasks in the broker's drain; `close` (the broker's close token)
+    /// ends them.
+    pub fn with_drain(
+        mut self,
+        tasks: tether_runtime::Drain,
+        close: &tokio_util::sync::CancellationToken,
+    ) -> Self {
+        self.tasks = tasks;
+        self.stop = close.child_token();
+        self
     }
 }
 
@@ -160,9 +176,10 @@ impl PeerConnector {
         let max_pending = self.max_pending_dials;
         let me = ctx.address();
         let stop = self.stop.clone();
-        tokio::spawn(async move {
+        let tasks = self.tasks.clone();
+        self.tasks.spawn("peer relay connector", async move {
             let opened = tokio::select! {
-                r = open_peer(&peer, &tls, &settings) => r,
+                r = open_peer(&peer, &tls, &settings, &tasks) => r,
                 _ = stop.cancelled() => return,
             };
             let (reason, was_up) = match opened {
@@ -233,6 +250,7 @@ async fn open_peer(
     peer: &PeerConfig,
     tls: &Arc<TlsMaterial>,
     settings: &tether_tunnel::TunnelSettings,
+    tasks: &tether_runtime::Drain,
 ) -> Result<PeerConn, PeerConnectError> {
     let hs = settings.handshake_timeout;
     let timeout = |step| PeerConnectError::Timeout { step, after: hs };
@@ -253,7 +271,8 @@ async fn open_peer(
             .map_err(|_| timeout("HTTP/2 handshake"))??;
     let pp = conn.ping_pong().expect("ping_pong taken once");
     let (tx, rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(async move {
+    // Ends when the connector drops its handle (the peer is dropped or the broker drains).
+    tasks.spawn("peer relay connection", async move {
         let reason = match conn.await {
             Ok(()) => "closed".to_owned(),
             Err(e) => e.to_string(),

@@ -97,6 +97,9 @@ pub struct PeerManager {
     peers: HashMap<String, (PeerConfig, Addr<PeerConnector>)>,
     seen: HashMap<String, BrokerPresence>,
     gauge: prometheus::IntGauge,
+    /// The broker's drain and close token, handed to every connector it starts.
+    tasks: tether_runtime::Drain,
+    close: tokio_util::sync::CancellationToken,
 }
 
 impl PeerManager {
@@ -122,7 +125,20 @@ impl PeerManager {
             peers: HashMap::new(),
             seen: HashMap::new(),
             gauge,
+            tasks: tether_runtime::Drain::new("tunnel-broker peer"),
+            close: Default::default(),
         }
+    }
+
+    /// Runs the connectors' tasks in the broker's drain; `close` ends them.
+    pub fn with_drain(
+        mut self,
+        tasks: tether_runtime::Drain,
+        close: &tokio_util::sync::CancellationToken,
+    ) -> Self {
+        self.tasks = tasks;
+        self.close = close.clone();
+        self
     }
 
     /// A presence entry was written (or read in a listing).
@@ -156,7 +172,8 @@ impl PeerManager {
             Arc::clone(&self.broker),
             self.table.clone(),
             self.max_pending_dials,
-        );
+        )
+        .with_drain(self.tasks.clone(), &self.close);
         let addr = PeerConnector::start_in_arbiter(&self.arbiter, move |_| c);
         self.peers.insert(want.id.clone(), (want, addr));
         self.gauge.set(self.peers.len() as i64);
