@@ -171,6 +171,10 @@ pub async fn run(
         clusters: Arc::clone(broker.auth.clusters()),
         test_hooks: test_hooks.clone(),
     });
+    let peer_tasks = peers::PeerTasks {
+        tasks: tasks.clone(),
+        close: close.clone(),
+    };
     let mut peer_connectors = Vec::new();
     for peer in &cfg.peers {
         let c = peers::PeerConnector::new(
@@ -180,7 +184,7 @@ pub async fn run(
             peer_table.clone(),
             cfg.max_pending_dials_per_tunnel,
         )
-        .with_drain(tasks.clone(), &close);
+        .with_tasks(&peer_tasks);
         peer_connectors.push(Supervisor::start_in_arbiter(&arbiter, move |_| c));
     }
     let accepting = CancellationToken::new();
@@ -247,7 +251,7 @@ pub async fn run(
                 arbiter.clone(),
                 metrics.discovered_peers.clone(),
             )
-            .with_drain(tasks.clone(), &close)
+            .with_tasks(peer_tasks.clone())
         });
         let plane = control::ControlPlane {
             connect,

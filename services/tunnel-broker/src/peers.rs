@@ -87,10 +87,27 @@ pub struct PeerConnector {
     pub max_pending_dials: usize,
     pub generation: u64,
     /// Cancelled when the peer is dropped (its presence disappeared or went stale), and at the
-    /// end of the broker's drain (a child of its close token, see [`PeerConnector::with_drain`]).
+    /// end of the broker's drain (a child of its close token, see [`PeerConnector::with_tasks`]).
     pub stop: tokio_util::sync::CancellationToken,
     /// The connection attempts and relay connections run as tasks of this drain.
     pub tasks: tether_runtime::Drain,
+}
+
+/// Where peer connectors run their tasks: the broker's drain, ended by its close token.
+#[derive(Clone)]
+pub struct PeerTasks {
+    pub tasks: tether_runtime::Drain,
+    pub close: tokio_util::sync::CancellationToken,
+}
+
+impl Default for PeerTasks {
+    /// A drain of their own, never closed (unit tests).
+    fn default() -> Self {
+        Self {
+            tasks: tether_runtime::Drain::new("tunnel-broker peer"),
+            close: Default::default(),
+        }
+    }
 }
 
 impl PeerConnector {
@@ -114,19 +131,13 @@ impl PeerConnector {
             max_pending_dials,
             generation: 0,
             stop: Default::default(),
-            tasks: tether_runtime::Drain::new("tunnel-broker peer"),
+            tasks: PeerTasks::default().tasks,
         }
     }
 
-    /// Runs the connector's tasks in the broker's drain; `close` (the broker's close token)
-    /// ends them.
-    pub fn with_drain(
-        mut self,
-        tasks: tether_runtime::Drain,
-        close: &tokio_util::sync::CancellationToken,
-    ) -> Self {
-        self.tasks = tasks;
-        self.stop = close.child_token();
+    /// Runs the connector's tasks in `t`'s drain, ended by its close token.
+    pub fn with_tasks(mut self, t: &PeerTasks) -> Self {
+        (self.tasks, self.stop) = (t.tasks.clone(), t.close.child_token());
         self
     }
 }

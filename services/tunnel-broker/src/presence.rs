@@ -97,9 +97,8 @@ pub struct PeerManager {
     peers: HashMap<String, (PeerConfig, Addr<PeerConnector>)>,
     seen: HashMap<String, BrokerPresence>,
     gauge: prometheus::IntGauge,
-    /// The broker's drain and close token, handed to every connector it starts.
-    tasks: tether_runtime::Drain,
-    close: tokio_util::sync::CancellationToken,
+    /// Where the connectors it starts run their tasks.
+    tasks: crate::peers::PeerTasks,
 }
 
 impl PeerManager {
@@ -125,19 +124,13 @@ impl PeerManager {
             peers: HashMap::new(),
             seen: HashMap::new(),
             gauge,
-            tasks: tether_runtime::Drain::new("tunnel-broker peer"),
-            close: Default::default(),
+            tasks: Default::default(),
         }
     }
 
-    /// Runs the connectors' tasks in the broker's drain; `close` ends them.
-    pub fn with_drain(
-        mut self,
-        tasks: tether_runtime::Drain,
-        close: &tokio_util::sync::CancellationToken,
-    ) -> Self {
-        self.tasks = tasks;
-        self.close = close.clone();
+    /// Runs the connectors' tasks in `t`'s drain, ended by its close token.
+    pub fn with_tasks(mut self, t: crate::peers::PeerTasks) -> Self {
+        self.tasks = t;
         self
     }
 
@@ -173,7 +166,7 @@ impl PeerManager {
             self.table.clone(),
             self.max_pending_dials,
         )
-        .with_drain(self.tasks.clone(), &self.close);
+        .with_tasks(&self.tasks);
         let addr = PeerConnector::start_in_arbiter(&self.arbiter, move |_| c);
         self.peers.insert(want.id.clone(), (want, addr));
         self.gauge.set(self.peers.len() as i64);
