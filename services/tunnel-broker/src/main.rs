@@ -21,12 +21,8 @@ struct Args {
     /// Path of the YAML config file.
     #[arg(long, short, env = "TETHER_BROKER_CONFIG")]
     config: PathBuf,
-    /// Write the bound addresses here as JSON once listening (for scripts and tests).
-    #[arg(long)]
-    ready_file: Option<PathBuf>,
-    /// Tokio worker threads (default: half the CPUs, at least one).
-    #[arg(long, env = "TETHER_WORKER_THREADS")]
-    worker_threads: Option<usize>,
+    #[command(flatten)]
+    process: tether_runtime::ProcessArgs,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -35,6 +31,7 @@ fn main() -> anyhow::Result<()> {
     let cfg: tunnel_broker::config::BrokerConfig =
         tether_config::load(&args.config).context("invalid tunnel-broker configuration")?;
     let workers = args
+        .process
         .worker_threads
         .unwrap_or_else(tether_runtime::data_plane_workers);
     let bind = tether_runtime::bind;
@@ -57,7 +54,7 @@ fn main() -> anyhow::Result<()> {
                 None => None,
             },
         };
-        if let Some(path) = &args.ready_file {
+        if let Some(path) = &args.process.ready_file {
             let addr = |l: &Option<TcpListener>| {
                 l.as_ref()
                     .and_then(|l| l.local_addr().ok())

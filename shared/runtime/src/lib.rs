@@ -17,8 +17,8 @@ pub mod shutdown;
 
 pub use backoff::{Backoff, BackoffConfig};
 pub use process::{
-    GLIBC_TUNABLES_DATA_PLANE, StartError, actix_system, bind, bind_admin, data_plane_workers,
-    glibc_tunables_for_child, write_atomic, write_ready_file,
+    GLIBC_TUNABLES_DATA_PLANE, ProcessArgs, StartError, actix_system, bind, bind_admin,
+    data_plane_workers, glibc_tunables_for_child, write_atomic, write_ready_file,
 };
 pub use service::{DEFAULT_TASK_DRAIN_DEADLINE, Drain, DrainReport, DrainToken};
 pub use shutdown::shutdown_token;

@@ -35,6 +35,19 @@ pub fn write_ready_file(path: &Path, json: &serde_json::Value) -> std::io::Resul
     write_atomic(path, json.to_string().as_bytes(), 0o644)
 }
 
+/// The flags every data-plane and hub service takes besides its config; flattened into its
+/// clap `Args` (`#[command(flatten)]`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ProcessArgs {
+    /// Write the bound addresses here as JSON once listening (for scripts and tests).
+    #[arg(long)]
+    pub ready_file: Option<std::path::PathBuf>,
+    /// Tokio worker threads (default: half the CPUs for the broker and the agent, one per CPU
+    /// for the others).
+    #[arg(long, env = "TETHER_WORKER_THREADS")]
+    pub worker_threads: Option<usize>,
+}
+
 /// Why a service could not bind a listener or announce it.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
