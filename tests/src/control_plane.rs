@@ -139,7 +139,7 @@ pub fn tunnel_hub_from_ca(hub_dir: &Path) -> anyhow::Result<crate::Hub> {
     let cert = std::fs::read_to_string(hub_dir.join("ca.crt"))?;
     let key = std::fs::read_to_string(hub_dir.join("ca.key"))?;
     std::fs::write(pki_dir.join("ca.crt"), &cert)?;
-    let ca = tether_tls::pki::CertificateAuthority::from_pem(&cert, &key)?;
+    let ca = tether_pki::HubCa::from_pem(&cert, &key)?;
     Ok(crate::Hub {
         dir,
         pki: tether_test_support::Pki { dir: pki_dir, ca },

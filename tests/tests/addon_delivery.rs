@@ -162,7 +162,7 @@ fn hub_pki(hub: &Hub) -> anyhow::Result<tether_e2e::Hub> {
     let cert = std::fs::read_to_string(hub.hub_dir.join("ca.crt"))?;
     let key = std::fs::read_to_string(hub.hub_dir.join("ca.key"))?;
     std::fs::write(pki_dir.join("ca.crt"), &cert)?;
-    let ca = tether_tls::pki::CertificateAuthority::from_pem(&cert, &key)?;
+    let ca = tether_pki::HubCa::from_pem(&cert, &key)?;
     Ok(tether_e2e::Hub {
         dir,
         pki: Pki { dir: pki_dir, ca },

@@ -349,7 +349,7 @@ fn addons_available_through_http_and_https_auth_proxies_reached_via_either_broke
             dir,
             pki: Pki {
                 dir: pki_dir,
-                ca: tether_tls::pki::CertificateAuthority::from_pem(&cert, &key)?,
+                ca: tether_pki::HubCa::from_pem(&cert, &key)?,
             },
             env: vec![],
         }

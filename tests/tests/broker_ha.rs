@@ -908,7 +908,7 @@ async fn killing_a_broker_keeps_the_addon_available() -> anyhow::Result<()> {
         dir: tmp,
         pki: tether_test_support::Pki {
             dir: pki_dir.clone(),
-            ca: tether_tls::pki::CertificateAuthority::from_pem(&ca_pem, &ca_key)?,
+            ca: tether_pki::HubCa::from_pem(&ca_pem, &ca_key)?,
         },
         env: vec![],
     };

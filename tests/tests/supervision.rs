@@ -1,8 +1,14 @@
 //! Supervision restarts something real: one real broker, two real agents. Agent `sa` reaches the
-//! broker through a relay this test controls; the relay cuts the tunnel's TCP connection (the
-//! connection dies under a live tunnel). Then:
-//! - the broker's `TunnelActor` for `sa` deregisters its tunnel, and a new tunnel (a new id) is
-//!   registered when the agent's supervised `Connector` redials (its connect counter rises);
+//! broker through a relay this test controls. Its tunnel is killed three ways, one after the
+//! other:
+//! 1. the relay cuts the tunnel's TCP connection (the connection dies under a live tunnel);
+//! 2. the broker's `TunnelActor` of `sa` panics (the broker's test-only `test_hooks`);
+//! 3. the task driving the tunnel's HTTP/2 connection on the broker panics (same hook).
+//!
+//! Each time:
+//! - the broker deregisters the dead tunnel, and a new tunnel (a new id) is registered when the
+//!   agent's supervised `Connector` redials (its connect counter rises, the relay sees a new
+//!   connection);
 //! - a stream through `sb`'s tunnel, open and moving data the whole time, keeps flowing, and its
 //!   tunnel is the same one afterwards (no other tunnel affected);
 //! - a new stream through `sa` works again.
@@ -93,12 +99,48 @@ async fn tunnel_ids(admin: SocketAddr, cluster: &str) -> anyhow::Result<Vec<u64>
         .collect())
 }
 
+/// How the test kills `sa`'s tunnel.
+#[derive(Debug, Clone, Copy)]
+enum Kill {
+    /// Cut its TCP connection in the relay.
+    CutConnection,
+    /// Make the broker's tunnel actor panic.
+    PanicActor,
+    /// Make the broker's task driving the HTTP/2 connection panic.
+    PanicConnectionTask,
+}
+
+/// Asks the broker's test hook to make `cluster`'s tunnel panic in `task`.
+async fn panic_tunnel(admin: SocketAddr, cluster: &str, task: &str) -> anyhow::Result<()> {
+    let (status, body) = admin_get(
+        admin,
+        &format!("/debug/test/panic-tunnel?cluster={cluster}&task={task}"),
+    )
+    .await?;
+    let answer: serde_json::Value = serde_json::from_str(&body)?;
+    anyhow::ensure!(
+        status == 200 && answer["tunnel"].is_u64(),
+        "panic hook answered {status}: {body}"
+    );
+    Ok(())
+}
+
+/// One echo round trip through `cluster`'s tunnel.
+async fn echo_once(client: SocketAddr, cluster: &str, echo: SocketAddr) -> anyhow::Result<()> {
+    let mut s = connect_ok(client, &qualified(cluster, echo)).await?;
+    s.write_all(b"ping").await?;
+    let mut buf = [0u8; 4];
+    tokio::time::timeout(STEP, s.read_exact(&mut buf)).await??;
+    assert_eq!(&buf, b"ping");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cut_tunnel_is_redialled_and_reregistered_while_another_tunnel_keeps_flowing()
+async fn a_killed_tunnel_is_redialled_and_reregistered_while_another_tunnel_keeps_flowing()
 -> anyhow::Result<()> {
     let hub = Hub::new()?;
     let echo = echo_server().await?;
-    let broker = hub.start_broker("b1", "")?;
+    let broker = hub.start_broker("b1", "test_hooks: true")?;
     let relay = CutRelay::start(broker.agent_addr).await?;
     let sa = hub.start_agent("sa", "sa", &[vec![relay.addr]], echo, "")?;
     let sb = hub.start_agent("sb", "sb", &[vec![broker.agent_addr]], echo, "")?;
@@ -106,9 +148,7 @@ async fn a_cut_tunnel_is_redialled_and_reregistered_while_another_tunnel_keeps_f
         wait_agent_ready(agent).await?;
         wait_tunnel(&broker, cluster).await?;
     }
-    let sa_before = tunnel_ids(broker.admin_addr, "sa").await?;
     let sb_before = tunnel_ids(broker.admin_addr, "sb").await?;
-    assert_eq!(sa_before.len(), 1, "one tunnel for sa: {sa_before:?}");
     assert_eq!(sb_before.len(), 1, "one tunnel for sb: {sb_before:?}");
     let endpoint = relay.addr.to_string();
     let connects = |a: SocketAddr, e: String| async move {
@@ -160,53 +200,83 @@ async fn a_cut_tunnel_is_redialled_and_reregistered_while_another_tunnel_keeps_f
             anyhow::Ok((received.load(Ordering::Relaxed), h.hex()))
         })
     };
-    let progress = |more: u64, what: &'static str| {
+    let progress = |more: u64, what: String| {
         let received = Arc::clone(&received);
         async move {
             let target = received.load(Ordering::Relaxed) + more;
-            wait_until_async(STEP, what, || async {
+            wait_until_async(STEP, &what, || async {
                 (received.load(Ordering::Relaxed) >= target).then_some(())
             })
             .await
         }
     };
-    progress(1 << 20, "sb stream moving before the cut").await?;
+    progress(1 << 20, "sb stream moving before the first kill".into()).await?;
 
-    // Kill sa's tunnel connection.
-    let accepted_before = relay.accepted.load(Ordering::Relaxed);
-    relay.cut();
+    let kills = [
+        Kill::CutConnection,
+        Kill::PanicActor,
+        Kill::PanicConnectionTask,
+    ];
+    for (n, kill) in kills.into_iter().enumerate() {
+        let sa_before = tunnel_ids(broker.admin_addr, "sa").await?;
+        assert_eq!(
+            sa_before.len(),
+            1,
+            "{kill:?}: one tunnel for sa: {sa_before:?}"
+        );
+        let accepted_before = relay.accepted.load(Ordering::Relaxed);
+        match kill {
+            Kill::CutConnection => relay.cut(),
+            Kill::PanicActor => panic_tunnel(broker.admin_addr, "sa", "actor").await?,
+            Kill::PanicConnectionTask => {
+                panic_tunnel(broker.admin_addr, "sa", "connection").await?
+            }
+        }
 
-    // The broker deregisters the dead tunnel and registers the redialled one (a new id).
-    let sa_after = wait_until_async(STEP, "sa tunnel re-registered with a new id", || async {
-        let ids = tunnel_ids(broker.admin_addr, "sa").await.ok()?;
-        (ids.len() == 1 && ids[0] != sa_before[0]).then_some(ids)
-    })
-    .await?;
-    assert!(
-        relay.accepted.load(Ordering::Relaxed) > accepted_before,
-        "the agent redialled through the relay"
-    );
-    // The supervised connector dialled again and established a second tunnel.
-    wait_until_async(STEP, "sa connector counted a second connect", || async {
-        (connects(sa.admin_addr, endpoint.clone()).await >= 2.0).then_some(())
-    })
-    .await?;
+        // The broker deregisters the dead tunnel and registers the redialled one (a new id).
+        let sa_after = wait_until_async(
+            STEP,
+            &format!("{kill:?}: sa tunnel re-registered with a new id"),
+            || async {
+                let ids = tunnel_ids(broker.admin_addr, "sa").await.ok()?;
+                (ids.len() == 1 && ids[0] != sa_before[0]).then_some(ids)
+            },
+        )
+        .await?;
+        assert!(
+            relay.accepted.load(Ordering::Relaxed) > accepted_before,
+            "{kill:?}: the agent redialled through the relay"
+        );
+        // The supervised connector dialled again and established one more tunnel.
+        let want = n as f64 + 2.0;
+        wait_until_async(
+            STEP,
+            &format!("{kill:?}: sa connector counted connect number {want}"),
+            || async { (connects(sa.admin_addr, endpoint.clone()).await >= want).then_some(()) },
+        )
+        .await?;
 
-    // sb's stream kept flowing through the whole episode, on the same tunnel.
-    progress(1 << 20, "sb stream moving after sa's restart").await?;
-    assert_eq!(tunnel_ids(broker.admin_addr, "sb").await?, sb_before);
+        // sb's stream kept flowing through the episode, on the same tunnel.
+        progress(
+            1 << 20,
+            format!("{kill:?}: sb stream moving after sa's restart"),
+        )
+        .await?;
+        assert_eq!(
+            tunnel_ids(broker.admin_addr, "sb").await?,
+            sb_before,
+            "{kill:?}: sb's tunnel is untouched"
+        );
+
+        // sa's new tunnel carries streams.
+        echo_once(broker.client_addr, "sa", echo).await?;
+        assert_eq!(tunnel_ids(broker.admin_addr, "sa").await?, sa_after);
+    }
+
     stop.cancel();
     let (sent, sent_hash) = writer.await??;
     let (got, got_hash) = tokio::time::timeout(STEP, reader).await???;
     assert_eq!(got, sent, "every byte of sb's stream came back");
     assert_eq!(got_hash, sent_hash, "sb's stream is intact");
-
-    // sa's new tunnel carries streams.
-    let mut s = connect_ok(broker.client_addr, &qualified("sa", echo)).await?;
-    s.write_all(b"ping").await?;
-    let mut buf = [0u8; 4];
-    tokio::time::timeout(STEP, s.read_exact(&mut buf)).await??;
-    assert_eq!(&buf, b"ping");
-    assert_eq!(tunnel_ids(broker.admin_addr, "sa").await?, sa_after);
     Ok(())
 }

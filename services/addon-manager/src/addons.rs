@@ -122,9 +122,26 @@ pub struct StatusReport {
     pub report: AddOnStatusReport,
 }
 
+/// Why an add-on agent's request was refused (the message goes back to the agent).
+#[derive(Debug, thiserror::Error)]
+pub enum AgentRequestError {
+    #[error("subject {0} names no cluster/add-on")]
+    Subject(String),
+    #[error("malformed add-on {what} body: {source}")]
+    Malformed {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    #[error("controller unavailable: {0}")]
+    Unavailable(#[from] actix::MailboxError),
+}
+
 /// A request from an add-on agent; the reply is its JSON body.
 #[derive(Message, Debug)]
-#[rtype(result = "Result<serde_json::Value, String>")]
+#[rtype(result = "Result<serde_json::Value, AgentRequestError>")]
 pub enum AgentRequest {
     Status(StatusReport),
     Lease {
@@ -236,7 +253,7 @@ impl Handler<ChangedKey> for AddOnController {
 }
 
 impl Handler<AgentRequest> for AddOnController {
-    type Result = ResponseFuture<Result<serde_json::Value, String>>;
+    type Result = ResponseFuture<Result<serde_json::Value, AgentRequestError>>;
     fn handle(&mut self, msg: AgentRequest, _ctx: &mut Self::Context) -> Self::Result {
         let store = self.store.clone();
         Box::pin(async move {
@@ -244,7 +261,7 @@ impl Handler<AgentRequest> for AddOnController {
                 AgentRequest::Status(r) => record_report(&store, r)
                     .await
                     .map(|()| serde_json::json!({}))
-                    .map_err(|e| e.to_string()),
+                    .map_err(Into::into),
                 AgentRequest::Lease {
                     cluster,
                     addon,
@@ -254,7 +271,7 @@ impl Handler<AgentRequest> for AddOnController {
                     .and_then(|r| {
                         serde_json::to_value(r).map_err(|e| ControlError::Codec(e.to_string()))
                     })
-                    .map_err(|e| e.to_string()),
+                    .map_err(Into::into),
             }
         })
     }
@@ -422,6 +439,15 @@ async fn event(store: &impl Store, ev: Event) {
     }
 }
 
+/// A `Normal` event about ManagedClusterAddOn `key`.
+async fn addon_event(store: &impl Store, key: &str, reason: &str, message: impl Into<String>) {
+    event(
+        store,
+        Event::new(ManagedClusterAddOn::KIND, key, "Normal", reason, message),
+    )
+    .await;
+}
+
 /// One pass over every add-on; returns how many objects it wrote and when the next add-on
 /// lease expires (re-run then).
 pub async fn reconcile_all(
@@ -568,17 +594,7 @@ pub async fn reconcile_at(
         writes += 1;
         to_notify.push((cluster.clone(), name.clone()));
         tracing::info!(cluster = %cluster, addon = %name, reason = %why, "add-on removed");
-        event(
-            store,
-            Event::new(
-                ManagedClusterAddOn::KIND,
-                &key,
-                "Normal",
-                "AddOnRemoved",
-                why,
-            ),
-        )
-        .await;
+        addon_event(store, &key, "AddOnRemoved", why).await;
     }
 
     for (key, (cluster, name, by_strategy)) in want {
@@ -781,17 +797,8 @@ pub async fn reconcile_at(
                     writes += 1;
                     to_notify.push((cluster.clone(), name.clone()));
                     tracing::info!(cluster = %cluster, addon = %name, "add-on installed");
-                    event(
-                        store,
-                        Event::new(
-                            ManagedClusterAddOn::KIND,
-                            &key,
-                            "Normal",
-                            "AddOnInstalled",
-                            format!("{name} installed on {cluster}"),
-                        ),
-                    )
-                    .await;
+                    let msg = format!("{name} installed on {cluster}");
+                    addon_event(store, &key, "AddOnInstalled", msg).await;
                 }
             }
             Some((_, rev)) if before != after => {
@@ -818,11 +825,7 @@ pub async fn reconcile_at(
                     } else {
                         ("AddOnStatusChanged", summary.join(" "))
                     };
-                    event(
-                        store,
-                        Event::new(ManagedClusterAddOn::KIND, &key, "Normal", reason, msg),
-                    )
-                    .await;
+                    addon_event(store, &key, reason, msg).await;
                 }
                 // On a CAS conflict the watch brings us back.
             }
@@ -838,25 +841,27 @@ pub async fn reconcile_at(
     Ok((writes, next_deadline))
 }
 
-fn parse_agent_request(msg: &async_nats::Message, lease: bool) -> Result<AgentRequest, String> {
+fn parse_agent_request(
+    msg: &async_nats::Message,
+    lease: bool,
+) -> Result<AgentRequest, AgentRequestError> {
     let (Some(cluster), Some(addon)) = (
         subjects::cluster_of(&msg.subject),
         subjects::addon_of(&msg.subject),
     ) else {
-        return Err(format!("subject {} names no cluster/add-on", msg.subject));
+        return Err(AgentRequestError::Subject(msg.subject.to_string()));
     };
+    let malformed = |what| move |source| AgentRequestError::Malformed { what, source };
     let (cluster, addon) = (cluster.to_string(), addon.to_string());
     if lease {
-        let body = serde_json::from_slice(&msg.payload)
-            .map_err(|e| format!("malformed add-on lease body: {e}"))?;
+        let body = serde_json::from_slice(&msg.payload).map_err(malformed("lease"))?;
         Ok(AgentRequest::Lease {
             cluster,
             addon,
             body,
         })
     } else {
-        let report = serde_json::from_slice(&msg.payload)
-            .map_err(|e| format!("malformed add-on status body: {e}"))?;
+        let report = serde_json::from_slice(&msg.payload).map_err(malformed("status"))?;
         Ok(AgentRequest::Status(StatusReport {
             cluster,
             addon,
@@ -930,13 +935,11 @@ pub async fn start(
                 let addr = addr.clone();
                 async move {
                     let r = match parse_agent_request(&msg, lease) {
-                        Ok(req) => addr
-                            .send(req)
-                            .await
-                            .unwrap_or_else(|e| Err(format!("controller unavailable: {e}"))),
+                        Ok(req) => addr.send(req).await.unwrap_or_else(|e| Err(e.into())),
                         Err(e) => Err(e),
                     };
-                    r.map(|v| bytes::Bytes::from(v.to_string()))
+                    r.map(|v| Some(bytes::Bytes::from(v.to_string())))
+                        .map_err(|e| e.to_string())
                 }
             },
         )

@@ -37,36 +37,66 @@ pub fn credential_kind(req: &AuthRequestBody) -> &'static str {
     }
 }
 
+/// Why the auth callout refused a connection (the reason goes back to NATS and the log).
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    #[error("client name {0:?} is not tether/<role>/<connection id>")]
+    ClientName(String),
+    #[error(transparent)]
+    Credential(#[from] tether_control::auth::AuthError),
+    #[error("token lookup failed: {0}")]
+    TokenLookup(#[source] crate::hub::HubError),
+    #[error("unknown bootstrap token {0}")]
+    UnknownToken(String),
+    #[error("unknown bootstrap token {0} (secret does not match)")]
+    TokenSecret(String),
+    #[error("bootstrap token {0} has no valid expiry")]
+    TokenExpiry(String),
+    #[error("bootstrap token {id} expired at {at}")]
+    TokenExpired { id: String, at: String },
+    #[error("client certificate refused: {0}")]
+    NotIssuedByHub(#[source] tether_pki::PkiError),
+    #[error(transparent)]
+    Certificate(tether_pki::PkiError),
+    #[error("certificate CN {0:?} is not an OCM agent identity")]
+    NotAnAgent(String),
+    #[error("user {user:?} does not match certificate CN {cn:?}")]
+    UserMismatch { user: String, cn: String },
+    #[error("cluster lookup failed: {0}")]
+    ClusterLookup(#[source] crate::hub::HubError),
+    #[error("cluster {0} is not registered")]
+    NotRegistered(String),
+    #[error("cluster {0} is not accepted by the hub")]
+    NotAccepted(String),
+    #[error("certificate of cluster {0} was revoked (issued before the cluster was denied)")]
+    Revoked(String),
+    #[error("no bootstrap token or cluster certificate credential presented")]
+    NoCredential,
+}
+
 /// Decides an auth request. `Err` carries the reason for the refusal.
-pub async fn authorize(ctx: &HubCtx, req: &AuthRequestBody) -> Result<Grant, String> {
+pub async fn authorize(ctx: &HubCtx, req: &AuthRequestBody) -> Result<Grant, Refusal> {
     let opts = &req.connect_opts;
-    let conn_id = connection_id_from_name(&opts.name).ok_or_else(|| {
-        format!(
-            "client name {:?} is not tether/<role>/<connection id>",
-            opts.name
-        )
-    })?;
+    let conn_id = connection_id_from_name(&opts.name)
+        .ok_or_else(|| Refusal::ClientName(opts.name.clone()))?;
     let now = SystemTime::now();
     if !opts.auth_token.is_empty() {
-        let token = BootstrapToken::parse(&opts.auth_token).map_err(|e| e.to_string())?;
+        let token = BootstrapToken::parse(&opts.auth_token)?;
         let rec = ctx
             .token(&token.id)
             .await
-            .map_err(|e| format!("token lookup failed: {e}"))?
-            .ok_or_else(|| format!("unknown bootstrap token {}", token.id))?;
+            .map_err(Refusal::TokenLookup)?
+            .ok_or_else(|| Refusal::UnknownToken(token.id.clone()))?;
         if rec.secret_sha256 != token.secret_sha256() {
-            return Err(format!(
-                "unknown bootstrap token {} (secret does not match)",
-                token.id
-            ));
+            return Err(Refusal::TokenSecret(token.id));
         }
-        let expires = parse_rfc3339(&rec.expires)
-            .ok_or_else(|| format!("bootstrap token {} has no valid expiry", token.id))?;
+        let expires =
+            parse_rfc3339(&rec.expires).ok_or_else(|| Refusal::TokenExpiry(token.id.clone()))?;
         if now >= expires {
-            return Err(format!(
-                "bootstrap token {} expired at {}",
-                token.id, rec.expires
-            ));
+            return Err(Refusal::TokenExpired {
+                id: token.id,
+                at: rec.expires,
+            });
         }
         return Ok(Grant {
             display_name: format!("bootstrap:{}", token.id),
@@ -75,30 +105,26 @@ pub async fn authorize(ctx: &HubCtx, req: &AuthRequestBody) -> Result<Grant, Str
         });
     }
     if CertCredential::looks_like(&opts.pass) {
-        let cred = CertCredential::parse(&opts.pass).map_err(|e| e.to_string())?;
+        let cred = CertCredential::parse(&opts.pass)?;
         tether_pki::verify_issued_by(&cred.cert_der, ctx.ca.cert_pem(), now)
-            .map_err(|e| format!("client certificate refused: {e}"))?;
-        let info = tether_pki::CertInfo::from_der(&cred.cert_der).map_err(|e| e.to_string())?;
-        let (cluster, _agent) = subject::parse_common_name(&info.common_name).ok_or_else(|| {
-            format!(
-                "certificate CN {:?} is not an OCM agent identity",
-                info.common_name
-            )
-        })?;
+            .map_err(Refusal::NotIssuedByHub)?;
+        let info = tether_pki::CertInfo::from_der(&cred.cert_der).map_err(Refusal::Certificate)?;
+        let (cluster, _agent) = subject::parse_common_name(&info.common_name)
+            .ok_or_else(|| Refusal::NotAnAgent(info.common_name.clone()))?;
         if opts.user != info.common_name {
-            return Err(format!(
-                "user {:?} does not match certificate CN {:?}",
-                opts.user, info.common_name
-            ));
+            return Err(Refusal::UserMismatch {
+                user: opts.user.clone(),
+                cn: info.common_name.clone(),
+            });
         }
         cred.verify_possession(&opts.user, &info.public_key_raw, now)?;
         let mc = ctx
             .cluster(cluster)
             .await
-            .map_err(|e| format!("cluster lookup failed: {e}"))?
-            .ok_or_else(|| format!("cluster {cluster} is not registered"))?;
+            .map_err(Refusal::ClusterLookup)?
+            .ok_or_else(|| Refusal::NotRegistered(cluster.to_owned()))?;
         if !mc.spec.hub_accepts_client {
-            return Err(format!("cluster {cluster} is not accepted by the hub"));
+            return Err(Refusal::NotAccepted(cluster.to_owned()));
         }
         if let Some(rb) = mc
             .metadata
@@ -107,9 +133,7 @@ pub async fn authorize(ctx: &HubCtx, req: &AuthRequestBody) -> Result<Grant, Str
             .and_then(|s| parse_rfc3339(s))
             && info.issued_at() < rb
         {
-            return Err(format!(
-                "certificate of cluster {cluster} was revoked (issued before the cluster was denied)"
-            ));
+            return Err(Refusal::Revoked(cluster.to_owned()));
         }
         return Ok(Grant {
             display_name: info.common_name.clone(),
@@ -117,7 +141,7 @@ pub async fn authorize(ctx: &HubCtx, req: &AuthRequestBody) -> Result<Grant, Str
             expires: Some(info.not_after),
         });
     }
-    Err("no bootstrap token or cluster certificate credential presented".into())
+    Err(Refusal::NoCredential)
 }
 
 /// Builds the signed response JWT for a raw callout request.
@@ -159,7 +183,7 @@ pub async fn respond(ctx: &HubCtx, request_jwt: &[u8]) -> Option<String> {
                 %reason,
                 "connection refused"
             );
-            ctx.issuer.deny(&req, &reason)
+            ctx.issuer.deny(&req, &reason.to_string())
         }
     };
     match out {

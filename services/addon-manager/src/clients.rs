@@ -31,6 +31,33 @@ pub const MAX_INFLIGHT_CLIENT_REQUESTS: usize = 16;
 /// Shortest certificate lifetime accepted.
 pub const MIN_CERT_LIFETIME: Duration = Duration::from_secs(60);
 
+/// Why a client-credential request was refused (the message goes back to the caller).
+#[derive(Debug, thiserror::Error)]
+pub enum ClientsError {
+    #[error(transparent)]
+    Field(#[from] tether_control::addons::FieldError),
+    #[error("certLifetimeSeconds: must be at least {}", MIN_CERT_LIFETIME.as_secs())]
+    LifetimeTooShort,
+    #[error("credential: {0:?} is not one of token, certificate")]
+    Credential(String),
+    #[error("hub client {0} already exists (delete it first to issue a new credential)")]
+    Exists(String),
+    #[error("hub client {0} not found")]
+    NotFound(String),
+    #[error("issuing the client certificate: {0}")]
+    Issue(#[source] tether_pki::PkiError),
+    #[error("malformed client {what} body: {source}")]
+    Malformed {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("encoding the reply: {0}")]
+    Encode(#[source] serde_json::Error),
+    #[error(transparent)]
+    Store(#[from] tether_control::ControlError),
+}
+
 /// What the handlers need.
 pub struct ClientsCtx {
     pub store: HubStore,
@@ -42,10 +69,10 @@ fn issue_cert(
     ca: &tether_pki::HubCa,
     name: &str,
     lifetime: Duration,
-) -> Result<(String, String, String, String), String> {
+) -> Result<(String, String, String, String), ClientsError> {
     let c = ca
         .issue_client(&format!("{CLIENT_CN_PREFIX}{name}"), lifetime)
-        .map_err(|e| format!("issuing the client certificate: {e}"))?;
+        .map_err(ClientsError::Issue)?;
     Ok((c.cert_pem, c.key_pem, c.serial_hex, rfc3339(c.not_after)))
 }
 
@@ -60,8 +87,8 @@ async fn event(store: &HubStore, reason: &str, name: &str, message: String) {
 pub async fn create(
     ctx: &ClientsCtx,
     req: ClientCreateRequest,
-) -> Result<ClientCreateReply, String> {
-    validate_client_name("name", &req.name).map_err(|e| e.to_string())?;
+) -> Result<ClientCreateReply, ClientsError> {
+    validate_client_name("name", &req.name)?;
     let name = req.name.clone();
     let (spec, token, cert) = match req.credential.as_str() {
         "token" => {
@@ -81,12 +108,12 @@ pub async fn create(
                     .unwrap_or(DEFAULT_CERT_LIFETIME_SECONDS),
             );
             if lifetime < MIN_CERT_LIFETIME {
-                return Err(format!(
-                    "certLifetimeSeconds: must be at least {}",
-                    MIN_CERT_LIFETIME.as_secs()
-                ));
+                return Err(ClientsError::LifetimeTooShort);
             }
-            let (pem, key, serial, not_after) = issue_cert(&ctx.ca, &name, lifetime)?;
+            let (pem, key, serial, not_after) = {
+                let name = name.clone();
+                crate::signing::with_ca(&ctx.ca, move |ca| issue_cert(ca, &name, lifetime)).await?
+            };
             (
                 HubClientSpec {
                     token_sha256: None,
@@ -101,20 +128,14 @@ pub async fn create(
             )
         }
         other => {
-            return Err(format!(
-                "credential: {other:?} is not one of token, certificate"
-            ));
+            return Err(ClientsError::Credential(other.to_owned()));
         }
     };
     let client = HubClient::new(&name, spec);
     match ctx.store.create(Bucket::HubClients, &name, &client).await {
         Ok(Some(_)) => {}
-        Ok(None) => {
-            return Err(format!(
-                "hub client {name} already exists (delete it first to issue a new credential)"
-            ));
-        }
-        Err(e) => return Err(e.to_string()),
+        Ok(None) => return Err(ClientsError::Exists(name)),
+        Err(e) => return Err(e.into()),
     }
     tracing::info!(client = %name, credential = %req.credential, "hub client created");
     event(
@@ -141,20 +162,16 @@ pub async fn create(
 pub async fn delete(
     ctx: &ClientsCtx,
     req: ClientDeleteRequest,
-) -> Result<ClientDeleteReply, String> {
+) -> Result<ClientDeleteReply, ClientsError> {
     let exists = ctx
         .store
         .get::<HubClient>(Bucket::HubClients, &req.name)
-        .await
-        .map_err(|e| e.to_string())?
+        .await?
         .is_some();
     if !exists {
-        return Err(format!("hub client {} not found", req.name));
+        return Err(ClientsError::NotFound(req.name));
     }
-    ctx.store
-        .delete(Bucket::HubClients, &req.name)
-        .await
-        .map_err(|e| e.to_string())?;
+    ctx.store.delete(Bucket::HubClients, &req.name).await?;
     tracing::info!(client = %req.name, "hub client deleted");
     event(
         &ctx.store,
@@ -172,20 +189,21 @@ enum Kind {
     Delete,
 }
 
-async fn serve(ctx: &ClientsCtx, kind: Kind, payload: &[u8]) -> Result<Vec<u8>, String> {
+async fn serve(ctx: &ClientsCtx, kind: Kind, payload: &[u8]) -> Result<Vec<u8>, ClientsError> {
+    let malformed = |what| move |source| ClientsError::Malformed { what, source };
     let out = match kind {
         Kind::Create => {
-            let req: ClientCreateRequest = serde_json::from_slice(payload)
-                .map_err(|e| format!("malformed client create body: {e}"))?;
+            let req: ClientCreateRequest =
+                serde_json::from_slice(payload).map_err(malformed("create"))?;
             serde_json::to_vec(&create(ctx, req).await?)
         }
         Kind::Delete => {
-            let req: ClientDeleteRequest = serde_json::from_slice(payload)
-                .map_err(|e| format!("malformed client delete body: {e}"))?;
+            let req: ClientDeleteRequest =
+                serde_json::from_slice(payload).map_err(malformed("delete"))?;
             serde_json::to_vec(&delete(ctx, req).await?)
         }
     };
-    out.map_err(|e| e.to_string())
+    out.map_err(ClientsError::Encode)
 }
 
 /// Serves both subjects until `shutdown`. Returns the tasks.
@@ -211,7 +229,8 @@ pub async fn start(
                 tether_control::trace::set_parent(&span, msg.headers.as_ref());
                 tracing::Instrument::instrument(serve(&ctx, kind, &msg.payload), span)
                     .await
-                    .map(bytes::Bytes::from)
+                    .map(|b| Some(bytes::Bytes::from(b)))
+                    .map_err(|e| e.to_string())
             }
         },
     )

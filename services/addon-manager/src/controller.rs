@@ -1,31 +1,30 @@
-//! The registration controller actor and the NATS subscription pumps that feed it.
+//! The registration controller's NATS adapter: the subscription pumps that serve the
+//! registration subjects, and the periodic lease monitor and CSR garbage collector.
 //!
-//! One pump task per subscription reads messages and `send().await`s them to the actor, at most
-//! [`MAX_INFLIGHT_PER_SUBJECT`] at a time per subscription, so a slow store slows the pumps
-//! rather than growing queues. The actor answers with a `ResponseFuture` (requests of different
-//! clusters proceed concurrently; ordering per object comes from KV compare-and-swap) and runs
-//! the lease monitor on an interval, never overlapping two checks.
+//! There is no actor here: the state (KV, the lease table, pending CSRs) belongs to
+//! [`crate::registration::Registration`], whose writes are compare-and-swap on the KV revision,
+//! so requests of different clusters run concurrently and two hub replicas never lose each
+//! other's updates. One pump task per subscription serves at most [`MAX_INFLIGHT_PER_SUBJECT`]
+//! requests at a time, so a slow store slows the pumps rather than growing queues. CSR signing
+//! runs on the blocking pool ([`crate::signing`]) whichever subject the request came on.
 //!
 //! With several hub replicas every replica serves requests (queue groups), but only the leader
 //! ([`tether_control::leader`], controller `registration`) runs the lease monitor and the CSR
-//! garbage collector.
+//! garbage collector ([`run_periodic`]): one loop each, so two checks never overlap.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
-use actix::prelude::*;
-use futures::StreamExt;
-use tether_control::connect::ERROR_HEADER;
-use tether_control::resources::{AdminClusterRequest, CsrGet, CsrSubmit, ErrorReply, LeaseRenew};
+use tether_control::resources::{AdminClusterRequest, CsrGet, CsrSubmit, LeaseRenew};
 use tether_control::subjects;
+use tokio::sync::watch;
+use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
 use crate::hub::HubCtx;
+use crate::serve::Answer;
 
 /// Concurrent requests in flight per subscription.
 pub const MAX_INFLIGHT_PER_SUBJECT: usize = 64;
-/// Actor mailbox capacity (messages waiting beyond the in-flight ones).
-pub const CONTROLLER_MAILBOX_CAPACITY: usize = 256;
 /// How often finished CSRs are garbage-collected, and how long they are kept.
 pub const CSR_GC_INTERVAL: std::time::Duration = std::time::Duration::from_secs(300);
 pub const CSR_RETENTION: std::time::Duration = std::time::Duration::from_secs(3600);
@@ -56,131 +55,87 @@ pub enum Request {
     Callout(bytes::Bytes),
 }
 
-/// The answer to publish.
-#[derive(Debug)]
-pub enum Reply {
-    Json(Vec<u8>),
-    Error(String),
-    /// A JWT (callout response), or nothing when the request was not understood.
-    Raw(Option<String>),
-}
-
-/// A request plus the span it runs in (child of the sender's trace context).
-#[derive(Message)]
-#[rtype(result = "Reply")]
-pub struct Handle(pub Request, pub tracing::Span);
-
-/// The hub's registration controller.
-pub struct RegistrationController {
-    ctx: Arc<HubCtx>,
-    checking: Arc<AtomicBool>,
-    /// Whether this replica leads (runs the periodic controllers).
-    leader: tokio::sync::watch::Receiver<bool>,
-    /// Leadership at the last lease check.
-    was_leading: bool,
-}
-
-impl RegistrationController {
-    pub fn start_with(ctx: Arc<HubCtx>, leader: tokio::sync::watch::Receiver<bool>) -> Addr<Self> {
-        Self::create(|c| {
-            c.set_mailbox_capacity(CONTROLLER_MAILBOX_CAPACITY);
-            Self {
-                ctx,
-                checking: Arc::new(AtomicBool::new(false)),
-                leader,
-                was_leading: false,
+/// Runs the leader-only periodic controllers until `shutdown`: the lease monitor every
+/// `policy.lease_check_interval` (on becoming leader it first restarts every lease's grace
+/// period, [`crate::registration::Registration::restart_lease_grace`]) and the CSR garbage
+/// collector every [`CSR_GC_INTERVAL`]. A replica that does not lead skips the ticks.
+pub async fn run_periodic(
+    hub: Arc<HubCtx>,
+    leader: watch::Receiver<bool>,
+    shutdown: CancellationToken,
+) {
+    let leads = |l: &watch::Receiver<bool>| *l.borrow();
+    let lease_monitor = async {
+        let mut tick = every(hub.policy.lease_check_interval);
+        let mut was_leading = false;
+        while next_tick(&mut tick, &shutdown).await {
+            let leading = leads(&leader);
+            if leading && !was_leading {
+                hub.restart_lease_grace();
             }
-        })
-    }
-
-    fn leads(&self) -> bool {
-        *self.leader.borrow()
-    }
-
-    /// Whether this replica leads; on becoming leader, restarts every lease's grace period
-    /// ([`HubCtx::restart_lease_grace`]).
-    fn leads_lease_monitor(&mut self) -> bool {
-        let leads = self.leads();
-        if leads && !self.was_leading {
-            self.ctx.restart_lease_grace();
+            was_leading = leading;
+            if leading && let Err(e) = hub.check_leases().await {
+                tracing::warn!(error = %e, "lease check failed");
+            }
         }
-        self.was_leading = leads;
-        leads
-    }
-}
-
-impl Actor for RegistrationController {
-    type Context = Context<Self>;
-
-    fn started(&mut self, ctx: &mut Self::Context) {
-        ctx.run_interval(CSR_GC_INTERVAL, |act, _ctx| {
-            if !act.leads() {
-                return;
+    };
+    let csr_gc = async {
+        let mut tick = every(CSR_GC_INTERVAL);
+        while next_tick(&mut tick, &shutdown).await {
+            if !leads(&leader) {
+                continue;
             }
-            let hub = act.ctx.clone();
-            actix::spawn(async move {
-                match hub.gc_csrs(CSR_RETENTION).await {
-                    Ok(0) => {}
-                    Ok(n) => tracing::info!(deleted = n, "garbage-collected old CSRs"),
-                    Err(e) => tracing::warn!(error = %e, "CSR garbage collection failed"),
-                }
-            });
-        });
-        let interval = self.ctx.policy.lease_check_interval;
-        ctx.run_interval(interval, |act, _ctx| {
-            if !act.leads_lease_monitor() || act.checking.swap(true, Ordering::AcqRel) {
-                return;
+            match hub.gc_csrs(CSR_RETENTION).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(deleted = n, "garbage-collected old CSRs"),
+                Err(e) => tracing::warn!(error = %e, "CSR garbage collection failed"),
             }
-            let hub = act.ctx.clone();
-            let flag = act.checking.clone();
-            actix::spawn(async move {
-                if let Err(e) = hub.check_leases().await {
-                    tracing::warn!(error = %e, "lease check failed");
-                }
-                flag.store(false, Ordering::Release);
-            });
-        });
+        }
+    };
+    tokio::select! {
+        _ = shutdown.cancelled() => {}
+        _ = futures::future::join(lease_monitor, csr_gc) => {}
     }
 }
 
-fn json<T: serde::Serialize>(r: Result<T, crate::hub::HubError>) -> Reply {
-    match r {
-        Ok(v) => match serde_json::to_vec(&v) {
-            Ok(b) => Reply::Json(b),
-            Err(e) => Reply::Error(e.to_string()),
-        },
-        Err(e) => Reply::Error(e.to_string()),
+/// An interval whose first tick is one `period` from now; a late tick is delayed, not burst.
+fn every(period: std::time::Duration) -> tokio::time::Interval {
+    let mut tick = tokio::time::interval_at(Instant::now() + period, period);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    tick
+}
+
+/// Waits for the next tick; false once `stop` is cancelled.
+async fn next_tick(tick: &mut tokio::time::Interval, stop: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = stop.cancelled() => false,
+        _ = tick.tick() => true,
     }
 }
 
-impl Handler<Handle> for RegistrationController {
-    type Result = ResponseFuture<Reply>;
+fn json<T: serde::Serialize>(r: Result<T, crate::hub::HubError>) -> Answer {
+    let body = serde_json::to_vec(&r.map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+    Ok(Some(body.into()))
+}
 
-    fn handle(&mut self, msg: Handle, _ctx: &mut Self::Context) -> Self::Result {
-        let hub = self.ctx.clone();
-        let span = msg.1;
-        Box::pin(tracing::Instrument::instrument(
-            async move {
-                match msg.0 {
-                    Request::SubmitCsr {
-                        cluster,
-                        body,
-                        renewal,
-                        trace_id,
-                    } => json(hub.submit_csr(&cluster, body, renewal, trace_id).await),
-                    Request::GetCsr {
-                        cluster,
-                        body,
-                        renewal,
-                    } => json(hub.get_csr(&cluster, &body.csr_name, renewal).await),
-                    Request::Lease { cluster, body } => json(hub.renew_lease(&cluster, body).await),
-                    Request::Accept(r) => json(hub.accept(r).await),
-                    Request::Deny(r) => json(hub.deny(r).await),
-                    Request::Callout(raw) => Reply::Raw(crate::callout::respond(&hub, &raw).await),
-                }
-            },
-            span,
-        ))
+/// Serves one request.
+async fn handle(hub: &HubCtx, req: Request) -> Answer {
+    match req {
+        Request::SubmitCsr {
+            cluster,
+            body,
+            renewal,
+            trace_id,
+        } => json(hub.submit_csr(&cluster, body, renewal, trace_id).await),
+        Request::GetCsr {
+            cluster,
+            body,
+            renewal,
+        } => json(hub.get_csr(&cluster, &body.csr_name, renewal).await),
+        Request::Lease { cluster, body } => json(hub.renew_lease(&cluster, body).await),
+        Request::Accept(r) => json(hub.accept(r).await),
+        Request::Deny(r) => json(hub.deny(r).await),
+        Request::Callout(raw) => Ok(crate::callout::respond(hub, &raw).await.map(Into::into)),
     }
 }
 
@@ -211,64 +166,61 @@ impl Kind {
     }
 }
 
-fn parse(kind: Kind, msg: &async_nats::Message) -> Result<Request, String> {
+/// Why a registration request could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ParseError {
+    #[error("subject {0} names no cluster")]
+    NoCluster(String),
+    #[error("malformed {what} body: {source}")]
+    Malformed {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+fn parse(kind: Kind, msg: &async_nats::Message) -> Result<Request, ParseError> {
     let subject = msg.subject.as_str();
     let cluster = || {
         subjects::cluster_of(subject)
             .map(str::to_string)
-            .ok_or_else(|| format!("subject {subject} names no cluster"))
+            .ok_or_else(|| ParseError::NoCluster(subject.to_owned()))
     };
-    let body = |what: &str| format!("malformed {what} body: ");
+    fn body<T: serde::de::DeserializeOwned>(
+        msg: &async_nats::Message,
+        what: &'static str,
+    ) -> Result<T, ParseError> {
+        serde_json::from_slice(&msg.payload)
+            .map_err(|source| ParseError::Malformed { what, source })
+    }
     let trace_id = tether_control::trace::extract(msg.headers.as_ref()).map(|t| t.trace_id);
     Ok(match kind {
         Kind::BootstrapCsr | Kind::ClusterCsr => Request::SubmitCsr {
             cluster: cluster()?,
-            body: serde_json::from_slice(&msg.payload).map_err(|e| body("CSR") + &e.to_string())?,
+            body: body(msg, "CSR")?,
             renewal: matches!(kind, Kind::ClusterCsr),
             trace_id,
         },
         Kind::BootstrapCsrGet | Kind::ClusterCsrGet => Request::GetCsr {
             cluster: cluster()?,
-            body: serde_json::from_slice(&msg.payload)
-                .map_err(|e| body("CSR get") + &e.to_string())?,
+            body: body(msg, "CSR get")?,
             renewal: matches!(kind, Kind::ClusterCsrGet),
         },
         Kind::Lease => Request::Lease {
             cluster: cluster()?,
-            body: serde_json::from_slice(&msg.payload)
-                .map_err(|e| body("lease") + &e.to_string())?,
+            body: body(msg, "lease")?,
         },
-        Kind::Accept => Request::Accept(
-            serde_json::from_slice(&msg.payload).map_err(|e| body("accept") + &e.to_string())?,
-        ),
-        Kind::Deny => Request::Deny(
-            serde_json::from_slice(&msg.payload).map_err(|e| body("deny") + &e.to_string())?,
-        ),
+        Kind::Accept => Request::Accept(body(msg, "accept")?),
+        Kind::Deny => Request::Deny(body(msg, "deny")?),
         Kind::Callout => Request::Callout(msg.payload.clone()),
     })
 }
 
-async fn answer(client: &async_nats::Client, reply_to: async_nats::Subject, reply: Reply) {
-    let r = match reply {
-        Reply::Json(b) => client.publish(reply_to, b.into()).await,
-        Reply::Raw(Some(jwt)) => client.publish(reply_to, jwt.into()).await,
-        Reply::Raw(None) => Ok(()),
-        Reply::Error(e) => {
-            let mut h = async_nats::HeaderMap::new();
-            h.insert(ERROR_HEADER, e.replace(['\r', '\n'], " ").as_str());
-            let body = serde_json::to_vec(&ErrorReply { error: e }).unwrap_or_default();
-            client.publish_with_headers(reply_to, h, body.into()).await
-        }
-    };
-    if let Err(e) = r {
-        tracing::debug!(error = %e, "cannot publish reply");
-    }
-}
-
-/// Subscribes to every controller subject and pumps requests into the actor.
+/// Subscribes to every controller subject and serves its requests
+/// ([`crate::serve::serve_subjects`]).
 pub async fn start_pumps(
     client: async_nats::Client,
-    addr: Addr<RegistrationController>,
+    hub: Arc<HubCtx>,
     shutdown: CancellationToken,
 ) -> Result<Vec<tokio::task::JoinHandle<()>>, crate::ManagerError> {
     let table = [
@@ -281,51 +233,28 @@ pub async fn start_pumps(
         (subjects::ADMIN_DENY, Kind::Deny),
         (subjects::AUTH_CALLOUT, Kind::Callout),
     ];
-    let mut handles = Vec::new();
-    for (subject, kind) in table {
-        let sub = client
-            .queue_subscribe(subject, QUEUE_GROUP.to_string())
-            .await
-            .map_err(|e| crate::ManagerError::Subscribe {
-                subject: subject.to_string(),
-                reason: e.to_string(),
-            })?;
-        let client = client.clone();
-        let addr = addr.clone();
-        let stop = shutdown.clone();
-        let metrics_label = kind.label();
-        handles.push(tokio::spawn(async move {
-            let work = sub.for_each_concurrent(MAX_INFLIGHT_PER_SUBJECT, |msg| {
-                let client = client.clone();
-                let addr = addr.clone();
-                async move {
-                    let Some(reply_to) = msg.reply.clone() else {
-                        return;
-                    };
-                    let span = tracing::info_span!(
-                        "registration.request",
-                        subject = %msg.subject,
-                        kind = metrics_label,
-                    );
-                    tether_control::trace::set_parent(&span, msg.headers.as_ref());
-                    let reply = match parse(kind, &msg) {
-                        Ok(req) => match addr.send(Handle(req, span)).await {
-                            Ok(r) => r,
-                            Err(e) => Reply::Error(format!("controller unavailable: {e}")),
-                        },
-                        Err(e) => Reply::Error(e),
-                    };
-                    if let Reply::Error(e) = &reply {
-                        tracing::info!(subject = %msg.subject, error = %e, "request refused");
-                    }
-                    answer(&client, reply_to, reply).await;
+    crate::serve::serve_subjects(
+        &client,
+        QUEUE_GROUP,
+        table,
+        MAX_INFLIGHT_PER_SUBJECT,
+        "registration",
+        &shutdown,
+        move |kind, msg| {
+            let hub = Arc::clone(&hub);
+            async move {
+                let span = tracing::info_span!(
+                    "registration.request",
+                    subject = %msg.subject,
+                    kind = kind.label(),
+                );
+                tether_control::trace::set_parent(&span, msg.headers.as_ref());
+                match parse(kind, &msg) {
+                    Ok(req) => tracing::Instrument::instrument(handle(&hub, req), span).await,
+                    Err(e) => Err(e.to_string()),
                 }
-            });
-            tokio::select! {
-                _ = stop.cancelled() => {}
-                _ = work => tracing::warn!(subject = metrics_label, "subscription ended"),
             }
-        }));
-    }
-    Ok(handles)
+        },
+    )
+    .await
 }

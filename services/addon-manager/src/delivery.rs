@@ -167,6 +167,18 @@ pub enum DeliveryError {
     Rejected(String),
     #[error(transparent)]
     Control(#[from] ControlError),
+    #[error("subject {0} names no cluster/add-on")]
+    Subject(String),
+    #[error("malformed add-on {what}: {source}")]
+    Malformed {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("signing the add-on certificate: {0}")]
+    Sign(#[source] tether_pki::PkiError),
+    #[error("encoding the reply: {0}")]
+    Encode(#[source] serde_json::Error),
 }
 
 fn reject<T>(
@@ -267,8 +279,16 @@ pub async fn submit_addon_csr(
         return Ok(csr_reply(csr));
     }
     let lifetime = ctx.policy.client_cert_lifetime;
-    let cert = sign_addon_csr(&ctx.ca, &req.csr, cluster, addon, &req.agent_name, lifetime)
-        .map_err(DeliveryError::Rejected)?;
+    let (csr_pem, c, a, agent) = (
+        req.csr.clone(),
+        cluster.to_owned(),
+        addon.to_owned(),
+        req.agent_name.clone(),
+    );
+    let cert = crate::signing::with_ca(&ctx.ca, move |ca| {
+        sign_addon_csr(ca, &csr_pem, &c, &a, &agent, lifetime)
+    })
+    .await?;
     let mut meta = ObjectMeta::new(&name);
     meta.labels.insert(
         CertificateSigningRequest::CLUSTER_LABEL.into(),
@@ -369,14 +389,14 @@ pub fn sign_addon_csr(
     addon: &str,
     agent: &str,
     lifetime: Duration,
-) -> Result<String, String> {
+) -> Result<String, DeliveryError> {
     ca.sign_csr_as(
         csr_pem,
         &addons::addon_agent_common_name(cluster, addon, agent),
         &addons::addon_agent_organizations(cluster, addon),
         lifetime,
     )
-    .map_err(|e| format!("signing the add-on certificate: {e}"))
+    .map_err(DeliveryError::Sign)
 }
 
 async fn event(ctx: &Registration<impl Store>, ev: Event) {
@@ -396,12 +416,12 @@ async fn serve(
     ctx: &HubCtx,
     kind: Kind,
     msg: &async_nats::Message,
-) -> Result<serde_json::Value, String> {
+) -> Result<serde_json::Value, DeliveryError> {
     let (Some(cluster), Some(addon)) = (
         subjects::cluster_of(&msg.subject),
         subjects::addon_of(&msg.subject),
     ) else {
-        return Err(format!("subject {} names no cluster/add-on", msg.subject));
+        return Err(DeliveryError::Subject(msg.subject.to_string()));
     };
     let span = tracing::info_span!("addon.delivery", %cluster, %addon, kind = ?kind);
     tracing::Instrument::instrument(serve_in(ctx, kind, msg, cluster, addon), span).await
@@ -413,33 +433,30 @@ async fn serve_in(
     msg: &async_nats::Message,
     cluster: &str,
     addon: &str,
-) -> Result<serde_json::Value, String> {
+) -> Result<serde_json::Value, DeliveryError> {
+    let malformed = |what| move |source| DeliveryError::Malformed { what, source };
     let to_json = |v: Result<CsrReply, DeliveryError>| {
-        v.map_err(|e| e.to_string())
-            .and_then(|r| serde_json::to_value(r).map_err(|e| e.to_string()))
+        v.and_then(|r| serde_json::to_value(r).map_err(DeliveryError::Encode))
     };
     match kind {
         Kind::Config => {
             let req: AddOnAgentConfigRequest = if msg.payload.is_empty() {
                 Default::default()
             } else {
-                serde_json::from_slice(&msg.payload)
-                    .map_err(|e| format!("malformed add-on config request: {e}"))?
+                serde_json::from_slice(&msg.payload).map_err(malformed("config request"))?
             };
             tracing::debug!(agent = %req.agent_name, "add-on config requested");
-            let r = agent_config(&ctx.registration, cluster, addon)
-                .await
-                .map_err(|e| e.to_string())?;
-            serde_json::to_value(r).map_err(|e| e.to_string())
+            let r = agent_config(&ctx.registration, cluster, addon).await?;
+            serde_json::to_value(r).map_err(DeliveryError::Encode)
         }
         Kind::Csr => {
-            let body: CsrSubmit = serde_json::from_slice(&msg.payload)
-                .map_err(|e| format!("malformed add-on CSR body: {e}"))?;
+            let body: CsrSubmit =
+                serde_json::from_slice(&msg.payload).map_err(malformed("CSR body"))?;
             to_json(submit_addon_csr(&ctx.registration, cluster, addon, body).await)
         }
         Kind::CsrGet => {
-            let body: CsrGet = serde_json::from_slice(&msg.payload)
-                .map_err(|e| format!("malformed add-on CSR get body: {e}"))?;
+            let body: CsrGet =
+                serde_json::from_slice(&msg.payload).map_err(malformed("CSR get body"))?;
             to_json(get_addon_csr(&ctx.registration, cluster, addon, body).await)
         }
     }
@@ -477,7 +494,8 @@ pub async fn start(
                     .requests_total
                     .with_label_values(&[label, if r.is_ok() { "ok" } else { "error" }])
                     .inc();
-                r.map(|v| bytes::Bytes::from(v.to_string()))
+                r.map(|v| Some(bytes::Bytes::from(v.to_string())))
+                    .map_err(|e| e.to_string())
             }
         },
     )

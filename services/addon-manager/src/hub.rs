@@ -11,6 +11,7 @@ use tether_control::resources::{AdminClusterRequest, BootstrapTokenRecord, Lease
 use tether_control::store::{Bucket, HubStore};
 use tether_control::subjects;
 use tether_pki::HubCa;
+use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 pub use crate::registration::{
@@ -60,38 +61,37 @@ impl HubCtx {
     }
 
     /// Keeps the caches and the lease table in step with KV (other replicas, `tetherctl token
-    /// create`): one task per watched bucket, each ending when the context is dropped.
-    pub async fn start_watches(self: &Arc<Self>) -> Result<(), HubError> {
+    /// create`): one task of `tasks` per watched bucket, each ending on `stop` or when the
+    /// context is dropped.
+    pub async fn start_watches(
+        self: &Arc<Self>,
+        tasks: &tether_runtime::Drain,
+        stop: &CancellationToken,
+    ) -> Result<(), HubError> {
         let clusters = self.store.watch::<ManagedCluster>(Bucket::Clusters).await?;
         let leases = self.store.watch::<Lease>(Bucket::Leases).await?;
         let tokens = self
             .store
             .watch::<BootstrapTokenRecord>(Bucket::Tokens)
             .await?;
-        let me = Arc::downgrade(self);
-        tokio::spawn(async move {
-            let mut clusters = std::pin::pin!(clusters);
-            while let Some((k, v)) = clusters.next().await {
-                let Some(ctx) = me.upgrade() else { return };
-                ctx.apply_cluster_change(k, v);
-            }
-        });
-        let me = Arc::downgrade(self);
-        tokio::spawn(async move {
-            let mut leases = std::pin::pin!(leases);
-            while let Some((k, v)) = leases.next().await {
-                let Some(ctx) = me.upgrade() else { return };
-                ctx.apply_lease_change(k, v);
-            }
-        });
-        let me = Arc::downgrade(self);
-        tokio::spawn(async move {
-            let mut tokens = std::pin::pin!(tokens);
-            while let Some((k, v)) = tokens.next().await {
-                let Some(ctx) = me.upgrade() else { return };
-                ctx.apply_token_change(k, v);
-            }
-        });
+        let me = || Arc::downgrade(self);
+        tasks.spawn(
+            "clusters watch",
+            follow(
+                me(),
+                clusters,
+                stop.clone(),
+                Registration::apply_cluster_change,
+            ),
+        );
+        tasks.spawn(
+            "leases watch",
+            follow(me(), leases, stop.clone(), Registration::apply_lease_change),
+        );
+        tasks.spawn(
+            "tokens watch",
+            follow(me(), tokens, stop.clone(), Registration::apply_token_change),
+        );
         Ok(())
     }
 
@@ -107,5 +107,27 @@ impl HubCtx {
             )
             .await;
         Ok(mc)
+    }
+}
+
+/// Applies every change of `changes` to the context until `stop`, the end of the watch, or the
+/// context being dropped.
+async fn follow<T>(
+    me: std::sync::Weak<HubCtx>,
+    changes: impl futures::Stream<Item = (String, Option<T>)>,
+    stop: CancellationToken,
+    apply: fn(&Registration<HubStore>, String, Option<T>),
+) {
+    let mut changes = std::pin::pin!(changes);
+    loop {
+        let (k, v) = tokio::select! {
+            _ = stop.cancelled() => return,
+            c = changes.next() => match c {
+                Some(c) => c,
+                None => return,
+            },
+        };
+        let Some(ctx) = me.upgrade() else { return };
+        apply(&ctx, k, v);
     }
 }

@@ -9,9 +9,9 @@
 //!   issuer).
 //! - [`brokers`]: the live broker set (serving brokers, tunnel holders, `BrokersAvailable`).
 //! - [`notify`]: notifications to managed clusters.
-//! - [`controller`]: the [`controller::RegistrationController`] actor that owns the lease monitor
-//!   and serves the request subjects; NATS subscriptions are pumped into it with `send().await`
-//!   so a full mailbox slows the pumps down instead of dropping work.
+//! - [`controller`]: serves the registration request subjects (a bounded number in flight per
+//!   subscription) and runs the leader-only lease monitor and CSR garbage collector.
+//! - [`signing`]: the one place the hub CA signs (tokio's blocking pool).
 //! - [`addons`]: the [`addons::AddOnController`] actor: ManagedClusterAddOns from
 //!   ClusterManagementAddOn install strategies, config spec hashes, Progressing/Available/Degraded.
 //! - [`delivery`]: what an add-on agent runs (`…addon.<a>.config`), its credentials
@@ -35,6 +35,7 @@ pub mod metrics;
 pub mod notify;
 pub mod registration;
 pub mod serve;
+pub mod signing;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -223,7 +224,7 @@ pub async fn run(
         metrics,
     ));
     retry("cannot watch the hub state", &shutdown, || {
-        ctx.start_watches()
+        ctx.start_watches(&tasks, &shutdown)
     })
     .await?;
     retry("cannot load the cluster leases", &shutdown, || {
@@ -273,9 +274,12 @@ pub async fn run(
             }
         });
     }
-    let addr = controller::RegistrationController::start_with(ctx.clone(), leader);
+    tasks.spawn(
+        "registration lease monitor and CSR GC",
+        controller::run_periodic(ctx.clone(), leader, shutdown.child_token()),
+    );
     let pumps =
-        controller::start_pumps(conn.client.clone(), addr.clone(), shutdown.child_token()).await?;
+        controller::start_pumps(conn.client.clone(), ctx.clone(), shutdown.child_token()).await?;
     let addon_ctl =
         addons::AddOnController::start_with(ctx.store.clone(), Some(conn.client.clone()));
     let mut addon_tasks = addons::start(
@@ -297,10 +301,7 @@ pub async fn run(
     // Hub client credentials (tether.v1.admin.client.create|delete).
     let clients_ctx = Arc::new(clients::ClientsCtx {
         store: ctx.store.clone(),
-        ca: Arc::new(tether_pki::HubCa::from_pem(
-            ctx.ca.cert_pem(),
-            &ctx.ca.key_pem(),
-        )?),
+        ca: Arc::clone(&ctx.ca),
     });
     addon_tasks
         .extend(clients::start(conn.client.clone(), clients_ctx, shutdown.child_token()).await?);

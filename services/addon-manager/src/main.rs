@@ -20,12 +20,8 @@ struct Args {
     /// Override admin.listen (/healthz, /readyz, /metrics), e.g. 127.0.0.1:0.
     #[arg(long, env = "TETHER_ADMIN_LISTEN")]
     admin_listen: Option<String>,
-    /// Write {"admin": "<addr>"} here once running (for scripts and tests).
-    #[arg(long)]
-    ready_file: Option<PathBuf>,
-    /// Tokio worker threads (default: number of CPUs).
-    #[arg(long, env = "TETHER_WORKER_THREADS")]
-    worker_threads: Option<usize>,
+    #[command(flatten)]
+    process: tether_runtime::ProcessArgs,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -33,7 +29,7 @@ fn main() -> anyhow::Result<()> {
     tether_tls::install_default_crypto();
     let hub = tether_control::hub::HubDir::load(&args.hub_dir)
         .with_context(|| format!("invalid hub directory {}", args.hub_dir.display()))?;
-    tether_runtime::actix_system(args.worker_threads).block_on(async move {
+    tether_runtime::actix_system(args.process.worker_threads).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("addon-manager");
         let shutdown = tether_runtime::shutdown_token();
         let listeners = addon_manager::bind(
@@ -46,7 +42,7 @@ fn main() -> anyhow::Result<()> {
             nats_url: args.nats_url,
             readiness: tether_telemetry::Readiness::new(),
         };
-        if let Some(path) = args.ready_file {
+        if let Some(path) = args.process.ready_file {
             // Written once ready (connected, store open, subjects served), for scripts and tests.
             let admin = listeners.admin.as_ref().and_then(|l| l.local_addr().ok());
             let mut ready = opts.readiness.subscribe();

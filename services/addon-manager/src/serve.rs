@@ -11,8 +11,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::ManagerError;
 
-/// What a handler answers: the reply body, or the reason the request was refused.
-pub type Answer = Result<bytes::Bytes, String>;
+/// What a handler answers: the reply body (`None`: publish nothing, e.g. an auth-callout
+/// request that was not understood), or the reason the request was refused — the text every
+/// client reads from the error reply.
+pub type Answer = Result<Option<bytes::Bytes>, String>;
 
 /// Subscribes to every `(subject, kind)` of `table` in queue group `queue` and runs `handler`
 /// for each message, at most `max_inflight` at once per subject, until `shutdown`. The answer is
@@ -53,7 +55,8 @@ where
                     let answer = handler(kind, msg).await;
                     let Some(reply) = reply else { return };
                     let res = match answer {
-                        Ok(body) => client.publish(reply, body).await,
+                        Ok(Some(body)) => client.publish(reply, body).await,
+                        Ok(None) => Ok(()),
                         Err(e) => {
                             tracing::info!(subject = %request_subject, error = %e, "{what} request refused");
                             client.publish_with_headers(reply, error_headers(&e), error_body(&e)).await

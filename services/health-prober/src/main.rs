@@ -27,14 +27,8 @@ fn main() -> anyhow::Result<()> {
     tether_runtime::actix_system(None).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("health-prober");
         let shutdown = tether_runtime::shutdown_token();
-        let admin = tokio::net::TcpListener::bind(cfg.admin_listen)
-            .await
-            .with_context(|| format!("cannot bind admin_listen {}", cfg.admin_listen))?;
-        if let Some(path) = &args.ready_file {
-            let info = serde_json::json!({ "admin": admin.local_addr()?.to_string() });
-            tether_runtime::write_ready_file(path, &info)
-                .with_context(|| format!("write ready file {}", path.display()))?;
-        }
+        let admin =
+            tether_runtime::bind_admin(cfg.admin_listen, args.ready_file.as_deref()).await?;
         health_prober::run(cfg, admin, shutdown).await?;
         anyhow::Ok(())
     })

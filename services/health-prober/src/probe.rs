@@ -56,6 +56,29 @@ pub struct ClusterProber {
     path: String,
 }
 
+/// Why a probe got no HTTP status.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error(transparent)]
+    Dial(#[from] tether_client::ClientError),
+    #[error("server name: {0}")]
+    ServerName(#[source] rustls::pki_types::InvalidDnsNameError),
+    #[error("TLS to target: {0}")]
+    Tls(#[source] std::io::Error),
+    #[error("HTTP handshake: {0}")]
+    Handshake(#[source] hyper::Error),
+    #[error("no connection")]
+    NoConnection,
+    #[error("connection: {0}")]
+    Connection(#[source] hyper::Error),
+    #[error(transparent)]
+    BuildRequest(#[from] http::Error),
+    #[error("request: {0}")]
+    Request(#[source] hyper::Error),
+    #[error("body: {0}")]
+    Body(#[source] hyper::Error),
+}
+
 impl ClusterProber {
     pub fn new(cluster: String, target: Option<ProbeTarget>) -> Self {
         let path = target
@@ -77,7 +100,7 @@ impl ClusterProber {
         self.conn = None;
     }
 
-    async fn connect(&mut self, ctx: &ProbeContext) -> Result<(), String> {
+    async fn connect(&mut self, ctx: &ProbeContext) -> Result<(), ProbeError> {
         let (stream, tls) = match &self.target {
             None => (ctx.dialer.dial_api_server(&self.cluster).await, true),
             Some(t) => {
@@ -85,22 +108,22 @@ impl ClusterProber {
                 (ctx.dialer.dial(via, &t.host, t.port).await, t.tls)
             }
         };
-        let stream = stream.map_err(|e| e.to_string())?;
+        let stream = stream?;
         self.tunnel_rtt = stream.tunnel_rtt();
         let sender = if tls {
             let name = match &self.target {
                 Some(t) => t.host.clone(),
                 None => ctx.apiserver_name.clone(),
             };
-            let name = rustls::pki_types::ServerName::try_from(name)
-                .map_err(|e| format!("server name: {e}"))?;
+            let name =
+                rustls::pki_types::ServerName::try_from(name).map_err(ProbeError::ServerName)?;
             let tls = tokio_rustls::TlsConnector::from(Arc::clone(&ctx.tls))
                 .connect(name, stream)
                 .await
-                .map_err(|e| format!("TLS to target: {e}"))?;
+                .map_err(ProbeError::Tls)?;
             let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
                 .await
-                .map_err(|e| format!("HTTP handshake: {e}"))?;
+                .map_err(ProbeError::Handshake)?;
             tokio::spawn(async move {
                 let _ = conn.await;
             });
@@ -108,7 +131,7 @@ impl ClusterProber {
         } else {
             let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
                 .await
-                .map_err(|e| format!("HTTP handshake: {e}"))?;
+                .map_err(ProbeError::Handshake)?;
             tokio::spawn(async move {
                 let _ = conn.await;
             });
@@ -119,24 +142,20 @@ impl ClusterProber {
         Ok(())
     }
 
-    async fn get(&mut self, host: &str) -> Result<u16, String> {
-        let conn = self.conn.as_mut().ok_or("no connection")?;
-        conn.ready().await.map_err(|e| format!("connection: {e}"))?;
+    async fn get(&mut self, host: &str) -> Result<u16, ProbeError> {
+        let conn = self.conn.as_mut().ok_or(ProbeError::NoConnection)?;
+        conn.ready().await.map_err(ProbeError::Connection)?;
         let req = http::Request::get(self.path.as_str())
             .header(http::header::HOST, host)
             .header(http::header::USER_AGENT, "tether-health-prober")
-            .body(Empty::new())
-            .map_err(|e| e.to_string())?;
-        let resp = conn
-            .send_request(req)
-            .await
-            .map_err(|e| format!("request: {e}"))?;
+            .body(Empty::new())?;
+        let resp = conn.send_request(req).await.map_err(ProbeError::Request)?;
         let status = resp.status().as_u16();
         // Drain a bounded body so the connection can be reused.
         let mut body = resp.into_body();
         let mut read = 0usize;
         while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| format!("body: {e}"))?;
+            let frame = frame.map_err(ProbeError::Body)?;
             if let Some(d) = frame.data_ref() {
                 read += d.len();
                 if read > MAX_BODY_BYTES {
@@ -156,7 +175,7 @@ impl ClusterProber {
             Some(t) => t.host.clone(),
             None => ctx.apiserver_name.clone(),
         };
-        let mut result = Err(String::new());
+        let mut result = Err(ProbeError::NoConnection);
         for attempt in 0..2 {
             let expired = self
                 .conn_since
@@ -189,7 +208,7 @@ impl ClusterProber {
             ),
             Err(e) => {
                 self.conn = None;
-                (false, None, Some(e))
+                (false, None, Some(e.to_string()))
             }
         };
         ProbeOutcome {

@@ -207,6 +207,26 @@ impl<S: HubSecretStore> Agent<S> {
         }
     }
 
+    /// A bootstrap step failed: counts it under `label`, shows `reason` in the phase, and
+    /// waits out the backoff (`Err(Stop)` if told to stop meanwhile).
+    async fn bootstrap_failed(
+        &mut self,
+        label: &str,
+        reason: String,
+        bo: &mut tether_runtime::Backoff,
+        stop: &CancellationToken,
+    ) -> Result<(), Stop> {
+        self.metrics
+            .bootstrap_errors_total
+            .with_label_values(&[label])
+            .inc();
+        self.set_phase(Phase::BootstrapError(reason));
+        if self.sleep_or_stop(bo.failed(), stop).await {
+            return Err(Stop);
+        }
+        Ok(())
+    }
+
     async fn sleep_or_stop(&self, d: Duration, stop: &CancellationToken) -> bool {
         tokio::select! {
             _ = stop.cancelled() => true,
@@ -224,12 +244,11 @@ impl<S: HubSecretStore> Agent<S> {
             let bootstrap = match self.read_bootstrap() {
                 Ok(b) => b,
                 Err(e) => {
-                    self.metrics
-                        .bootstrap_errors_total
-                        .with_label_values(&["kubeconfig"])
-                        .inc();
-                    self.set_phase(Phase::BootstrapError(e));
-                    if self.sleep_or_stop(bo.failed(), &stop).await {
+                    if self
+                        .bootstrap_failed("kubeconfig", e, &mut bo, &stop)
+                        .await
+                        .is_err()
+                    {
                         return;
                     }
                     continue;
@@ -409,14 +428,8 @@ impl<S: HubSecretStore> Agent<S> {
             let conn = match connect::connect(&cfg).await {
                 Ok(c) => c,
                 Err(e) => {
-                    self.metrics
-                        .bootstrap_errors_total
-                        .with_label_values(&[e.metric_label()])
-                        .inc();
-                    self.set_phase(Phase::BootstrapError(e.to_string()));
-                    if self.sleep_or_stop(bo.failed(), stop).await {
-                        return Err(Stop);
-                    }
+                    self.bootstrap_failed(e.metric_label(), e.to_string(), bo, stop)
+                        .await?;
                     continue;
                 }
             };
@@ -436,14 +449,8 @@ impl<S: HubSecretStore> Agent<S> {
             {
                 Ok(r) => r,
                 Err(e) => {
-                    self.metrics
-                        .bootstrap_errors_total
-                        .with_label_values(&[e.metric_label()])
-                        .inc();
-                    self.set_phase(Phase::BootstrapError(e.to_string()));
-                    if self.sleep_or_stop(bo.failed(), stop).await {
-                        return Err(Stop);
-                    }
+                    self.bootstrap_failed(e.metric_label(), e.to_string(), bo, stop)
+                        .await?;
                     continue;
                 }
             };

@@ -71,11 +71,7 @@ impl Printer {
                     e.event_time,
                     e.type_,
                     e.reason,
-                    format!(
-                        "{}/{}",
-                        e.involved_object.kind.to_ascii_lowercase(),
-                        e.involved_object.name
-                    ),
+                    crate::ops::object_ref(e),
                     e.message
                 );
             }

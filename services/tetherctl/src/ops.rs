@@ -182,25 +182,17 @@ pub async fn get_clusters(hub: &HubArgs, name: Option<&str>, output: Output) -> 
     Ok(())
 }
 
+/// `kind/name` of the object an event is about, as the tables show it.
+pub(crate) fn object_ref(e: &tether_control::resources::Event) -> String {
+    format!(
+        "{}/{}",
+        e.involved_object.kind.to_ascii_lowercase(),
+        e.involved_object.name
+    )
+}
+
 pub(crate) fn print_table(rows: &[Vec<String>]) {
-    let cols = rows.first().map(Vec::len).unwrap_or(0);
-    let widths: Vec<usize> = (0..cols)
-        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
-        .collect();
-    for r in rows {
-        let line: Vec<String> = r
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                if i + 1 == cols {
-                    v.clone()
-                } else {
-                    format!("{v:<w$}", w = widths[i])
-                }
-            })
-            .collect();
-        println!("{}", line.join("   ").trim_end());
-    }
+    print!("{}", tether_control::health::format_table(rows));
 }
 
 pub async fn get_events(
@@ -222,17 +214,8 @@ pub async fn get_events(
                     .to_vec(),
             ];
             for e in events {
-                rows.push(vec![
-                    e.event_time,
-                    e.type_,
-                    e.reason,
-                    format!(
-                        "{}/{}",
-                        e.involved_object.kind.to_ascii_lowercase(),
-                        e.involved_object.name
-                    ),
-                    e.message,
-                ]);
+                let object = object_ref(&e);
+                rows.push(vec![e.event_time, e.type_, e.reason, object, e.message]);
             }
             print_table(&rows);
         }

@@ -20,12 +20,8 @@ struct Args {
     /// Path of the YAML config file.
     #[arg(long, short, env = "TETHER_AGENT_CONFIG")]
     config: PathBuf,
-    /// Write the bound admin address here as JSON once listening (for scripts and tests).
-    #[arg(long)]
-    ready_file: Option<PathBuf>,
-    /// Tokio worker threads (default: half the CPUs, at least one).
-    #[arg(long, env = "TETHER_WORKER_THREADS")]
-    worker_threads: Option<usize>,
+    #[command(flatten)]
+    process: tether_runtime::ProcessArgs,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -34,19 +30,15 @@ fn main() -> anyhow::Result<()> {
     let cfg: tunnel_agent::config::AgentConfig =
         tether_config::load(&args.config).context("invalid tunnel-agent configuration")?;
     let workers = args
+        .process
         .worker_threads
         .unwrap_or_else(tether_runtime::data_plane_workers);
     tether_runtime::actix_system(Some(workers)).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("tunnel-agent");
         let shutdown = tether_runtime::shutdown_token();
-        let admin = tokio::net::TcpListener::bind(cfg.admin_listen)
-            .await
-            .with_context(|| format!("cannot bind admin_listen {}", cfg.admin_listen))?;
-        if let Some(path) = &args.ready_file {
-            let info = serde_json::json!({ "admin": admin.local_addr()?.to_string() });
-            tether_runtime::write_ready_file(path, &info)
-                .with_context(|| format!("write ready file {}", path.display()))?;
-        }
+        let admin =
+            tether_runtime::bind_admin(cfg.admin_listen, args.process.ready_file.as_deref())
+                .await?;
         tunnel_agent::run_with_reload(cfg, Some(args.config.clone()), admin, shutdown).await?;
         anyhow::Ok(())
     })

@@ -17,11 +17,14 @@ use tether_tunnel::watchdog::{Progress, ProgressIo, Watchdog};
 use tether_tunnel::wire;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::handle::{HELLO_TIMEOUT, TunnelHandle, tell_refused};
 use crate::metrics::BrokerMetrics;
 use crate::registry::Registry;
-use crate::tunnel::TunnelActor;
+use crate::test_hooks::TestHooks;
+use crate::tunnel::{Connection, TunnelActor};
 /// Shared state of the agent side of the broker.
 pub struct AgentSide {
     pub broker_id: String,
@@ -41,6 +44,8 @@ pub struct AgentSide {
     pub close: tokio_util::sync::CancellationToken,
     /// Clusters the hub accepts (checks nothing until synced with the control plane).
     pub clusters: Arc<crate::clusters::ClusterDirectory>,
+    /// Test-only fault injection (config `test_hooks`; None in production).
+    pub test_hooks: Option<Arc<TestHooks>>,
 }
 
 /// Why an agent connection was refused.
@@ -140,13 +145,17 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
     .map_err(|_| AcceptError::Timeout(hs))?
     .map_err(|e| AcceptError::H2(e.to_string()))?;
     let ping_pong = conn.ping_pong().expect("ping_pong taken once");
-    let (closed_tx, closed_rx) = tokio::sync::oneshot::channel::<String>();
     let closer = side.close.child_token();
     let conn_closer = closer.clone();
     let mut window_rx = window.changed();
     let conn_cluster = cluster.clone();
-    side.tasks.spawn("tunnel connection", async move {
-        let reason = loop {
+    // Test-only (config `test_hooks`): cancelling it makes this connection's task panic.
+    let panic_token = side.test_hooks.as_ref().map(|_| CancellationToken::new());
+    let panic_on = panic_token.clone();
+    // The task driving the connection; the tunnel's actor owns it from here on (dropping it
+    // aborts the task, e.g. when the handshake below fails).
+    let connection: Connection = AbortOnDropHandle::new(side.tasks.spawn("tunnel connection", async move {
+        loop {
             tokio::select! {
                 r = &mut conn => break match r {
                     Ok(()) => "closed".to_owned(),
@@ -160,10 +169,12 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
                         Err(e) => tracing::warn!(cluster = %conn_cluster, error = %e, "cannot change the tunnel's receive window"),
                     }
                 }
+                () = wait_cancelled(panic_on.as_ref()), if panic_on.is_some() => {
+                    panic!("test hook: the connection task of a tunnel of cluster {conn_cluster} panics")
+                }
             }
-        };
-        let _ = closed_tx.send(reason);
-    });
+        }
+    }));
     if let Err(reason) = side.clusters.admit(&cluster) {
         tell_refused(&send, &reason).await;
         closer.cancel();
@@ -219,11 +230,19 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
             window,
             changes: Some(side.metrics.tunnel_window_changes.clone()),
         }),
-        closed: Some(closed_rx),
-        tasks: side.tasks.clone(),
+        connection: Some(connection),
         watchdog: Watchdog::new(progress, side.settings.stall_timeout),
         wedged: side.metrics.tunnel_wedged.clone(),
+        hooks: side.test_hooks.clone().zip(panic_token),
     };
     TunnelActor::start_in_arbiter(&side.arbiter, move |_| actor);
     Ok(())
+}
+
+/// Waits until `token` (if any) is cancelled; never ends without one.
+async fn wait_cancelled(token: Option<&CancellationToken>) {
+    match token {
+        Some(t) => t.cancelled().await,
+        None => std::future::pending().await,
+    }
 }

@@ -57,6 +57,10 @@ pub struct BrokerConfig {
     /// The HTTP service proxy (kube clients by URL, docs/service-proxy.md). Absent: off.
     #[serde(default)]
     pub service_proxy: Option<ServiceProxyConfig>,
+    /// Test-only: the admin listener can make a tunnel's actor or connection task panic
+    /// (`/debug/test/panic-tunnel`, see `test_hooks`). Never set it in production.
+    #[serde(default)]
+    pub test_hooks: bool,
 }
 
 /// Default bound of a service-proxy request head.

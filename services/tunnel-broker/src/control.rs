@@ -108,6 +108,23 @@ pub fn connect_config(cfg: &ControlPlaneConfig) -> Result<ConnectConfig, Control
 }
 
 /// What ended a session.
+/// Why a control-plane session could not start or keep going.
+#[derive(Debug, thiserror::Error)]
+enum SessionError {
+    #[error("presence renewal failed: {0}")]
+    Renewal(#[source] tether_control::ControlError),
+    #[error("presence renewal timed out after {0:?}")]
+    RenewalTimeout(std::time::Duration),
+    #[error("opening the hub store: {0}")]
+    Open(#[source] tether_control::ControlError),
+    #[error("reading {bucket}: {source}")]
+    Read {
+        bucket: &'static str,
+        #[source]
+        source: tether_control::ControlError,
+    },
+}
+
 enum SessionEnd {
     /// The broker is exiting; the store to delete the presence key with.
     Exit(Box<HubStore>),
@@ -191,15 +208,13 @@ impl ControlPlane {
         p
     }
 
-    async fn announce(&mut self, store: &HubStore) -> Result<(), String> {
+    async fn announce(&mut self, store: &HubStore) -> Result<(), SessionError> {
         let p = self.presence();
         let r = tokio::time::timeout(KV_WRITE_TIMEOUT, store.put(Bucket::Brokers, &p.id, &p)).await;
         let r = match r {
             Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(format!("presence renewal failed: {e}")),
-            Err(_) => Err(format!(
-                "presence renewal timed out after {KV_WRITE_TIMEOUT:?}"
-            )),
+            Ok(Err(e)) => Err(SessionError::Renewal(e)),
+            Err(_) => Err(SessionError::RenewalTimeout(KV_WRITE_TIMEOUT)),
         };
         self.metrics
             .presence_renewals
@@ -253,7 +268,7 @@ impl ControlPlane {
         };
         let (store, mut state) = match started {
             Ok(Ok(x)) => x,
-            Ok(Err(e)) => return SessionEnd::Lost(e),
+            Ok(Err(e)) => return SessionEnd::Lost(e.to_string()),
             Err(_) => {
                 return SessionEnd::Lost(format!(
                     "session start timed out after {SESSION_START_TIMEOUT:?}"
@@ -290,14 +305,14 @@ impl ControlPlane {
                 _ = exit.cancelled() => return SessionEnd::Exit(Box::new(store)),
                 _ = renew.tick() => {
                     if let Err(e) = self.announce(&store).await {
-                        return SessionEnd::Lost(e);
+                        return SessionEnd::Lost(e.to_string());
                     }
                 }
                 r = self.draining.changed(), if draining_open => {
                     if r.is_err() {
                         draining_open = false;
                     } else if let Err(e) = self.announce(&store).await {
-                        return SessionEnd::Lost(e);
+                        return SessionEnd::Lost(e.to_string());
                     }
                 }
                 _ = prune.tick() => {
@@ -356,31 +371,30 @@ impl ControlPlane {
     async fn start_session(
         &mut self,
         client: async_nats::Client,
-    ) -> Result<(HubStore, State), String> {
-        let store = HubStore::open(client)
-            .await
-            .map_err(|e| format!("opening the hub store: {e}"))?;
+    ) -> Result<(HubStore, State), SessionError> {
+        let read = |bucket| move |source| SessionError::Read { bucket, source };
+        let store = HubStore::open(client).await.map_err(SessionError::Open)?;
         self.announce(&store).await?;
         let mut state = State::default();
         if self.clusters.is_some() {
             let list = store
                 .list::<ManagedCluster>(Bucket::Clusters)
                 .await
-                .map_err(|e| format!("reading tether-managedclusters: {e}"))?;
+                .map_err(read("tether-managedclusters"))?;
             state.clusters = list.into_iter().map(|(k, mc, _)| (k, info(&mc))).collect();
             self.apply_clusters(&state.clusters);
         }
         state.clients = store
             .list::<HubClient>(Bucket::HubClients)
             .await
-            .map_err(|e| format!("reading tether-hubclients: {e}"))?
+            .map_err(read("tether-hubclients"))?
             .into_iter()
             .map(|(k, v, _)| (k, v))
             .collect();
         state.policies = store
             .list::<ClientAccessPolicy>(Bucket::ClientAccessPolicies)
             .await
-            .map_err(|e| format!("reading tether-clientaccesspolicies: {e}"))?
+            .map_err(read("tether-clientaccesspolicies"))?
             .into_iter()
             .map(|(k, v, _)| (k, v))
             .collect();
@@ -389,7 +403,7 @@ impl ControlPlane {
             let all = store
                 .list::<BrokerPresence>(Bucket::Brokers)
                 .await
-                .map_err(|e| format!("reading tether-brokers: {e}"))?
+                .map_err(read("tether-brokers"))?
                 .into_iter()
                 .map(|(_, v, _)| v)
                 .collect();

@@ -19,6 +19,7 @@
 //!   tunnel-stream connection pool and the default-deny service allowlist.
 //! - [`linger`]: plain CONNECT clients of a killed broker see a reset, not a clean EOF.
 //! - [`metrics`]: Prometheus metrics.
+//! - [`test_hooks`]: test-only fault injection (config `test_hooks`, off by default).
 //!
 //! [`run`] is what `main` calls, and what tests may call in-process.
 
@@ -40,6 +41,7 @@ pub mod peers;
 pub mod presence;
 pub mod registry;
 pub mod service_proxy;
+pub mod test_hooks;
 pub mod tunnel;
 
 use std::sync::Arc;
@@ -138,6 +140,14 @@ pub async fn run(
             metrics.paced_clusters.clone(),
         )),
     );
+    if cfg.test_hooks {
+        tracing::warn!(
+            "test hooks on: the admin listener can make tunnels panic (never in production)"
+        );
+    }
+    let test_hooks = cfg
+        .test_hooks
+        .then(|| Arc::new(test_hooks::TestHooks::default()));
     let side = Arc::new(AgentSide {
         broker_id: cfg.id.clone(),
         acceptor: agent_acceptor,
@@ -159,7 +169,12 @@ pub async fn run(
         tasks: tasks.clone(),
         close: close.clone(),
         clusters: Arc::clone(broker.auth.clusters()),
+        test_hooks: test_hooks.clone(),
     });
+    let peer_tasks = peers::PeerTasks {
+        tasks: tasks.clone(),
+        close: close.clone(),
+    };
     let mut peer_connectors = Vec::new();
     for peer in &cfg.peers {
         let c = peers::PeerConnector::new(
@@ -168,7 +183,8 @@ pub async fn run(
             Arc::clone(&broker),
             peer_table.clone(),
             cfg.max_pending_dials_per_tunnel,
-        );
+        )
+        .with_tasks(&peer_tasks);
         peer_connectors.push(Supervisor::start_in_arbiter(&arbiter, move |_| c));
     }
     let accepting = CancellationToken::new();
@@ -235,6 +251,7 @@ pub async fn run(
                 arbiter.clone(),
                 metrics.discovered_peers.clone(),
             )
+            .with_tasks(peer_tasks.clone())
         });
         let plane = control::ControlPlane {
             connect,
@@ -355,6 +372,12 @@ pub async fn run(
             serde_json::Value::Array(list).to_string()
         },
     );
+    let admin = match test_hooks {
+        Some(hooks) => {
+            admin.with_json_query_route(test_hooks::PANIC_TUNNEL_PATH, move |q| hooks.answer(q))
+        }
+        None => admin,
+    };
     let admin_stop = CancellationToken::new();
     tasks.spawn(
         "admin server",

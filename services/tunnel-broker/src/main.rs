@@ -21,18 +21,8 @@ struct Args {
     /// Path of the YAML config file.
     #[arg(long, short, env = "TETHER_BROKER_CONFIG")]
     config: PathBuf,
-    /// Write the bound addresses here as JSON once listening (for scripts and tests).
-    #[arg(long)]
-    ready_file: Option<PathBuf>,
-    /// Tokio worker threads (default: half the CPUs, at least one).
-    #[arg(long, env = "TETHER_WORKER_THREADS")]
-    worker_threads: Option<usize>,
-}
-
-async fn bind(addr: std::net::SocketAddr, field: &str) -> anyhow::Result<TcpListener> {
-    TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("cannot bind {field} {addr}"))
+    #[command(flatten)]
+    process: tether_runtime::ProcessArgs,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -41,8 +31,10 @@ fn main() -> anyhow::Result<()> {
     let cfg: tunnel_broker::config::BrokerConfig =
         tether_config::load(&args.config).context("invalid tunnel-broker configuration")?;
     let workers = args
+        .process
         .worker_threads
         .unwrap_or_else(tether_runtime::data_plane_workers);
+    let bind = tether_runtime::bind;
     tether_runtime::actix_system(Some(workers)).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("tunnel-broker");
         let shutdown = tether_runtime::shutdown_token();
@@ -62,7 +54,7 @@ fn main() -> anyhow::Result<()> {
                 None => None,
             },
         };
-        if let Some(path) = &args.ready_file {
+        if let Some(path) = &args.process.ready_file {
             let addr = |l: &Option<TcpListener>| {
                 l.as_ref()
                     .and_then(|l| l.local_addr().ok())

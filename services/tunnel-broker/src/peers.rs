@@ -86,8 +86,28 @@ pub struct PeerConnector {
     pub backoff: Backoff,
     pub max_pending_dials: usize,
     pub generation: u64,
-    /// Cancelled when the peer is dropped (its presence disappeared or went stale).
+    /// Cancelled when the peer is dropped (its presence disappeared or went stale), and at the
+    /// end of the broker's drain (a child of its close token, see [`PeerConnector::with_tasks`]).
     pub stop: tokio_util::sync::CancellationToken,
+    /// The connection attempts and relay connections run as tasks of this drain.
+    pub tasks: tether_runtime::Drain,
+}
+
+/// Where peer connectors run their tasks: the broker's drain, ended by its close token.
+#[derive(Clone)]
+pub struct PeerTasks {
+    pub tasks: tether_runtime::Drain,
+    pub close: tokio_util::sync::CancellationToken,
+}
+
+impl Default for PeerTasks {
+    /// A drain of their own, never closed (unit tests).
+    fn default() -> Self {
+        Self {
+            tasks: tether_runtime::Drain::new("tunnel-broker peer"),
+            close: Default::default(),
+        }
+    }
 }
 
 impl PeerConnector {
@@ -111,7 +131,14 @@ impl PeerConnector {
             max_pending_dials,
             generation: 0,
             stop: Default::default(),
+            tasks: PeerTasks::default().tasks,
         }
+    }
+
+    /// Runs the connector's tasks in `t`'s drain, ended by its close token.
+    pub fn with_tasks(mut self, t: &PeerTasks) -> Self {
+        (self.tasks, self.stop) = (t.tasks.clone(), t.close.child_token());
+        self
     }
 }
 
@@ -160,9 +187,10 @@ impl PeerConnector {
         let max_pending = self.max_pending_dials;
         let me = ctx.address();
         let stop = self.stop.clone();
-        tokio::spawn(async move {
+        let tasks = self.tasks.clone();
+        self.tasks.spawn("peer relay connector", async move {
             let opened = tokio::select! {
-                r = open_peer(&peer, &tls, &settings) => r,
+                r = open_peer(&peer, &tls, &settings, &tasks) => r,
                 _ = stop.cancelled() => return,
             };
             let (reason, was_up) = match opened {
@@ -233,6 +261,7 @@ async fn open_peer(
     peer: &PeerConfig,
     tls: &Arc<TlsMaterial>,
     settings: &tether_tunnel::TunnelSettings,
+    tasks: &tether_runtime::Drain,
 ) -> Result<PeerConn, PeerConnectError> {
     let hs = settings.handshake_timeout;
     let timeout = |step| PeerConnectError::Timeout { step, after: hs };
@@ -253,7 +282,8 @@ async fn open_peer(
             .map_err(|_| timeout("HTTP/2 handshake"))??;
     let pp = conn.ping_pong().expect("ping_pong taken once");
     let (tx, rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(async move {
+    // Ends when the connector drops its handle (the peer is dropped or the broker drains).
+    tasks.spawn("peer relay connection", async move {
         let reason = match conn.await {
             Ok(()) => "closed".to_owned(),
             Err(e) => e.to_string(),

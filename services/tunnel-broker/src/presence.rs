@@ -97,6 +97,8 @@ pub struct PeerManager {
     peers: HashMap<String, (PeerConfig, Addr<PeerConnector>)>,
     seen: HashMap<String, BrokerPresence>,
     gauge: prometheus::IntGauge,
+    /// Where the connectors it starts run their tasks.
+    tasks: crate::peers::PeerTasks,
 }
 
 impl PeerManager {
@@ -122,7 +124,14 @@ impl PeerManager {
             peers: HashMap::new(),
             seen: HashMap::new(),
             gauge,
+            tasks: Default::default(),
         }
+    }
+
+    /// Runs the connectors' tasks in `t`'s drain, ended by its close token.
+    pub fn with_tasks(mut self, t: crate::peers::PeerTasks) -> Self {
+        self.tasks = t;
+        self
     }
 
     /// A presence entry was written (or read in a listing).
@@ -156,7 +165,8 @@ impl PeerManager {
             Arc::clone(&self.broker),
             self.table.clone(),
             self.max_pending_dials,
-        );
+        )
+        .with_tasks(&self.tasks);
         let addr = PeerConnector::start_in_arbiter(&self.arbiter, move |_| c);
         self.peers.insert(want.id.clone(), (want, addr));
         self.gauge.set(self.peers.len() as i64);

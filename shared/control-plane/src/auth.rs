@@ -48,6 +48,10 @@ pub enum AuthError {
     MalformedCredential(&'static str),
     #[error("malformed bootstrap token (expected {BOOTSTRAP_TOKEN_PREFIX}.<id>.<secret>)")]
     MalformedToken,
+    #[error("credential time is {away_secs}s away from the hub's clock (max {max_secs}s)")]
+    CredentialSkew { away_secs: u64, max_secs: u64 },
+    #[error("credential signature does not match the certificate's key")]
+    CredentialSignature(#[source] tether_pki::PkiError),
 }
 
 fn b64(data: &[u8]) -> String {
@@ -492,24 +496,23 @@ impl CertCredential {
         user: &str,
         public_key_raw: &[u8],
         now: SystemTime,
-    ) -> Result<(), String> {
+    ) -> Result<(), AuthError> {
         let now = now
             .duration_since(SystemTime::UNIX_EPOCH)
             .unwrap_or_default()
             .as_secs();
         if now.abs_diff(self.unix_time) > CREDENTIAL_MAX_SKEW.as_secs() {
-            return Err(format!(
-                "credential time is {}s away from the hub's clock (max {}s)",
-                now.abs_diff(self.unix_time),
-                CREDENTIAL_MAX_SKEW.as_secs()
-            ));
+            return Err(AuthError::CredentialSkew {
+                away_secs: now.abs_diff(self.unix_time),
+                max_secs: CREDENTIAL_MAX_SKEW.as_secs(),
+            });
         }
         tether_pki::verify_message(
             public_key_raw,
             &signed_bytes(user, self.unix_time),
             &self.signature,
         )
-        .map_err(|_| "credential signature does not match the certificate's key".to_string())
+        .map_err(AuthError::CredentialSignature)
     }
 }
 

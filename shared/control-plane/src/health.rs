@@ -226,12 +226,18 @@ pub fn render_table(rows: &[ProxyHealthRow], wide: bool) -> String {
         }
         table.push(line);
     }
-    let cols = table[0].len();
+    format_table(&table)
+}
+
+/// Left-aligned columns three spaces apart (the last column unpadded), one line per row: the
+/// tables of `tetherctl get …`.
+pub fn format_table(rows: &[Vec<String>]) -> String {
+    let cols = rows.first().map(Vec::len).unwrap_or(0);
     let widths: Vec<usize> = (0..cols)
-        .map(|c| table.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
         .collect();
     let mut out = String::new();
-    for r in &table {
+    for r in rows {
         let cells: Vec<String> = r
             .iter()
             .enumerate()

@@ -175,21 +175,13 @@ pub fn create_csr(key: &AgentKey, cluster: &str, agent: &str) -> Result<String> 
 }
 
 fn ocm_dn(cluster: &str, agent: &str) -> DistinguishedName {
-    let mut dn = DistinguishedName::new();
-    dn.push(
-        DnType::CommonName,
-        subject::common_name(cluster, agent).as_str(),
-    );
-    dn.push(
-        DnType::OrganizationName,
-        subject::cluster_group(cluster).as_str(),
-    );
-    // rcgen keeps one value per attribute type; the same OID as a custom type adds the second O.
-    dn.push(
-        DnType::CustomDnType(vec![2, 5, 4, 10]),
-        subject::MANAGED_CLUSTERS_GROUP,
-    );
-    dn
+    subject_dn(
+        &subject::common_name(cluster, agent),
+        &[
+            subject::cluster_group(cluster),
+            subject::MANAGED_CLUSTERS_GROUP.to_owned(),
+        ],
+    )
 }
 
 /// The hub's view of a CSR whose signature has been checked.
@@ -519,7 +511,35 @@ fn random_serial() -> SerialNumber {
     SerialNumber::from_slice(&b)
 }
 
-/// A client certificate [`HubCa::issue_client`] issued, with its new key.
+/// What [`HubCa::issue_leaf`] puts in a certificate.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Leaf<'a> {
+    pub common_name: &'a str,
+    /// Subject organisations, at most two (OCM's convention; more are ignored).
+    pub organizations: &'a [String],
+    /// DNS names and IP addresses.
+    pub sans: &'a [String],
+    /// Server-auth usage as well as client-auth.
+    pub server: bool,
+    pub lifetime: Duration,
+}
+
+/// A subject with common name `cn` and up to two organisations.
+fn subject_dn(cn: &str, orgs: &[String]) -> DistinguishedName {
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, cn);
+    if let Some(o) = orgs.first() {
+        dn.push(DnType::OrganizationName, o.as_str());
+    }
+    if let Some(o) = orgs.get(1) {
+        // rcgen keeps one value per attribute type; the same OID as a custom type adds the
+        // second O.
+        dn.push(DnType::CustomDnType(vec![2, 5, 4, 10]), o.as_str());
+    }
+    dn
+}
+
+/// A certificate [`HubCa`] issued, with its new key.
 #[derive(Debug, Clone)]
 pub struct IssuedClient {
     pub cert_pem: String,
@@ -599,13 +619,35 @@ impl HubCa {
         server: bool,
         lifetime: Duration,
     ) -> Result<(String, String)> {
+        let c = self.issue_leaf(&Leaf {
+            common_name: cn,
+            sans: names,
+            server,
+            lifetime,
+            ..Leaf::default()
+        })?;
+        Ok((c.cert_pem, c.key_pem))
+    }
+
+    /// Issues a client-auth certificate and its new key for common name `cn` (hub client
+    /// credentials, `tether.v1.admin.client.create`).
+    pub fn issue_client(&self, cn: &str, lifetime: Duration) -> Result<IssuedClient> {
+        self.issue_leaf(&Leaf {
+            common_name: cn,
+            lifetime,
+            ..Leaf::default()
+        })
+    }
+
+    /// Issues the certificate `leaf` describes with a new key: every certificate this CA
+    /// issues with a key of its own (hub components, hub clients, test identities) comes from
+    /// here.
+    pub fn issue_leaf(&self, leaf: &Leaf<'_>) -> Result<IssuedClient> {
         let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)
             .map_err(|e| PkiError::KeyGeneration(e.to_string()))?;
         let mut params = CertificateParams::default();
-        let mut dn = DistinguishedName::new();
-        dn.push(DnType::CommonName, cn);
-        params.distinguished_name = dn;
-        for n in names {
+        params.distinguished_name = subject_dn(leaf.common_name, leaf.organizations);
+        for n in leaf.sans {
             let san = match n.parse::<std::net::IpAddr>() {
                 Ok(ip) => SanType::IpAddress(ip),
                 Err(_) => SanType::DnsName(
@@ -616,7 +658,7 @@ impl HubCa {
             };
             params.subject_alt_names.push(san);
         }
-        params.extended_key_usages = if server {
+        params.extended_key_usages = if leaf.server {
             vec![
                 ExtendedKeyUsagePurpose::ServerAuth,
                 ExtendedKeyUsagePurpose::ClientAuth,
@@ -624,31 +666,11 @@ impl HubCa {
         } else {
             vec![ExtendedKeyUsagePurpose::ClientAuth]
         };
-        params.use_authority_key_identifier_extension = true;
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        params.serial_number = Some(random_serial());
-        validity(&mut params, lifetime);
-        let cert = params
-            .signed_by(&key, &self.issuer()?)
-            .map_err(|e| PkiError::Signing(e.to_string()))?;
-        Ok((cert.pem(), key.serialize_pem()))
-    }
-
-    /// Issues a client-auth certificate and its new key for common name `cn` (hub client
-    /// credentials, `tether.v1.admin.client.create`).
-    pub fn issue_client(&self, cn: &str, lifetime: Duration) -> Result<IssuedClient> {
-        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)
-            .map_err(|e| PkiError::KeyGeneration(e.to_string()))?;
-        let mut params = CertificateParams::default();
-        let mut dn = DistinguishedName::new();
-        dn.push(DnType::CommonName, cn);
-        params.distinguished_name = dn;
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         let serial = random_serial();
         params.serial_number = Some(serial.clone());
         params.use_authority_key_identifier_extension = true;
-        validity(&mut params, lifetime);
+        validity(&mut params, leaf.lifetime);
         let not_after = SystemTime::UNIX_EPOCH
             + Duration::from_secs(params.not_after.unix_timestamp().max(0) as u64);
         let cert = params
@@ -674,17 +696,7 @@ impl HubCa {
     ) -> Result<String> {
         let req = rcgen::CertificateSigningRequestParams::from_pem(csr_pem)
             .map_err(|e| PkiError::InvalidCsr(e.to_string()))?;
-        let mut dn = DistinguishedName::new();
-        dn.push(DnType::CommonName, cn);
-        if let Some(o) = orgs.first() {
-            dn.push(DnType::OrganizationName, o.as_str());
-        }
-        if let Some(o) = orgs.get(1) {
-            // rcgen keeps one value per attribute type; the same OID as a custom type adds the
-            // second O.
-            dn.push(DnType::CustomDnType(vec![2, 5, 4, 10]), o.as_str());
-        }
-        self.sign_request(req, dn, lifetime)
+        self.sign_request(req, subject_dn(cn, orgs), lifetime)
     }
 
     /// Signs a validated CSR for `cluster`. The hub sets the subject (OCM's CN and the two

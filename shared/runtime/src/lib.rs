@@ -2,7 +2,8 @@
 //!
 //! - [`backoff`]: jittered exponential backoff with a reset after a healthy period, used by every
 //!   retry loop (agent connectors, NATS reconnects, registration).
-//! - [`process`]: the actix system on a multi-thread tokio runtime, ready files, and the glibc
+//! - [`process`]: the actix system on a multi-thread tokio runtime, binding listeners (errors
+//!   naming the config field), ready files, and the glibc
 //!   tunable launchers give data-plane processes, atomic file writes with a mode.
 //! - [`service`]: the service skeleton's [`Drain`]: every long-lived task and open work item of a
 //!   service is tracked, and shutdown waits for them up to a named deadline.
@@ -16,8 +17,8 @@ pub mod shutdown;
 
 pub use backoff::{Backoff, BackoffConfig};
 pub use process::{
-    GLIBC_TUNABLES_DATA_PLANE, actix_system, data_plane_workers, glibc_tunables_for_child,
-    write_atomic, write_ready_file,
+    GLIBC_TUNABLES_DATA_PLANE, ProcessArgs, StartError, actix_system, bind, bind_admin,
+    data_plane_workers, glibc_tunables_for_child, write_atomic, write_ready_file,
 };
 pub use service::{DEFAULT_TASK_DRAIN_DEADLINE, Drain, DrainReport, DrainToken};
 pub use shutdown::shutdown_token;

@@ -29,11 +29,74 @@ pub fn data_plane_workers() -> usize {
     std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
 }
 
-/// Writes `json` to `path` atomically (temp file + rename), so a reader never sees half a file.
+/// Writes `json` to `path` atomically ([`write_atomic`], mode 0644), so a reader never sees
+/// half a file.
 pub fn write_ready_file(path: &Path, json: &serde_json::Value) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, json.to_string())?;
-    std::fs::rename(&tmp, path)
+    write_atomic(path, json.to_string().as_bytes(), 0o644)
+}
+
+/// The flags every data-plane and hub service takes besides its config; flattened into its
+/// clap `Args` (`#[command(flatten)]`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ProcessArgs {
+    /// Write the bound addresses here as JSON once listening (for scripts and tests).
+    #[arg(long)]
+    pub ready_file: Option<std::path::PathBuf>,
+    /// Tokio worker threads (default: half the CPUs for the broker and the agent, one per CPU
+    /// for the others).
+    #[arg(long, env = "TETHER_WORKER_THREADS")]
+    pub worker_threads: Option<usize>,
+}
+
+/// Why a service could not bind a listener or announce it.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot bind {field} {addr}: {source}")]
+    Bind {
+        field: &'static str,
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("write ready file {}: {source}", path.display())]
+    ReadyFile {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Binds config field `field`'s address `addr`; the error names both.
+pub async fn bind(
+    addr: std::net::SocketAddr,
+    field: &'static str,
+) -> Result<tokio::net::TcpListener, StartError> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind {
+            field,
+            addr,
+            source,
+        })
+}
+
+/// For a service whose only listener is its admin server: binds `admin_listen` and writes
+/// `{"admin": "<bound address>"}` to `ready_file`, if given.
+pub async fn bind_admin(
+    addr: std::net::SocketAddr,
+    ready_file: Option<&Path>,
+) -> Result<tokio::net::TcpListener, StartError> {
+    let admin = bind(addr, "admin_listen").await?;
+    if let Some(path) = ready_file {
+        let ready = |source| StartError::ReadyFile {
+            path: path.to_owned(),
+            source,
+        };
+        let bound = admin.local_addr().map_err(ready)?;
+        write_ready_file(path, &serde_json::json!({ "admin": bound.to_string() }))
+            .map_err(ready)?;
+    }
+    Ok(admin)
 }
 
 /// Writes `contents` to `path` atomically with permission `mode`: a temp file beside it

@@ -59,7 +59,8 @@ impl Readiness {
     }
 }
 
-type DebugRoute = Arc<dyn Fn() -> String + Send + Sync>;
+/// A JSON debug route: gets the request's query string (if any), answers a JSON body.
+type DebugRoute = Arc<dyn Fn(Option<&str>) -> String + Send + Sync>;
 
 /// The admin server of one process.
 #[derive(Clone)]
@@ -83,6 +84,17 @@ impl AdminServer {
         mut self,
         path: &'static str,
         f: impl Fn() -> String + Send + Sync + 'static,
+    ) -> Self {
+        self.routes.insert(path, Arc::new(move |_| f()));
+        self
+    }
+
+    /// Adds a GET route answering JSON produced by `f` from the request's query string (e.g.
+    /// the broker's test-only fault injection, `/debug/test/panic-tunnel?cluster=…`).
+    pub fn with_json_query_route(
+        mut self,
+        path: &'static str,
+        f: impl Fn(Option<&str>) -> String + Send + Sync + 'static,
     ) -> Self {
         self.routes.insert(path, Arc::new(f));
         self
@@ -153,7 +165,7 @@ impl AdminServer {
             path => match self.routes.get(path) {
                 Some(f) => Response::builder()
                     .header("content-type", "application/json")
-                    .body(Full::new(Bytes::from(f())))
+                    .body(Full::new(Bytes::from(f(req.uri().query()))))
                     .expect("valid response"),
                 None => text(StatusCode::NOT_FOUND, format!("no route {path}\n")),
             },

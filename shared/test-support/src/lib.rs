@@ -1,6 +1,6 @@
 //! Helpers for tests, benchmarks and the demo.
 //!
-//! - [`Pki`]: a CA and leaf certificates written to a directory.
+//! - [`Pki`]: a CA (the hub's own [`HubCa`]) and leaf certificates written to a directory.
 //! - [`Child`]: a real child process (a Tether binary, an echo server…) that is sent SIGTERM and
 //!   then killed, by PID, when dropped — tests never leave processes behind and never touch
 //!   processes they did not start.
@@ -12,13 +12,13 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
+use tether_pki::{HubCa, Leaf};
 use tether_tls::Identity;
-use tether_tls::pki::{CertificateAuthority, LeafSpec};
 
 /// A throwaway PKI in a directory: `ca.crt`, `ca.key`, and `<name>.crt` / `<name>.key` leaves.
 pub struct Pki {
     pub dir: PathBuf,
-    pub ca: CertificateAuthority,
+    pub ca: HubCa,
 }
 
 /// Paths of an issued leaf.
@@ -32,7 +32,7 @@ pub struct LeafFiles {
 impl Pki {
     pub fn new(dir: &Path) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir)?;
-        let ca = CertificateAuthority::generate("tether-test-ca", Duration::from_secs(86_400))?;
+        let ca = HubCa::generate("tether-test-ca", Duration::from_secs(86_400))?;
         std::fs::write(dir.join("ca.crt"), ca.cert_pem())?;
         std::fs::write(dir.join("ca.key"), ca.key_pem())?;
         Ok(Self {
@@ -45,22 +45,22 @@ impl Pki {
         self.dir.join("ca.crt")
     }
 
-    /// Issues `<name>.crt/.key` for `identity`, with server SANs when given.
+    /// Issues `<name>.crt/.key` for `identity` (its common name and organisations), valid for
+    /// a day, with server-auth usage and these SANs when any are given.
     pub fn issue(
         &self,
         name: &str,
         identity: Identity,
         sans: &[&str],
     ) -> anyhow::Result<LeafFiles> {
-        let mut spec = LeafSpec::new(identity, Duration::from_secs(86_400));
-        if !sans.is_empty() {
-            spec = spec.server(sans.iter().copied());
-        }
-        self.issue_spec(name, &spec)
-    }
-
-    pub fn issue_spec(&self, name: &str, spec: &LeafSpec) -> anyhow::Result<LeafFiles> {
-        let leaf = self.ca.issue(spec)?;
+        let sans: Vec<String> = sans.iter().map(|s| (*s).to_owned()).collect();
+        let leaf = self.ca.issue_leaf(&Leaf {
+            common_name: &identity.common_name(),
+            organizations: &identity.organizations(),
+            sans: &sans,
+            server: !sans.is_empty(),
+            lifetime: Duration::from_secs(86_400),
+        })?;
         let cert = self.dir.join(format!("{name}.crt"));
         let key = self.dir.join(format!("{name}.key"));
         std::fs::write(&cert, &leaf.cert_pem)?;
@@ -283,5 +283,30 @@ mod tests {
             err.contains("exited") && err.contains("config: bad field"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn issued_leaves_carry_their_identity() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let pki = Pki::new(dir.path())?;
+        for (name, id, sans) in [
+            ("agent", Identity::tunnel_agent("c1", "a1"), &[][..]),
+            (
+                "broker",
+                Identity::Broker { id: "b1".into() },
+                &["localhost", "127.0.0.1"][..],
+            ),
+        ] {
+            let files = pki.issue(name, id.clone(), sans)?;
+            let pem = std::fs::read_to_string(&files.cert)?;
+            let der = tether_pki::pem_certificates(&pem).remove(0);
+            assert_eq!(Identity::from_certificate(&der)?, id);
+            tether_pki::verify_issued_by(
+                der.as_ref(),
+                pki.ca.cert_pem(),
+                std::time::SystemTime::now(),
+            )?;
+        }
+        Ok(())
     }
 }

@@ -1,5 +1,6 @@
 //! TLS for every Tether connection: mTLS configs, identities carried in certificates, hot
-//! reload from disk, and a small PKI.
+//! reload from disk. Certificates are issued by `tether_pki::HubCa` (the hub, `tetherctl`, and
+//! tests alike).
 //!
 //! Layout:
 //! - [`identity`]: who a peer is, read from its certificate's subject CN (OCM conventions for
@@ -9,13 +10,10 @@
 //! - [`reload`]: [`reload::TlsMaterial`] — the current cert/key/CA, re-read from disk when the
 //!   files change; the rustls configs built from it resolve the certificate and verify peers
 //!   through it on every handshake, so a rotation never touches live connections.
-//! - [`pki`]: a certificate authority (generate, load, issue leaf certificates), used by
-//!   `tetherctl init`, the hub's signer and tests.
 
 pub mod error;
 pub mod identity;
 pub mod pem;
-pub mod pki;
 pub mod reload;
 
 pub use identity::{Identity, IdentityError};

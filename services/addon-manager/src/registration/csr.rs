@@ -235,10 +235,16 @@ impl<S: Store> Registration<S> {
         rev: u64,
         renewal: bool,
     ) -> Result<Option<CertificateSigningRequest>> {
-        let parsed = tether_pki::parse_csr(&csr.spec.request)?;
-        let cert = self
-            .ca
-            .sign_client(&parsed, cluster, self.policy.client_cert_lifetime)?;
+        let (request, name, lifetime) = (
+            csr.spec.request.clone(),
+            cluster.to_owned(),
+            self.policy.client_cert_lifetime,
+        );
+        let cert = crate::signing::with_ca(&self.ca, move |ca| {
+            let parsed = tether_pki::parse_csr(&request)?;
+            ca.sign_client(&parsed, &name, lifetime)
+        })
+        .await?;
         set_condition(
             &mut csr.status.conditions,
             "Approved",

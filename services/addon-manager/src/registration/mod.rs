@@ -20,7 +20,7 @@ pub mod lease;
 mod tests;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime};
 
 use tether_control::ControlError;
@@ -76,7 +76,8 @@ pub struct LeaseState {
 pub struct Registration<S: Store = HubStore> {
     pub store: S,
     pub clock: SharedClock,
-    pub ca: HubCa,
+    /// Shared with the other signers of this process; its work runs in [`crate::signing`].
+    pub ca: Arc<HubCa>,
     pub policy: RegistrationPolicy,
     pub metrics: Metrics,
     /// cluster → lease state; owned by this process, rebuilt from KV at start.
@@ -109,7 +110,7 @@ impl<S: Store> Registration<S> {
         Self {
             store,
             clock,
-            ca,
+            ca: Arc::new(ca),
             policy,
             metrics,
             leases: Mutex::new(HashMap::new()),

@@ -73,6 +73,27 @@ pub fn create_addon_csr(
     csr.pem().map_err(|e| CredentialError::Csr(e.to_string()))
 }
 
+/// Why the stored add-on credentials cannot be used (the agent then requests new ones).
+#[derive(Debug, thiserror::Error)]
+pub enum Unusable {
+    #[error("no add-on credentials yet")]
+    Missing,
+    #[error("cluster-name differs")]
+    OtherCluster,
+    #[error(transparent)]
+    Kubeconfig(#[from] tether_kubeconfig::KubeconfigError),
+    #[error("server, proxy-url or CA differ from the hub kubeconfig")]
+    OtherHub,
+    #[error(transparent)]
+    Pki(tether_pki::PkiError),
+    #[error("certificate CN {0:?} is not this add-on agent")]
+    OtherAgent(String),
+    #[error("certificate not valid against the hub CA: {0}")]
+    NotFromHub(#[source] tether_pki::PkiError),
+    #[error("tls.key does not match tls.crt")]
+    KeyMismatch,
+}
+
 /// Whether the stored credentials are usable for `cluster`/`addon`/`agent` against `endpoint`
 /// and the hub CA; Err names why not. Ok carries the certificate facts.
 pub fn check(
@@ -82,34 +103,31 @@ pub fn check(
     agent: &str,
     endpoint: &HubEndpoint,
     hub_ca_pem: &str,
-) -> Result<CertInfo, String> {
+) -> Result<CertInfo, Unusable> {
     let (Some(kc), Some(crt), Some(key)) = (
         secret.get(KEY_KUBECONFIG),
         secret.get(KEY_TLS_CRT),
         secret.get(KEY_TLS_KEY),
     ) else {
-        return Err("no add-on credentials yet".into());
+        return Err(Unusable::Missing);
     };
     if secret.get(KEY_CLUSTER_NAME).map(str::trim) != Some(cluster) {
-        return Err("cluster-name differs".into());
+        return Err(Unusable::OtherCluster);
     }
-    let ep = kubeconfig::parse_hub_endpoint(kc, "add-on kubeconfig").map_err(|e| e.to_string())?;
+    let ep = kubeconfig::parse_hub_endpoint(kc, "add-on kubeconfig")?;
     if !ep.same_hub(endpoint) {
-        return Err("server, proxy-url or CA differ from the hub kubeconfig".into());
+        return Err(Unusable::OtherHub);
     }
-    let info = CertInfo::from_pem(crt).map_err(|e| e.to_string())?;
+    let info = CertInfo::from_pem(crt).map_err(Unusable::Pki)?;
     if info.common_name != addon_agent_common_name(cluster, addon, agent) {
-        return Err(format!(
-            "certificate CN {:?} is not this add-on agent",
-            info.common_name
-        ));
+        return Err(Unusable::OtherAgent(info.common_name));
     }
     let der = tether_pki::pem_certificates(crt).remove(0);
     tether_pki::verify_issued_by(der.as_ref(), hub_ca_pem, SystemTime::now())
-        .map_err(|e| format!("certificate not valid against the hub CA: {e}"))?;
-    let key = AgentKey::from_pem(key).map_err(|e| e.to_string())?;
+        .map_err(Unusable::NotFromHub)?;
+    let key = AgentKey::from_pem(key).map_err(Unusable::Pki)?;
     if key.public_key_raw() != info.public_key_raw.as_slice() {
-        return Err("tls.key does not match tls.crt".into());
+        return Err(Unusable::KeyMismatch);
     }
     Ok(info)
 }

@@ -41,6 +41,23 @@ use crate::secret::{FileSecretStore, HubSecretStore};
 use render::RenderSettings;
 use runtime::AddOnRuntime;
 
+/// Why one sync of the add-on (fetch the config, check or renew credentials, apply) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error(transparent)]
+    Request(#[from] tether_control::ControlError),
+    #[error("the hub's reply has no config")]
+    NoConfig,
+    #[error(transparent)]
+    Secret(#[from] crate::secret::SecretError),
+    #[error(transparent)]
+    Credentials(#[from] credentials::CredentialError),
+    #[error(transparent)]
+    Render(#[from] render::RenderError),
+    #[error(transparent)]
+    Runtime(#[from] runtime::RuntimeError),
+}
+
 /// First retry of a failed add-on lease renewal (then doubling, jittered, up to the interval).
 pub const LEASE_RETRY_INITIAL: Duration = Duration::from_millis(500);
 /// How often the add-on loop looks at the running agent (applied hash, connected brokers,
@@ -381,7 +398,7 @@ impl<R: AddOnRuntime> AddOnAgent<R> {
         client: &async_nats::Client,
         endpoint: &HubEndpoint,
         agent: &str,
-    ) -> Result<(), String> {
+    ) -> Result<(), SyncError> {
         let cluster = self.s.cluster.clone();
         let addon = self.s.addon.clone();
         let reply: AddOnAgentConfigReply = connect::request_json(
@@ -391,17 +408,14 @@ impl<R: AddOnRuntime> AddOnAgent<R> {
                 agent_name: agent.to_string(),
             },
         )
-        .await
-        .map_err(|e| e.to_string())?;
+        .await?;
         if !reply.installed {
             self.cleanup(&format!("not installed: {}", reply.message))
                 .await;
             return Ok(());
         }
-        let desired = reply
-            .config
-            .ok_or_else(|| "the hub's reply has no config".to_string())?;
-        let secret = self.store.load().await.map_err(|e| e.to_string())?;
+        let desired = reply.config.ok_or(SyncError::NoConfig)?;
+        let secret = self.store.load().await?;
         let info = match credentials::check(
             &secret,
             &cluster,
@@ -422,8 +436,7 @@ impl<R: AddOnRuntime> AddOnAgent<R> {
                     endpoint,
                     false,
                 )
-                .await
-                .map_err(|e| e.to_string())?;
+                .await?;
                 self.metrics
                     .certificates_total
                     .with_label_values(&[&addon, "new"])
@@ -451,7 +464,7 @@ impl<R: AddOnRuntime> AddOnAgent<R> {
                 .config_applies_total
                 .with_label_values(&[&addon, "error"])
                 .inc();
-            return Err(e.to_string());
+            return Err(e.into());
         }
         if changed {
             self.metrics

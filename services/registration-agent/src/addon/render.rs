@@ -104,17 +104,23 @@ fn non_empty(s: &str) -> Option<String> {
     (!s.is_empty()).then(|| s.to_string())
 }
 
+/// Why the hub's config cannot be rendered.
+#[derive(Debug, thiserror::Error)]
+pub enum RenderError {
+    #[error("the hub lists no broker (no live broker and no ManagedProxyConfiguration entrypoint)")]
+    NoBroker,
+    #[error("encoding the agent config: {0}")]
+    Encode(#[source] serde_saphyr::ser::Error),
+}
+
 /// Renders the config; Err when the hub's config cannot run (no broker).
 pub fn render(
     desired: &AddOnAgentConfig,
     agent: &str,
     settings: &RenderSettings,
-) -> Result<RenderedAgent, String> {
+) -> Result<RenderedAgent, RenderError> {
     if desired.brokers.is_empty() {
-        return Err(
-            "the hub lists no broker (no live broker and no ManagedProxyConfiguration entrypoint)"
-                .into(),
-        );
+        return Err(RenderError::NoBroker);
     }
     let p = desired.proxy.clone().unwrap_or_default();
     let proxy_ca_pem = non_empty(&p.ca_bundle)
@@ -156,7 +162,7 @@ pub fn render(
         tunnel: non_empty(&desired.keepalive)
             .map(|k| serde_json::json!({ "keepalive_interval": k })),
     };
-    let config_yaml = serde_saphyr::to_string(&yaml).map_err(|e| e.to_string())?;
+    let config_yaml = serde_saphyr::to_string(&yaml).map_err(RenderError::Encode)?;
     Ok(RenderedAgent {
         sha256: sha256_hex(config_yaml.as_bytes()),
         config_yaml,
