@@ -35,8 +35,8 @@ use tether_control::addons::{
     ManagedProxyConfiguration, addon_key, spec_hash,
 };
 use tether_control::resources::{
-    Event, Lease, LeaseSpec, ManagedCluster, ObjectMeta, condition as mc_condition, parse_rfc3339,
-    rfc3339, set_condition,
+    Event, Lease, LeaseSpec, ManagedCluster, ObjectMeta, condition as mc_condition,
+    lease_persist_interval, parse_rfc3339, rfc3339, set_condition,
 };
 use tether_control::store::{Bucket, HubStore, Store};
 use tether_control::subjects;
@@ -303,17 +303,37 @@ pub async fn renew_lease(
             message: "leaseDurationSeconds must be at least 1".into(),
         });
     }
+    let now_t = now;
     let now = rfc3339(now);
     let old: Option<(Lease, u64)> = store.get(Bucket::AddOnLeases, &key).await?;
+    let mut connected = body.connected_brokers.clone();
+    connected.sort();
+    connected.dedup();
+    // Only the renew time would change and the stored one is recent: not written (the
+    // controller allows for the persist interval; docs/control-plane.md, "Lease renewals").
+    if let Some((l, _)) = &old
+        && l.spec.holder_identity == body.holder_identity
+        && l.spec.lease_duration_seconds == body.lease_duration_seconds
+        && l.metadata
+            .annotations
+            .get(addons::CONNECTED_BROKERS_ANNOTATION)
+            .map_or("", String::as_str)
+            == connected.join(",")
+        && parse_rfc3339(&l.spec.renew_time)
+            .and_then(|r| now_t.duration_since(r).ok())
+            .is_some_and(|age| age < lease_persist_interval(body.lease_duration_seconds))
+    {
+        return Ok(AddOnLeaseReply {
+            accepted: true,
+            message: String::new(),
+        });
+    }
     let acquire_time = old
         .filter(|(l, _)| l.spec.holder_identity == body.holder_identity)
         .map(|(l, _)| l.spec.acquire_time)
         .unwrap_or_else(|| now.clone());
     let mut metadata = ObjectMeta::new(addon);
     metadata.namespace = Some(cluster.to_string());
-    let mut connected = body.connected_brokers.clone();
-    connected.sort();
-    connected.dedup();
     metadata.annotations.insert(
         addons::CONNECTED_BROKERS_ANNOTATION.into(),
         connected.join(","),
@@ -732,7 +752,11 @@ pub async fn reconcile_at(
                         u64::from(lease.spec.lease_duration_seconds)
                             * u64::from(ADDON_LEASE_GRACE_MULTIPLIER),
                     );
-                    if let Some(left) = renew.and_then(|r| (r + grace).duration_since(now).ok())
+                    // The stored renew time may be up to the persist interval older than the
+                    // agent's last renewal (renewals that change nothing else are not written).
+                    let deadline =
+                        grace + lease_persist_interval(lease.spec.lease_duration_seconds);
+                    if let Some(left) = renew.and_then(|r| (r + deadline).duration_since(now).ok())
                         && !left.is_zero()
                     {
                         next_deadline = Some(next_deadline.map_or(left, |d| d.min(left)));

@@ -12,6 +12,8 @@ pub struct Metrics {
     pub csrs_signed_total: IntCounterVec,
     pub csrs_denied_total: IntCounterVec,
     pub lease_renewals_total: IntCounter,
+    /// Cluster lease renewals written to `tether-leases` (the rest stay in memory).
+    pub lease_writes_total: IntCounter,
     pub cluster_lease_age_seconds: GaugeVec,
     pub auth_callout_total: IntCounterVec,
     pub auth_callout_duration_seconds: HistogramVec,
@@ -49,6 +51,10 @@ impl Metrics {
             lease_renewals_total: IntCounter::new(
                 "tether_hub_lease_renewals_total",
                 "Lease renewals accepted",
+            )?,
+            lease_writes_total: IntCounter::new(
+                "tether_hub_lease_writes_total",
+                "Cluster lease renewals written to tether-leases (the others are kept in memory)",
             )?,
             cluster_lease_age_seconds: GaugeVec::new(
                 Opts::new(
@@ -101,6 +107,7 @@ impl Metrics {
         r.register(Box::new(m.csrs_signed_total.clone()))?;
         r.register(Box::new(m.csrs_denied_total.clone()))?;
         r.register(Box::new(m.lease_renewals_total.clone()))?;
+        r.register(Box::new(m.lease_writes_total.clone()))?;
         r.register(Box::new(m.cluster_lease_age_seconds.clone()))?;
         r.register(Box::new(m.auth_callout_total.clone()))?;
         r.register(Box::new(m.auth_callout_duration_seconds.clone()))?;

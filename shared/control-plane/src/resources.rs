@@ -189,6 +189,22 @@ pub fn condition_status<'a>(conds: &'a [Condition], type_: &str) -> Option<&'a s
 pub const DEFAULT_LEASE_DURATION_SECONDS: u32 = 60;
 /// Hub marks a cluster Unknown after this many lease durations without renewal (OCM: 5).
 pub const DEFAULT_LEASE_GRACE_MULTIPLIER: u32 = 5;
+/// A renewal that changes nothing but the renew time is kept in the serving hub's memory and
+/// written to KV only once the stored renew time is this many lease durations old (cluster and
+/// add-on leases). Readers that only see KV (another hub replica, the add-on controller,
+/// `tetherctl get clusters`) therefore see a renew time up to this much older than the last
+/// renewal, and extend the grace by [`lease_persist_interval`] for it: a silent agent is
+/// declared gone between grace and grace + persist interval after its last renewal, never
+/// before (docs/control-plane.md, "Lease renewals").
+pub const LEASE_PERSIST_MULTIPLIER: u32 = 2;
+
+/// How old a stored lease's renew time may get before a renewal is written to KV again
+/// ([`LEASE_PERSIST_MULTIPLIER`] × the lease duration).
+pub fn lease_persist_interval(lease_duration_seconds: u32) -> std::time::Duration {
+    std::time::Duration::from_secs(
+        u64::from(lease_duration_seconds) * u64::from(LEASE_PERSIST_MULTIPLIER),
+    )
+}
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]

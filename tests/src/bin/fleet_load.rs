@@ -15,7 +15,9 @@
 //! - **ramp**: at most `--concurrency` clusters are between start and Joined at once.
 //! - **window** ([`Sample`]): after the ramp, hold `--window-seconds` and take CPU and RSS of the
 //!   hub processes from /proc at both ends; lease renewal latency is the registration agents'
-//!   `tether_agent_lease_renew_duration_seconds` histogram, window only.
+//!   `tether_agent_lease_renew_duration_seconds` histogram, window only; the lease buckets'
+//!   stream sequences at both ends give how many renewals were written to KV
+//!   ([`lease_stream_seqs`]), and the hub's CPU per renewal follows.
 //! - **report**: a human summary on stderr, one JSON object on stdout (or `--report FILE`).
 //!
 //! "Unknown" is watched on the hub's ManagedCluster bucket (a KV watch from before the first
@@ -423,9 +425,16 @@ async fn main() -> anyhow::Result<()> {
             .with_label_values(&["cluster-proxy", "ok"])
             .get()
     });
+    let js = async_nats::jetstream::new(admin.client.clone());
+    let seq_before = lease_stream_seqs(&js).await?;
     let window_start = Instant::now();
     tokio::time::sleep(Duration::from_secs(args.window_seconds)).await;
     let window = window_start.elapsed().as_secs_f64();
+    let seq_after = lease_stream_seqs(&js).await?;
+    let writes: BTreeMap<&str, u64> = seq_after
+        .iter()
+        .map(|(b, a)| (*b, a - seq_before.get(b).copied().unwrap_or(0)))
+        .collect();
     let mut procs = serde_json::Map::new();
     for (n, p) in pids
         .iter()
@@ -454,6 +463,15 @@ async fn main() -> anyhow::Result<()> {
                 .get()
                 - b
         });
+
+    let hub_cpu: f64 = procs
+        .iter()
+        .filter(|(n, _)| n.as_str() != "fleet-load")
+        .filter_map(|(_, v)| v["cpu_cores"].as_f64())
+        .sum();
+    let renewals = renew_ok + addon_renew_ok.unwrap_or(0);
+    let hub_cpu_ms_per_renewal =
+        (renewals > 0).then(|| hub_cpu * window * 1000.0 / renewals as f64);
 
     // `tetherctl get clusters` wall time (the whole table through the seed list).
     let t = Instant::now();
@@ -495,7 +513,11 @@ async fn main() -> anyhow::Result<()> {
             "p50": secs(bucket_quantile(&lat_before, &lat_after, 0.5)),
             "p99": secs(bucket_quantile(&lat_before, &lat_after, 0.99)),
         },
+        "lease_kv_writes": writes,
         "processes": procs,
+        "hub_cpu_cores": (hub_cpu * 1000.0).round() / 1000.0,
+        "hub_cpu_ms_per_renewal": hub_cpu_ms_per_renewal.map(|v| (v * 100.0).round() / 100.0),
+        "loadavg": std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim(),
         "get_clusters_seconds": secs(Some(get_clusters)),
         "get_clusters_rows": rows,
         "hub_pids": pids.iter().map(|(_, p)| *p).collect::<Vec<_>>(),
@@ -519,6 +541,31 @@ async fn main() -> anyhow::Result<()> {
     drop(hub);
     eprintln!("hub stopped in {:.1} s", t.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// The last stream sequence of each lease bucket (`tether-leases`, `tether-addon-leases`): the
+/// difference over the window is how many renewals were written to KV.
+async fn lease_stream_seqs(
+    js: &async_nats::jetstream::Context,
+) -> anyhow::Result<BTreeMap<&'static str, u64>> {
+    let mut out = BTreeMap::new();
+    for bucket in [
+        tether_control::subjects::BUCKET_LEASES,
+        tether_control::subjects::BUCKET_ADDON_LEASES,
+    ] {
+        let info = tokio::time::timeout(Duration::from_secs(10), async {
+            js.get_stream(format!("KV_{bucket}"))
+                .await?
+                .info()
+                .await
+                .map(|i| i.state.last_sequence)
+                .map_err(anyhow::Error::from)
+        })
+        .await
+        .with_context(|| format!("stream info of {bucket} timed out"))??;
+        out.insert(bucket, info);
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

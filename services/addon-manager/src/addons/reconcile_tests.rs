@@ -12,7 +12,8 @@ use tether_control::addons::{
 use tether_control::brokers::BrokerPresence;
 use tether_control::clock::{Clock, TokioClock};
 use tether_control::resources::{
-    ManagedCluster, condition as mc_condition, rfc3339, set_condition,
+    Lease, ManagedCluster, condition as mc_condition, lease_persist_interval, rfc3339,
+    set_condition,
 };
 use tether_control::store::{Bucket, MemoryStore, Store};
 
@@ -265,9 +266,11 @@ async fn available_follows_the_addon_lease_and_every_live_broker() {
         .await
         .unwrap();
     assert!(r.accepted);
-    // No broker announced: the lease alone decides.
+    // No broker announced: the lease alone decides. The deadline allows for renewals that
+    // were not written (the stored renew time may lag by the persist interval).
     let next = pass(&store, &clock).await.expect("a lease deadline");
-    let grace = Duration::from_secs(u64::from(LEASE_S * ADDON_LEASE_GRACE_MULTIPLIER));
+    let grace = Duration::from_secs(u64::from(LEASE_S * ADDON_LEASE_GRACE_MULTIPLIER))
+        + lease_persist_interval(LEASE_S);
     assert!(
         next <= grace && next > grace - Duration::from_secs(1),
         "{next:?}"
@@ -322,7 +325,8 @@ async fn available_follows_the_addon_lease_and_every_live_broker() {
     pass(&store, &clock).await;
     assert_eq!(available(mca(&store, "c1", "a").await.unwrap()).0, "True");
 
-    // The agent stops renewing: False after leaseDurationSeconds × the grace multiplier.
+    // The agent stops renewing: False after leaseDurationSeconds × the grace multiplier
+    // (plus the persist interval).
     tokio::time::advance(grace - Duration::from_secs(1)).await;
     store
         .put(Bucket::Brokers, "b1", &presence("b1", &["c1"]))
@@ -365,5 +369,67 @@ async fn available_follows_the_addon_lease_and_every_live_broker() {
     assert_eq!(
         available(mca(&store, "c1", "a").await.unwrap()),
         ("Unknown".into(), "ClusterUnknown".into())
+    );
+}
+
+/// A renewal that changes only the renew time is not written while the stored one is younger
+/// than the persist interval; one that changes the brokers, or comes later, is.
+#[tokio::test(start_paused = true)]
+async fn addon_lease_renewals_are_written_coarsely() {
+    const LEASE_S: u32 = 10;
+    let store = MemoryStore::new();
+    let clock = TokioClock::new();
+    cluster(&store, "c1", true, &[]).await;
+    cma(&store, "a", json!({"type": "All"}), json!([])).await;
+    pass(&store, &clock).await;
+    let renew = |brokers: &[&str]| AddOnLeaseRenew {
+        holder_identity: "agent-1".into(),
+        lease_duration_seconds: LEASE_S,
+        connected_brokers: brokers.iter().map(|b| b.to_string()).collect(),
+    };
+    let stored = || async {
+        store
+            .get::<Lease>(Bucket::AddOnLeases, "c1.a")
+            .await
+            .unwrap()
+            .map(|(l, rev)| (l.spec.renew_time, rev))
+    };
+    assert!(
+        renew_lease(&store, "c1", "a", renew(&["b1"]), clock.now())
+            .await
+            .unwrap()
+            .accepted
+    );
+    let (t0, rev0) = stored().await.expect("the first renewal is written");
+    let persist = lease_persist_interval(LEASE_S);
+    tokio::time::advance(persist - Duration::from_secs(1)).await;
+    let r = renew_lease(&store, "c1", "a", renew(&["b1"]), clock.now())
+        .await
+        .unwrap();
+    assert!(r.accepted, "{r:?}");
+    assert_eq!(stored().await, Some((t0.clone(), rev0)), "not written");
+    // Different brokers: written at once.
+    renew_lease(&store, "c1", "a", renew(&["b1", "b2"]), clock.now())
+        .await
+        .unwrap();
+    let (t1, rev1) = stored().await.unwrap();
+    assert!(rev1 > rev0 && t1 > t0, "{t1} {rev1}");
+    // The stored renew time reaches the persist interval: written.
+    tokio::time::advance(persist - Duration::from_secs(1)).await;
+    renew_lease(&store, "c1", "a", renew(&["b1", "b2"]), clock.now())
+        .await
+        .unwrap();
+    assert_eq!(stored().await.unwrap().1, rev1);
+    tokio::time::advance(Duration::from_secs(1)).await;
+    renew_lease(&store, "c1", "a", renew(&["b1", "b2"]), clock.now())
+        .await
+        .unwrap();
+    assert!(stored().await.unwrap().1 > rev1);
+    // Meanwhile the add-on stayed Available (its stored renew time was never older than
+    // the persist interval).
+    pass(&store, &clock).await;
+    assert_eq!(
+        cond(&mca(&store, "c1", "a").await.unwrap(), condition::AVAILABLE).0,
+        "True"
     );
 }

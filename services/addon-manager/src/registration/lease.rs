@@ -2,13 +2,21 @@
 //! ClockSynced), the in-memory lease table (rebuilt from KV, fed by other replicas' renewals
 //! through a watch), and the grace monitor that marks a silent cluster Available=Unknown
 //! (`leaseDurationSeconds × leaseGraceMultiplier`) and lets a renewal bring it back.
+//!
+//! A renewal is soft state: it always updates the table, but is written to `tether-leases`
+//! (an R3 write on a NATS cluster) only when something besides the renew time changes (first
+//! lease, holder, duration, a cluster coming back from Unknown) or when the stored renew time
+//! is [`lease_persist_interval`] old. What this replica served itself is exact; what it only
+//! knows from KV gets that interval added to the grace, so a live cluster is never marked
+//! Unknown because its renewals were not written.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use tether_control::resources::{
     CertificateSigningRequest, CsrPhase, Event, Lease, LeaseRenew, LeaseReply, LeaseSpec,
-    ManagedCluster, ObjectMeta, condition, parse_rfc3339, rfc3339, set_condition,
+    ManagedCluster, ObjectMeta, condition, lease_persist_interval, parse_rfc3339, rfc3339,
+    set_condition,
 };
 use tether_control::store::{Bucket, Store};
 use tether_pki::subject;
@@ -26,9 +34,17 @@ impl<S: Store> Registration<S> {
             return false;
         };
         match m.get_mut(cluster) {
-            Some(st) if st.renew >= renew => false,
             Some(st) => {
+                if st.stored.is_none_or(|s| s < renew) {
+                    st.stored = Some(renew);
+                    st.holder = lease.spec.holder_identity.clone();
+                }
+                // Not newer than what the table has: an own write coming back, or older.
+                if st.renew >= renew {
+                    return false;
+                }
                 st.renew = renew;
+                st.exact = false;
                 st.duration_seconds = lease.spec.lease_duration_seconds;
                 st.marked_unknown = false;
                 true
@@ -41,6 +57,9 @@ impl<S: Store> Registration<S> {
                         renew,
                         duration_seconds: lease.spec.lease_duration_seconds,
                         marked_unknown: false,
+                        exact: false,
+                        stored: Some(renew),
+                        holder: lease.spec.holder_identity.clone(),
                     },
                 );
                 true
@@ -59,6 +78,8 @@ impl<S: Store> Registration<S> {
             for st in m.values_mut() {
                 if st.renew < now {
                     st.renew = now;
+                    // Renewals served elsewhere reach this replica only as coarse KV writes.
+                    st.exact = false;
                 }
             }
         }
@@ -88,6 +109,9 @@ impl<S: Store> Registration<S> {
                     renew,
                     duration_seconds: lease.spec.lease_duration_seconds,
                     marked_unknown,
+                    exact: false,
+                    stored: Some(renew),
+                    holder: lease.spec.holder_identity.clone(),
                 },
             );
         }
@@ -143,6 +167,7 @@ impl<S: Store> Registration<S> {
             .lock()
             .ok()
             .and_then(|m| m.get(cluster).cloned());
+        let holder = subject::common_name(cluster, &req.agent_name);
         let lease = Lease {
             api_version: Lease::API_VERSION.into(),
             kind: Lease::KIND.into(),
@@ -152,12 +177,24 @@ impl<S: Store> Registration<S> {
                 ..Default::default()
             },
             spec: LeaseSpec {
-                holder_identity: subject::common_name(cluster, &req.agent_name),
+                holder_identity: holder.clone(),
                 lease_duration_seconds: duration,
                 acquire_time: rfc3339(prev.as_ref().map_or(now, |p| p.acquired)),
                 renew_time: now_s.clone(),
             },
         };
+        // Only the renew time changed and the stored one is recent enough: keep the renewal in
+        // memory (the KV readers allow for the persist interval, see the module docs).
+        let available = mc.condition(condition::AVAILABLE) == Some("True");
+        let write = prev.as_ref().is_none_or(|p| {
+            p.marked_unknown
+                || !available
+                || p.duration_seconds != duration
+                || p.holder != holder
+                || p.stored.is_none_or(|s| {
+                    now.duration_since(s).unwrap_or_default() >= lease_persist_interval(duration)
+                })
+        });
         // The request itself proves the cluster is alive: record it before storing, so that a
         // hub-side JetStream outage (the put failing) never counts against the cluster.
         if let Ok(mut m) = self.leases.lock() {
@@ -168,10 +205,23 @@ impl<S: Store> Registration<S> {
                     renew: now,
                     duration_seconds: duration,
                     marked_unknown: false,
+                    exact: true,
+                    stored: prev.as_ref().and_then(|p| p.stored),
+                    holder: prev.as_ref().map_or_else(String::new, |p| p.holder.clone()),
                 },
             );
         }
-        self.store.put(Bucket::Leases, cluster, &lease).await?;
+        if write {
+            self.store.put(Bucket::Leases, cluster, &lease).await?;
+            // Stored as of the renew time the watch will show (second resolution).
+            if let Ok(mut m) = self.leases.lock()
+                && let Some(st) = m.get_mut(cluster)
+            {
+                st.stored = parse_rfc3339(&now_s).or(Some(now));
+                st.holder = holder;
+            }
+            self.metrics.lease_writes_total.inc();
+        }
         self.metrics.lease_renewals_total.inc();
         let skew = parse_rfc3339(&req.agent_time)
             .map(|t| match t.duration_since(now) {
@@ -283,7 +333,7 @@ impl<S: Store> Registration<S> {
                     .with_label_values(&[name.as_str()])
                     .set(age.as_secs_f64());
                 let grace = Duration::from_secs(st.duration_seconds as u64 * mult as u64);
-                if !st.marked_unknown && age > grace {
+                if !st.marked_unknown && age > grace + slack(st) {
                     out.push((name.clone(), age, grace));
                 }
             }
@@ -295,7 +345,9 @@ impl<S: Store> Registration<S> {
                 && self.observe_lease(&name, &lease)
                 && parse_rfc3339(&lease.spec.renew_time)
                     .and_then(|t| now.duration_since(t).ok())
-                    .is_some_and(|a| a <= grace)
+                    .is_some_and(|a| {
+                        a <= grace + lease_persist_interval(lease.spec.lease_duration_seconds)
+                    })
             {
                 continue;
             }
@@ -322,7 +374,7 @@ impl<S: Store> Registration<S> {
             .await?;
             if let Ok(mut m) = self.leases.lock()
                 && let Some(st) = m.get_mut(&name)
-                && now.duration_since(st.renew).unwrap_or_default() > grace
+                && now.duration_since(st.renew).unwrap_or_default() > grace + slack(st)
             {
                 st.marked_unknown = true;
             }
@@ -339,5 +391,15 @@ impl<S: Store> Registration<S> {
             }
         }
         Ok(())
+    }
+}
+
+/// What the monitor adds to the grace for a renew time that is not exact: one seen only in KV
+/// may be up to [`lease_persist_interval`] older than the cluster's last renewal.
+fn slack(st: &LeaseState) -> Duration {
+    if st.exact {
+        Duration::ZERO
+    } else {
+        lease_persist_interval(st.duration_seconds)
     }
 }

@@ -62,13 +62,26 @@ pub(crate) fn csr_key(cluster: &str, name: &str) -> String {
     format!("{cluster}.{name}")
 }
 
-/// In-memory view of one cluster's lease, for the grace monitor.
+/// In-memory view of one cluster's lease, for the grace monitor and for deciding whether a
+/// renewal must be written to KV.
 #[derive(Debug, Clone)]
 pub struct LeaseState {
     pub acquired: SystemTime,
+    /// The latest renewal this replica knows of (served here, or read from KV).
     pub renew: SystemTime,
     pub duration_seconds: u32,
     pub marked_unknown: bool,
+    /// True when `renew` is a renewal this replica served itself (exact); false when it came
+    /// from KV (at most [`lease_persist_interval`] older than the real last renewal) or is a
+    /// grace restart, so the monitor adds that interval to the grace.
+    ///
+    /// [`lease_persist_interval`]: tether_control::resources::lease_persist_interval
+    pub exact: bool,
+    /// The renew time of the newest stored lease this replica knows of (own write or watch);
+    /// None when it knows of none.
+    pub stored: Option<SystemTime>,
+    /// The stored lease's holder identity (a change is always written).
+    pub holder: String,
 }
 
 /// The registration state machine of one hub replica: the store, the clock, the CA and policy,
@@ -219,6 +232,7 @@ impl<S: Store> Registration<S> {
                 return Ok(None);
             };
             if !f(&mut mc) {
+                self.cache_cluster(&mc);
                 return Ok(Some(mc));
             }
             if self
@@ -227,6 +241,8 @@ impl<S: Store> Registration<S> {
                 .await?
                 .is_some()
             {
+                // The cache follows own writes at once (the watch follows later).
+                self.cache_cluster(&mc);
                 return Ok(Some(mc));
             }
         }

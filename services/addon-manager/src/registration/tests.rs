@@ -10,7 +10,7 @@ use tether_control::clock::TokioClock;
 use tether_control::hub::{AutoAccept, RegistrationPolicy};
 use tether_control::resources::{
     AdminClusterRequest, CertificateSigningRequest, CsrPhase, CsrReply, CsrSubmit, Lease,
-    LeaseRenew, ManagedCluster, condition, rfc3339,
+    LeaseRenew, ManagedCluster, condition, lease_persist_interval, rfc3339,
 };
 use tether_control::store::{Bucket, MemoryStore, Store};
 use tether_pki::{AgentKey, CertInfo, HubCa};
@@ -504,23 +504,32 @@ async fn renewals_seen_from_another_replica_count() {
         .watch::<tether_control::resources::Lease>(Bucket::Leases)
         .await
         .unwrap();
-    use futures::StreamExt;
     let (k, v) = watch.next().await.unwrap();
     b.apply_lease_change(k, v);
-    for _ in 0..6 {
+    // Renewals that change only the renew time are written once the stored one is the
+    // persist interval old: `b` sees every other one here, and must not flip meanwhile.
+    let mut seen = 0;
+    for _ in 0..12 {
         tokio::time::advance(Duration::from_secs(u64::from(LEASE_S))).await;
         a.renew_lease("c1", renew(&a, "a1")).await.unwrap();
-        let (k, v) = watch.next().await.unwrap();
-        b.apply_lease_change(k, v);
+        while let Some(Some((k, v))) = watch.next().now_or_never() {
+            b.apply_lease_change(k, v);
+            seen += 1;
+        }
         b.check_leases().await.unwrap();
     }
+    assert_eq!(seen, 6, "one write per persist interval (2 × {LEASE_S} s)");
+    assert_eq!(a.metrics.lease_renewals_total.get(), 13);
+    assert_eq!(a.metrics.lease_writes_total.get(), 7);
     assert_eq!(
         cluster(&store, "c1").await.condition(condition::AVAILABLE),
         Some("True")
     );
 
     // Without the watch, KV still decides: `b` re-reads the lease before flipping.
-    tokio::time::advance(Duration::from_secs(u64::from(LEASE_S * GRACE) - 1)).await;
+    let persist = lease_persist_interval(LEASE_S);
+    let grace = Duration::from_secs(u64::from(LEASE_S * GRACE));
+    tokio::time::advance(grace + persist - Duration::from_secs(1)).await;
     a.renew_lease("c1", renew(&a, "a1")).await.unwrap();
     tokio::time::advance(Duration::from_secs(2)).await;
     b.check_leases().await.unwrap();
@@ -530,17 +539,72 @@ async fn renewals_seen_from_another_replica_count() {
     );
 
     // A new leader restarts the grace: a lease that looked old is not Unknown at once.
-    tokio::time::advance(Duration::from_secs(u64::from(LEASE_S * GRACE) + 5)).await;
+    tokio::time::advance(grace + persist + Duration::from_secs(5)).await;
     b.restart_lease_grace();
     b.check_leases().await.unwrap();
     assert_eq!(
         cluster(&store, "c1").await.condition(condition::AVAILABLE),
         Some("True")
     );
-    tokio::time::advance(Duration::from_secs(u64::from(LEASE_S * GRACE) + 1)).await;
+    // A renewal it did not see may be that much older than KV says: grace + persist interval.
+    tokio::time::advance(grace + Duration::from_secs(1)).await;
+    b.check_leases().await.unwrap();
+    assert_eq!(
+        cluster(&store, "c1").await.condition(condition::AVAILABLE),
+        Some("True")
+    );
+    tokio::time::advance(persist).await;
     b.check_leases().await.unwrap();
     assert_eq!(
         cluster(&store, "c1").await.condition(condition::AVAILABLE),
         Some("Unknown")
     );
+}
+
+/// The replica that serves the renewals counts each one exactly, written or not: a cluster is
+/// Unknown a grace after its last renewal even though the stored lease is older.
+#[tokio::test(start_paused = true)]
+async fn unwritten_renewals_count_exactly_on_the_serving_replica() {
+    let (store, reg) = hub(&["*"]);
+    let mut w = watches(&store).await;
+    join(&reg, "c1", "a1").await;
+    tokio::time::advance(Duration::from_secs(u64::from(LEASE_S))).await;
+    let rev = store.last_revision(Bucket::Leases);
+    reg.renew_lease("c1", renew(&reg, "a1")).await.unwrap();
+    assert_eq!(
+        store.last_revision(Bucket::Leases),
+        rev,
+        "renewal not written"
+    );
+    assert_eq!(reg.metrics.lease_writes_total.get(), 1);
+    assert_eq!(reg.metrics.lease_renewals_total.get(), 2);
+
+    let grace = Duration::from_secs(u64::from(LEASE_S * GRACE));
+    tokio::time::advance(grace - Duration::from_secs(1)).await;
+    settle(&reg, &mut w);
+    reg.check_leases().await.unwrap();
+    assert_eq!(
+        cluster(&store, "c1").await.condition(condition::AVAILABLE),
+        Some("True")
+    );
+    tokio::time::advance(Duration::from_secs(2)).await;
+    settle(&reg, &mut w);
+    reg.check_leases().await.unwrap();
+    assert_eq!(
+        cluster(&store, "c1").await.condition(condition::AVAILABLE),
+        Some("Unknown")
+    );
+    // Coming back is always written (the cluster was Unknown).
+    let rev = store.last_revision(Bucket::Leases);
+    reg.renew_lease("c1", renew(&reg, "a1")).await.unwrap();
+    assert!(store.last_revision(Bucket::Leases) > rev);
+    assert_eq!(
+        cluster(&store, "c1").await.condition(condition::AVAILABLE),
+        Some("True")
+    );
+    // A new holder (the agent re-bootstrapped with another name) is written at once.
+    tokio::time::advance(Duration::from_secs(1)).await;
+    let rev = store.last_revision(Bucket::Leases);
+    reg.renew_lease("c1", renew(&reg, "a2")).await.unwrap();
+    assert!(store.last_revision(Bucket::Leases) > rev);
 }
