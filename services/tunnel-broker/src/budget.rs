@@ -201,14 +201,7 @@ impl Budgets {
         broker: impl Into<String>,
         rejections: prometheus::IntCounterVec,
     ) -> Arc<Self> {
-        Arc::new(Self {
-            cfg,
-            broker: broker.into(),
-            clusters: Mutex::default(),
-            clients: Mutex::default(),
-            rejections,
-            share: None,
-        })
+        Self::build(cfg, broker.into(), rejections, None)
     }
 
     /// [`Budgets::new`] with the CPU share on (when `cfg.cpu_share_lag` is not zero); spawns
@@ -224,9 +217,18 @@ impl Budgets {
             tokio::spawn(Arc::clone(&s).run());
             s
         });
+        Self::build(cfg, broker.into(), rejections, share)
+    }
+
+    fn build(
+        cfg: BudgetConfig,
+        broker: String,
+        rejections: prometheus::IntCounterVec,
+        share: Option<Arc<FairShare>>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             cfg,
-            broker: broker.into(),
+            broker,
             clusters: Mutex::default(),
             clients: Mutex::default(),
             rejections,

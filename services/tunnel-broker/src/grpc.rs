@@ -318,12 +318,7 @@ impl pb::dialer_server::Dialer for DialerSvc {
         let (out_tx, out_rx) = mpsc::channel(OUTBOUND_FRAMES);
         let opened = async {
             let target = target?;
-            span.record("cluster", target.cluster.as_str());
-            span.record("target", tracing::field::display(&target));
-            span.record("client", client.name.as_str());
-            broker
-                .dial("grpc", &client, &target, stream_id, timeout)
-                .await
+            dial_recorded(&broker, &client, &target, stream_id, timeout).await
         }
         .instrument(span.clone())
         .await;
@@ -393,4 +388,22 @@ impl pb::dialer_server::Dialer for DialerSvc {
         );
         Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))
     }
+}
+
+/// Records the stream's cluster, target and client on the current span (the stream's, entered
+/// by the caller) and dials: the one open path of both gRPC Dial front ends (framed and raw).
+async fn dial_recorded(
+    broker: &Broker,
+    client: &ClientId,
+    target: &Target,
+    stream_id: u64,
+    timeout: Option<Duration>,
+) -> Result<OpenStream, DialError> {
+    let span = tracing::Span::current();
+    span.record("cluster", target.cluster.as_str());
+    span.record("target", tracing::field::display(target));
+    span.record("client", client.name.as_str());
+    broker
+        .dial("grpc", client, target, stream_id, timeout)
+        .await
 }

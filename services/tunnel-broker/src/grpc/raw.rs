@@ -139,13 +139,7 @@ pub async fn serve(broker: Arc<Broker>, req: http::Request<Incoming>) -> Respons
         let client =
             authenticate(&broker, &req).inspect_err(|e| broker.record_failure("grpc", e))?;
         let (target, timeout) = parse(&req).inspect_err(|e| broker.record_failure("grpc", e))?;
-        let span = tracing::Span::current();
-        span.record("cluster", target.cluster.as_str());
-        span.record("target", tracing::field::display(&target));
-        span.record("client", client.name.as_str());
-        broker
-            .dial("grpc", &client, &target, stream_id, timeout)
-            .await
+        super::dial_recorded(&broker, &client, &target, stream_id, timeout).await
     }
     .instrument(span.clone())
     .await;
