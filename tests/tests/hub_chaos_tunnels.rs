@@ -565,12 +565,20 @@ async fn run(mode: Disruption) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The two variants run one at a time: each is a whole fleet (three nats-server nodes, two
+/// addon-managers, two brokers, six managed clusters with their add-on and tunnel agents, traffic),
+/// and two of them at once on a 2-core CI machine starve both (a CI run saw an agent's tunnel
+/// close during the hold with both running).
+static ONE_FLEET_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_node_killed_with_tunnels_and_traffic() -> anyhow::Result<()> {
+    let _fleet = ONE_FLEET_AT_A_TIME.lock().await;
     run(Disruption::Kill).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_node_partitioned_with_tunnels_and_traffic() -> anyhow::Result<()> {
+    let _fleet = ONE_FLEET_AT_A_TIME.lock().await;
     run(Disruption::Partition).await
 }
