@@ -400,6 +400,20 @@ pub struct Setup {
 }
 
 impl Setup {
+    /// A native-API client (`tether_client::Dialer`) on the broker's client TLS port, with the
+    /// ops token and the hub CA.
+    pub async fn ops_dialer(&self) -> anyhow::Result<tether_client::Dialer> {
+        Ok(tether_client::Dialer::connect(tether_client::DialerConfig {
+            endpoint: format!("https://{}", self.broker.client_tls_addr),
+            server_name: "localhost".into(),
+            ca_pem: std::fs::read_to_string(self.hub.pki.ca_path())?,
+            client_cert: None,
+            token: Some(tether_client::Token(OPS_TOKEN.into())),
+            connect_timeout: Duration::from_secs(10),
+        })
+        .await?)
+    }
+
     /// Starts everything and waits until the tunnel is registered on the broker.
     pub async fn start(
         cluster: &str,

@@ -94,15 +94,7 @@ async fn every_front_end_answers_a_budget_refusal_as_documented() -> anyhow::Res
     assert_eq!(rejections(&setup).await?, counted);
 
     // Native Dial, unframed (the SDK's default): 503 + tether-error: overloaded.
-    let dialer = tether_client::Dialer::connect(tether_client::DialerConfig {
-        endpoint: format!("https://{}", setup.broker.client_tls_addr),
-        server_name: "localhost".into(),
-        ca_pem: std::fs::read_to_string(setup.hub.pki.ca_path())?,
-        client_cert: None,
-        token: Some(tether_client::Token(OPS_TOKEN.into())),
-        connect_timeout: Duration::from_secs(10),
-    })
-    .await?;
+    let dialer = setup.ops_dialer().await?;
     let host = setup.echo.ip().to_string();
     match dialer.dial("c1", &host, setup.echo.port()).await {
         Err(tether_client::ClientError::Dial { code, message }) => {

@@ -222,17 +222,7 @@ async fn konnectivity_write_then_close_loses_nothing() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn native_dial_write_then_close_loses_nothing() -> anyhow::Result<()> {
     let setup = Setup::start("c1", "", "").await?;
-    let dialer = Arc::new(
-        tether_client::Dialer::connect(tether_client::DialerConfig {
-            endpoint: format!("https://{}", setup.broker.client_tls_addr),
-            server_name: "localhost".into(),
-            ca_pem: std::fs::read_to_string(setup.hub.pki.ca_path())?,
-            client_cert: None,
-            token: Some(tether_client::Token(OPS_TOKEN.into())),
-            connect_timeout: Duration::from_secs(10),
-        })
-        .await?,
-    );
+    let dialer = Arc::new(setup.ops_dialer().await?);
     write_then_close("native Dial", 300, move |target, payload| {
         let dialer = Arc::clone(&dialer);
         async move {

@@ -126,15 +126,7 @@ async fn a_byte_flood_is_paced_on_every_grpc_front_end() -> anyhow::Result<()> {
         echo,
         hub,
     };
-    let dialer = tether_client::Dialer::connect(tether_client::DialerConfig {
-        endpoint: format!("https://{}", setup.broker.client_tls_addr),
-        server_name: "localhost".into(),
-        ca_pem: std::fs::read_to_string(setup.hub.pki.ca_path())?,
-        client_cert: None,
-        token: Some(tether_client::Token(OPS_TOKEN.into())),
-        connect_timeout: Duration::from_secs(10),
-    })
-    .await?;
+    let dialer = setup.ops_dialer().await?;
     let host = sink.ip().to_string();
     let mut figures = Vec::new();
 

@@ -500,15 +500,7 @@ impl Fronts {
             plain: setup.broker.client_addr,
             tls: setup.broker.client_tls_addr,
             tls_cfg: tether_e2e::client_tls_config(&setup.hub.pki.ca_path(), &[b"http/1.1"], None)?,
-            dialer: tether_client::Dialer::connect(tether_client::DialerConfig {
-                endpoint: format!("https://{}", setup.broker.client_tls_addr),
-                server_name: "localhost".into(),
-                ca_pem: std::fs::read_to_string(setup.hub.pki.ca_path())?,
-                client_cert: None,
-                token: Some(tether_client::Token(OPS_TOKEN.into())),
-                connect_timeout: Duration::from_secs(10),
-            })
-            .await?,
+            dialer: setup.ops_dialer().await?,
             konn: k::proxy_service_client::ProxyServiceClient::new(channel(setup).await?),
         })
     }

@@ -240,15 +240,7 @@ async fn native_dial_echo_and_half_close() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tether_client_dialer_transfer_is_intact() -> anyhow::Result<()> {
     let setup = Setup::start("c1", "", "").await?;
-    let dialer = tether_client::Dialer::connect(tether_client::DialerConfig {
-        endpoint: format!("https://{}", setup.broker.client_tls_addr),
-        server_name: "localhost".into(),
-        ca_pem: std::fs::read_to_string(setup.hub.pki.ca_path())?,
-        client_cert: None,
-        token: Some(tether_client::Token(OPS_TOKEN.into())),
-        connect_timeout: Duration::from_secs(10),
-    })
-    .await?;
+    let dialer = setup.ops_dialer().await?;
     let s = dialer
         .dial("c1", &setup.echo.ip().to_string(), setup.echo.port())
         .await?;
@@ -387,15 +379,7 @@ async fn stalled_dial_stream_does_not_block_its_channel() -> anyhow::Result<()> 
     use tokio::io::AsyncReadExt;
     let setup = Setup::start("c1", "", "").await?;
     let source = source_server().await?;
-    let dialer = tether_client::Dialer::connect(tether_client::DialerConfig {
-        endpoint: format!("https://{}", setup.broker.client_tls_addr),
-        server_name: "localhost".into(),
-        ca_pem: std::fs::read_to_string(setup.hub.pki.ca_path())?,
-        client_cert: None,
-        token: Some(tether_client::Token(OPS_TOKEN.into())),
-        connect_timeout: Duration::from_secs(10),
-    })
-    .await?;
+    let dialer = setup.ops_dialer().await?;
     // Stream A: an endless source nobody reads. Wait until the broker stops moving its bytes
     // (all windows and queues on its path are full).
     let mut stalled = dialer

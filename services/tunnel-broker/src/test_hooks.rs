@@ -2,7 +2,7 @@
 //!
 //! Off unless the config says `test_hooks: true` (never set it in production): then the admin
 //! listener answers `GET /debug/test/panic-tunnel?cluster=<name>&task=<actor|connection>`, which
-//! makes one tunnel of `cluster` panic — in its [`crate::tunnel::TunnelActor`] (`actor`) or in
+//! makes one tunnel of `cluster` panic — in its tunnel actor (`actor`) or in
 //! the task driving its HTTP/2 connection (`connection`). Nothing an agent or a hub client sends
 //! reaches these panics; the admin listener is the only way in.
 //!
