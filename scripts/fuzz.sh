@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Bounded live fuzz run of every cargo-fuzz target (docs/fuzzing.md). Not run by CI (time
-# budget); CI replays the committed corpora instead (tests/tests/fuzz_corpus.rs).
+# Bounded live fuzz run of every cargo-fuzz target (docs/fuzzing.md). CI (.ci/run) runs it with
+# 10 s per target after the tests; the tests also replay the committed corpora
+# (tests/tests/fuzz_corpus.rs).
 #
 #   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]     (default: 60 s, every target)
 #
-# Needs cargo-fuzz (`cargo install cargo-fuzz --locked`); runs on stable via RUSTC_BOOTSTRAP=1.
+# Needs cargo-fuzz (scripts/install-deps.sh installs the pinned version); runs on stable via RUSTC_BOOTSTRAP=1.
 # New inputs go to fuzz/target/work-corpus/<target>/ (not committed); the committed seeds in
 # fuzz/corpus/<target>/ are read only. Crashes land in fuzz/artifacts/<target>/: minimise one
 # (`cargo fuzz tmin <target> <file>`), fix the parser, and commit the input under

