@@ -76,6 +76,13 @@ pub struct ChangedKey {
     pub key: String,
 }
 
+/// What these clusters' add-on Available depends on changed on the data-plane side (which
+/// serving brokers report a tunnel of them, [`crate::brokers::TunnelHolders`]): reconcile their
+/// add-ons.
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct ClustersChanged(pub std::collections::BTreeSet<String>);
+
 /// What a reconcile pass looks at.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Scope {
@@ -249,6 +256,13 @@ impl Handler<ChangedKey> for AddOnController {
     type Result = ();
     fn handle(&mut self, m: ChangedKey, ctx: &mut Self::Context) {
         self.kick_scope(ctx, Scope::for_key(m.bucket, &m.key));
+    }
+}
+
+impl Handler<ClustersChanged> for AddOnController {
+    type Result = ();
+    fn handle(&mut self, m: ClustersChanged, ctx: &mut Self::Context) {
+        self.kick_scope(ctx, Scope::Clusters(m.0));
     }
 }
 
