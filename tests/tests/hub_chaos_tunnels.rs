@@ -576,14 +576,12 @@ async fn run(mode: Disruption) -> anyhow::Result<()> {
 static ONE_FLEET_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "unreliable since the 2026-11-24 merge (issue 14, open): a join during the NATS outage needs 35-40 s to be Available (deadline 40 s), and one CI run saw an agent tunnel close during the hold; run with --ignored"]
 async fn nats_node_killed_with_tunnels_and_traffic() -> anyhow::Result<()> {
     let _fleet = ONE_FLEET_AT_A_TIME.lock().await;
     run(Disruption::Kill).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "unreliable since the 2026-11-24 merge (issue 14, open): a join during the NATS outage needs 35-40 s to be Available (deadline 40 s), and one CI run saw an agent tunnel close during the hold; run with --ignored"]
 async fn nats_node_partitioned_with_tunnels_and_traffic() -> anyhow::Result<()> {
     let _fleet = ONE_FLEET_AT_A_TIME.lock().await;
     run(Disruption::Partition).await
