@@ -619,10 +619,28 @@ pub async fn reconcile_at(
             } else {
                 format!("cluster {cluster} no longer matches the install strategy of {name}")
             };
-            delete.push((key.clone(), cluster, name, why));
+            delete.push((key.clone(), cluster, name, why, by_strategy));
         }
     }
-    for (key, cluster, name, why) in delete {
+    for (key, cluster, name, why, by_strategy) in delete {
+        // Removing is destructive (the add-on is re-installed from scratch, Available lost):
+        // confirm what this pass read with reads of the stream leader. A listing's consumer
+        // may sit on a replica still catching up after a partition; a manager started just then
+        // removed add-ons of clusters its listing missed (tests/tests/hub_chaos_tunnels.rs).
+        let mc_now = store
+            .get::<ManagedCluster>(Bucket::Clusters, &cluster)
+            .await?;
+        let cma_now = store
+            .get::<ClusterManagementAddOn>(Bucket::ClusterManagementAddOns, &name)
+            .await?;
+        if let (Some((mc, _)), Some((cma, _))) = (&mc_now, &cma_now)
+            && accepted(mc)
+            && (!by_strategy || cma.spec.install_strategy.selects(&mc.metadata.labels))
+        {
+            tracing::warn!(cluster = %cluster, addon = %name, read = %why, "not removing the add-on: the stream leader still has its cluster and ClusterManagementAddOn (a stale read)");
+            mcas.remove(&key);
+            continue;
+        }
         store.delete(Bucket::ManagedClusterAddOns, &key).await?;
         mcas.remove(&key);
         writes += 1;

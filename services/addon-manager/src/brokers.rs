@@ -187,8 +187,12 @@ impl BrokerSet {
 /// for an unrelated write or the safety resync ([`crate::addons::RESYNC_INTERVAL`]).
 #[derive(Debug, Default)]
 pub struct TunnelHolders {
-    last: Option<(Vec<String>, HashMap<String, Vec<String>>)>,
+    /// The serving broker ids and, per cluster, the ids of those holding a tunnel of it.
+    last: Option<(Vec<String>, Holders)>,
 }
+
+/// Cluster → ids of the serving brokers that hold a tunnel of it.
+type Holders = HashMap<String, Vec<String>>;
 
 /// A change seen by [`TunnelHolders::observe`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -203,7 +207,7 @@ impl TunnelHolders {
     /// Takes the serving brokers now; `Some` when what Available depends on changed.
     pub fn observe(&mut self, serving: &[BrokerPresence]) -> Option<HoldersChange> {
         let ids: Vec<String> = serving.iter().map(|b| b.id.clone()).collect();
-        let mut by_cluster: HashMap<String, Vec<String>> = HashMap::new();
+        let mut by_cluster: Holders = HashMap::new();
         for b in serving {
             for c in &b.clusters {
                 by_cluster.entry(c.clone()).or_default().push(b.id.clone());
