@@ -849,3 +849,84 @@ async fn assert_csrs_signed(
     }
     Ok(())
 }
+
+/// Lines of each process log printed by [`FailureLogs`].
+pub const FAILURE_LOG_LINES: usize = 80;
+
+/// Prints the end of every process log (`*.log`, also in subdirectories) under its directories
+/// when dropped after a failure: a panic, or a test that returned before [`FailureLogs::passed`]
+/// (an error from `eventually`, which no `Drop` can otherwise see). Directories handed over
+/// with [`FailureLogs::own`] are removed after the dump (their `TempDir` must not remove them
+/// first). Declare it after the test's own `TempDir`, so it drops — and reads — first.
+pub struct FailureLogs {
+    dirs: Vec<PathBuf>,
+    owned: Vec<PathBuf>,
+    passed: bool,
+}
+
+impl FailureLogs {
+    pub fn new(dir: &Path) -> Self {
+        Self {
+            dirs: vec![dir.to_path_buf()],
+            owned: Vec::new(),
+            passed: false,
+        }
+    }
+
+    /// Also dumps the logs of `dir`, and removes it on drop (unless `keep`).
+    pub fn own(&mut self, dir: &mut tempfile::TempDir, keep: bool) {
+        dir.disable_cleanup(true);
+        self.dirs.push(dir.path().to_path_buf());
+        if !keep {
+            self.owned.push(dir.path().to_path_buf());
+        }
+    }
+
+    /// The test passed: nothing is printed.
+    pub fn passed(&mut self) {
+        self.passed = true;
+    }
+
+    fn logs(dir: &Path, depth: usize, out: &mut Vec<PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() && depth > 0 {
+                Self::logs(&p, depth - 1, out);
+            } else if p.extension().is_some_and(|x| x == "log") {
+                out.push(p);
+            }
+        }
+    }
+}
+
+impl Drop for FailureLogs {
+    fn drop(&mut self) {
+        if !self.passed || std::thread::panicking() {
+            let mut logs = Vec::new();
+            for d in &self.dirs {
+                Self::logs(d, 3, &mut logs);
+            }
+            logs.sort();
+            for p in logs {
+                let text = std::fs::read_to_string(&p).unwrap_or_default();
+                let lines: Vec<&str> = text.lines().collect();
+                let tail = &lines[lines.len().saturating_sub(FAILURE_LOG_LINES)..];
+                eprintln!(
+                    "===== {} (last {} of {} lines)",
+                    p.display(),
+                    tail.len(),
+                    lines.len()
+                );
+                for l in tail {
+                    eprintln!("{l}");
+                }
+            }
+        }
+        for d in &self.owned {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}

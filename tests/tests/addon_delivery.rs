@@ -628,6 +628,132 @@ async fn tunnel_agent_reloads_brokers_and_refuses_an_invalid_config() -> anyhow:
     Ok(())
 }
 
+/// `keep_removed_brokers_connected` (what the registration-agent renders for hub-delivered
+/// configs): a broker that leaves the config while its tunnel works keeps that tunnel (same
+/// tunnel, streams still routed), gets it back untouched when it returns to the config, and
+/// once removed again and drained by its broker it is not redialled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnel_agent_keeps_a_working_tunnel_of_a_removed_broker() -> anyhow::Result<()> {
+    let procs = tether_e2e::Hub::new()?;
+    let mut b1 = procs.start_broker("b1", "")?;
+    let b2 = procs.start_broker("b2", "")?;
+    let echo = tether_e2e::echo_server().await?;
+    let tls = procs.pki.issue(
+        "keep-agent",
+        tether_tls::Identity::tunnel_agent("c1", "agent-0"),
+        &[],
+    )?;
+    let render = |brokers: &[&tether_e2e::Broker]| {
+        let mut s = format!(
+            "cluster: c1\nagent: agent-0\ntls:\n  cert: {}\n  key: {}\n  ca: {}\napiserver: '{echo}'\nadmin_listen: 127.0.0.1:0\nkeep_removed_brokers_connected: true\nbackoff:\n  initial: 50ms\n  max: 1s\n  reset_after: 5s\nproxy: {{}}\nbrokers:\n",
+            tls.cert.display(),
+            tls.key.display(),
+            tls.ca.display()
+        );
+        for b in brokers {
+            s.push_str(&format!(
+                "  - name: {}\n    addresses: ['{}']\n    server_name: tether-broker\n",
+                b.id, b.agent_addr
+            ));
+        }
+        s
+    };
+    let cfg = procs.path().join("keep-agent.yaml");
+    let ready = procs.path().join("keep-agent.ready");
+    std::fs::write(&cfg, render(&[&b1, &b2]))?;
+    let mut cmd = Command::new(bin("tunnel-agent")?);
+    cmd.arg("--config")
+        .arg(&cfg)
+        .arg("--ready-file")
+        .arg(&ready);
+    let _agent = Child::spawn("keep-agent", cmd, procs.path())?;
+    let r = tether_test_support::read_ready_file(&ready, START_TIMEOUT)?;
+    let admin: std::net::SocketAddr = r["admin"].as_str().context("admin")?.parse()?;
+    let wait_for = |what: &'static str, f: fn(&serde_json::Value) -> bool| async move {
+        tether_test_support::wait_until_async(WAIT, what, || async {
+            debug_agent(admin).await.filter(f)
+        })
+        .await
+    };
+    wait_for("tunnels to b1 and b2", |v| connected(v) == ["b1", "b2"]).await?;
+    let connects = |result: &'static str| async move {
+        tether_e2e::metric(
+            admin,
+            "tether_agent_tunnel_connects_total",
+            &[("endpoint", "b1"), ("result", result)],
+        )
+        .await
+    };
+    let echo_via_b1 = || async {
+        let mut s = tether_e2e::connect_ok(b1.client_addr, "c1:443").await?;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        s.write_all(b"ping").await?;
+        s.shutdown().await?;
+        let mut back = Vec::new();
+        tokio::time::timeout(WAIT, s.read_to_end(&mut back)).await??;
+        anyhow::ensure!(back == b"ping", "echo differs");
+        anyhow::Ok(())
+    };
+
+    // b1 leaves the config: its tunnel stays and carries streams.
+    std::fs::write(&cfg, render(&[&b2]))?;
+    wait_for("config generation 2", |v| v["configGeneration"] == 2).await?;
+    let v = debug_agent(admin).await.context("/debug/agent")?;
+    assert_eq!(
+        connected(&v),
+        ["b1", "b2"],
+        "the working tunnel to b1 is kept"
+    );
+    echo_via_b1().await?;
+    assert_eq!(connects("ok").await?, 1.0, "no redial of b1");
+
+    // b1 is back: the same tunnel.
+    std::fs::write(&cfg, render(&[&b1, &b2]))?;
+    wait_for("config generation 3", |v| v["configGeneration"] == 3).await?;
+    echo_via_b1().await?;
+    assert_eq!(
+        connects("ok").await?,
+        1.0,
+        "b1's tunnel kept across remove and re-add"
+    );
+
+    // Removed again, then b1 drains and exits: the endpoint goes, nothing redials it.
+    std::fs::write(&cfg, render(&[&b2]))?;
+    wait_for("config generation 4", |v| v["configGeneration"] == 4).await?;
+    b1.child.terminate();
+    b1.child.wait_exit(WAIT)?;
+    wait_for("b1's endpoint gone", |v| {
+        connected(v) == ["b2"] && v["endpoints"].get("b1").is_none()
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "{:?}",
+            std::fs::read_to_string(procs.path().join("keep-agent.log"))
+        )
+    })?;
+    // Its tunnel ended and the connector says it will not redial; no attempt was counted.
+    let log = procs.path().join("keep-agent.log");
+    wait_until(WAIT, "the agent to give up b1 without redialling", || {
+        std::fs::read_to_string(&log)
+            .ok()
+            .filter(|l| l.contains("not redialling"))
+    })?;
+    assert_eq!(
+        tether_e2e::metric(
+            admin,
+            "tether_agent_tunnel_connects_total",
+            &[("endpoint", "b1"), ("result", "connect_error")],
+        )
+        .await?,
+        0.0,
+        "b1 redialled after it left"
+    );
+    assert_eq!(connects("ok").await?, 1.0);
+    wait_for("still only b2", |v| connected(v) == ["b2"]).await?;
+    Ok(())
+}
+
 /// The add-on certificate rotates before it expires (a new key and CSR at 20–25 % of its life
 /// left); the tunnel-agent reloads the files: same process, no new tunnel, a stream open
 /// across the rotation keeps working, and the add-on stays Available.

@@ -16,9 +16,10 @@ use std::time::{Duration, Instant};
 
 use tether_control::store::HubStore;
 use tether_e2e::control_plane::{
-    AvailabilityWatch, Manager, NatsCluster, admin_connection, assert_csrs_never_signed_twice,
-    bucket_snapshot, cluster_available, eventually, init_cluster_hub, start_manager,
-    start_registration_agent, wait_fully_replicated, wait_lease_renewals,
+    AvailabilityWatch, FailureLogs, Manager, NatsCluster, admin_connection,
+    assert_csrs_never_signed_twice, bucket_snapshot, cluster_available, eventually,
+    init_cluster_hub, start_manager, start_registration_agent, wait_fully_replicated,
+    wait_lease_renewals,
 };
 
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -49,6 +50,8 @@ async fn wait_available(store: &HubStore, c: &str, what: &str) -> anyhow::Result
 async fn nats_node_and_leader_manager_die_together_without_losing_state() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path();
+    // Every process's log is printed if the test fails.
+    let mut logs = FailureLogs::new(dir);
     let t0 = Instant::now();
     let hub_dir = init_cluster_hub(
         dir,
@@ -123,5 +126,6 @@ async fn nats_node_and_leader_manager_die_together_without_losing_state() -> any
         assert!(a.try_wait().is_none(), "{} exited", a.name);
     }
     eprintln!("total {:?}", t0.elapsed());
+    logs.passed();
     Ok(())
 }

@@ -40,7 +40,7 @@ use anyhow::Context as _;
 use tether_control::addons::ManagedClusterAddOn;
 use tether_control::store::{Bucket, HubStore};
 use tether_e2e::control_plane::{
-    AddonAgent, AddonAgentSpec, AvailabilityWatch, HUB_HOST, Manager, NatsCluster,
+    AddonAgent, AddonAgentSpec, AvailabilityWatch, FailureLogs, HUB_HOST, Manager, NatsCluster,
     admin_connection, assert_csrs_never_signed_twice, broker_control_plane_yaml, bucket_snapshot,
     cluster_available, eventually, init_cluster_hub, join, start_manager, tunnel_hub_from_ca,
     wait_fully_replicated, wait_lease_renewals,
@@ -302,6 +302,9 @@ async fn run(mode: Disruption) -> anyhow::Result<()> {
         eprintln!("test directory kept: {}", tmp.path().display());
     }
     let dir = tmp.path();
+    // Every process's log (NATS nodes, managers, brokers, registration- and tunnel-agents)
+    // is printed if the test fails.
+    let mut logs = FailureLogs::new(dir);
     let t0 = Instant::now();
     let lease_s = lease.to_string();
     let hub_dir = init_cluster_hub(
@@ -323,8 +326,8 @@ async fn run(mode: Disruption) -> anyhow::Result<()> {
     // Data plane on the hub CA: two brokers on the seed list; every cluster's API server is an
     // echo server.
     let mut th = tunnel_hub_from_ca(&hub_dir)?;
+    logs.own(&mut th.dir, keep);
     if keep {
-        th.dir.disable_cleanup(true);
         eprintln!("broker directory kept: {}", th.path().display());
     }
     let cp = broker_control_plane_yaml(&hub_dir, &seeds, HUB_HOST);
@@ -562,6 +565,7 @@ async fn run(mode: Disruption) -> anyhow::Result<()> {
             a.cluster
         );
     }
+    logs.passed();
     Ok(())
 }
 
@@ -572,14 +576,12 @@ async fn run(mode: Disruption) -> anyhow::Result<()> {
 static ONE_FLEET_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "unreliable since the 2026-11-24 merge (issue 14, open): a join during the NATS outage needs 35-40 s to be Available (deadline 40 s), and one CI run saw an agent tunnel close during the hold; run with --ignored"]
 async fn nats_node_killed_with_tunnels_and_traffic() -> anyhow::Result<()> {
     let _fleet = ONE_FLEET_AT_A_TIME.lock().await;
     run(Disruption::Kill).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "unreliable since the 2026-11-24 merge (issue 14, open): a join during the NATS outage needs 35-40 s to be Available (deadline 40 s), and one CI run saw an agent tunnel close during the hold; run with --ignored"]
 async fn nats_node_partitioned_with_tunnels_and_traffic() -> anyhow::Result<()> {
     let _fleet = ONE_FLEET_AT_A_TIME.lock().await;
     run(Disruption::Partition).await

@@ -76,6 +76,13 @@ pub struct ChangedKey {
     pub key: String,
 }
 
+/// What these clusters' add-on Available depends on changed on the data-plane side (which
+/// serving brokers report a tunnel of them, [`crate::brokers::TunnelHolders`]): reconcile their
+/// add-ons.
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct ClustersChanged(pub std::collections::BTreeSet<String>);
+
 /// What a reconcile pass looks at.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Scope {
@@ -249,6 +256,13 @@ impl Handler<ChangedKey> for AddOnController {
     type Result = ();
     fn handle(&mut self, m: ChangedKey, ctx: &mut Self::Context) {
         self.kick_scope(ctx, Scope::for_key(m.bucket, &m.key));
+    }
+}
+
+impl Handler<ClustersChanged> for AddOnController {
+    type Result = ();
+    fn handle(&mut self, m: ClustersChanged, ctx: &mut Self::Context) {
+        self.kick_scope(ctx, Scope::Clusters(m.0));
     }
 }
 
@@ -605,10 +619,28 @@ pub async fn reconcile_at(
             } else {
                 format!("cluster {cluster} no longer matches the install strategy of {name}")
             };
-            delete.push((key.clone(), cluster, name, why));
+            delete.push((key.clone(), cluster, name, why, by_strategy));
         }
     }
-    for (key, cluster, name, why) in delete {
+    for (key, cluster, name, why, by_strategy) in delete {
+        // Removing is destructive (the add-on is re-installed from scratch, Available lost):
+        // confirm what this pass read with reads of the stream leader. A listing's consumer
+        // may sit on a replica still catching up after a partition; a manager started just then
+        // removed add-ons of clusters its listing missed (tests/tests/hub_chaos_tunnels.rs).
+        let mc_now = store
+            .get::<ManagedCluster>(Bucket::Clusters, &cluster)
+            .await?;
+        let cma_now = store
+            .get::<ClusterManagementAddOn>(Bucket::ClusterManagementAddOns, &name)
+            .await?;
+        if let (Some((mc, _)), Some((cma, _))) = (&mc_now, &cma_now)
+            && accepted(mc)
+            && (!by_strategy || cma.spec.install_strategy.selects(&mc.metadata.labels))
+        {
+            tracing::warn!(cluster = %cluster, addon = %name, read = %why, "not removing the add-on: the stream leader still has its cluster and ClusterManagementAddOn (a stale read)");
+            mcas.remove(&key);
+            continue;
+        }
         store.delete(Bucket::ManagedClusterAddOns, &key).await?;
         mcas.remove(&key);
         writes += 1;

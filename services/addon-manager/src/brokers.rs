@@ -41,15 +41,29 @@ async fn brokers_where(
     store: &impl Store,
     keep: impl Fn(&BrokerPresence) -> bool,
 ) -> Result<Vec<BrokerPresence>, ControlError> {
+    Ok(select(announced(store).await?, keep))
+}
+
+/// Every announced broker with agent addresses (one listing), sorted by id; split it with
+/// [`select`] into the serving and the listed brokers.
+pub async fn announced(store: &impl Store) -> Result<Vec<BrokerPresence>, ControlError> {
     let mut out: Vec<BrokerPresence> = store
         .list::<BrokerPresence>(Bucket::Brokers)
         .await?
         .into_iter()
         .map(|(_, b, _)| b)
-        .filter(|b| keep(b) && !b.agent_addresses.is_empty())
+        .filter(|b| !b.agent_addresses.is_empty())
         .collect();
     out.sort_by(|a, b| a.id.cmp(&b.id));
     Ok(out)
+}
+
+/// The brokers of `all` that pass `keep` (e.g. `|b| b.is_serving(now)`).
+pub fn select(
+    all: impl IntoIterator<Item = BrokerPresence>,
+    keep: impl Fn(&BrokerPresence) -> bool,
+) -> Vec<BrokerPresence> {
+    all.into_iter().filter(|b| keep(b)).collect()
 }
 
 /// What an add-on agent dials: the serving brokers, else (none announced yet) the
@@ -165,6 +179,63 @@ impl BrokerSet {
     }
 }
 
+/// What add-on Available is computed from on the data-plane side: the serving brokers and,
+/// per cluster, which of them report holding a tunnel of it. The add-on controller must
+/// re-evaluate a cluster's add-ons when this changes — a broker's presence renewal that first
+/// lists a new tunnel is no write the controller watches (the agent's lease may not be
+/// written again for a whole persist interval), so without this an add-on that joined waits
+/// for an unrelated write or the safety resync ([`crate::addons::RESYNC_INTERVAL`]).
+#[derive(Debug, Default)]
+pub struct TunnelHolders {
+    /// The serving broker ids and, per cluster, the ids of those holding a tunnel of it.
+    last: Option<(Vec<String>, Holders)>,
+}
+
+/// Cluster → ids of the serving brokers that hold a tunnel of it.
+type Holders = HashMap<String, Vec<String>>;
+
+/// A change seen by [`TunnelHolders::observe`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HoldersChange {
+    /// The serving set itself changed (or the first observation): every add-on.
+    All,
+    /// Only these clusters' holders changed.
+    Clusters(std::collections::BTreeSet<String>),
+}
+
+impl TunnelHolders {
+    /// Takes the serving brokers now; `Some` when what Available depends on changed.
+    pub fn observe(&mut self, serving: &[BrokerPresence]) -> Option<HoldersChange> {
+        let ids: Vec<String> = serving.iter().map(|b| b.id.clone()).collect();
+        let mut by_cluster: Holders = HashMap::new();
+        for b in serving {
+            for c in &b.clusters {
+                by_cluster.entry(c.clone()).or_default().push(b.id.clone());
+            }
+        }
+        let change = match &self.last {
+            None => Some(HoldersChange::All),
+            Some((last_ids, _)) if *last_ids != ids => Some(HoldersChange::All),
+            Some((_, last)) => {
+                let changed: std::collections::BTreeSet<String> = last
+                    .iter()
+                    .filter(|(c, h)| by_cluster.get(*c) != Some(*h))
+                    .map(|(c, _)| c.clone())
+                    .chain(
+                        by_cluster
+                            .keys()
+                            .filter(|c| !last.contains_key(*c))
+                            .cloned(),
+                    )
+                    .collect();
+                (!changed.is_empty()).then_some(HoldersChange::Clusters(changed))
+            }
+        };
+        self.last = Some((ids, by_cluster));
+        change
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -237,5 +308,38 @@ mod tests {
         );
         assert_eq!(eps[0].addresses, ["[::1]:8443"]);
         assert_eq!(eps[0].server_name, "::1");
+    }
+
+    #[test]
+    fn holders_changes_name_the_clusters() {
+        let now = SystemTime::now();
+        let mut h = TunnelHolders::default();
+        let b1 = presence("b1", now, &["c1"]);
+        let b2 = presence("b2", now, &[]);
+        assert_eq!(
+            h.observe(&[b1.clone(), b2.clone()]),
+            Some(HoldersChange::All),
+            "first"
+        );
+        assert_eq!(h.observe(&[b1.clone(), b2.clone()]), None, "unchanged");
+        // b2's presence now lists c1 and c2 (tunnels registered): only those clusters.
+        let b2 = presence("b2", now, &["c1", "c2"]);
+        assert_eq!(
+            h.observe(&[b1.clone(), b2.clone()]),
+            Some(HoldersChange::Clusters(
+                ["c1".to_string(), "c2".to_string()].into()
+            ))
+        );
+        // b1 drops c1: c1 only.
+        let b1 = presence("b1", now, &[]);
+        assert_eq!(
+            h.observe(&[b1.clone(), b2.clone()]),
+            Some(HoldersChange::Clusters(["c1".to_string()].into()))
+        );
+        // A renewal that changes nothing else: nothing.
+        let b1 = presence("b1", now + Duration::from_secs(2), &[]);
+        assert_eq!(h.observe(&[b1.clone(), b2.clone()]), None);
+        // b2 stops serving: everything.
+        assert_eq!(h.observe(&[b1]), Some(HoldersChange::All));
     }
 }

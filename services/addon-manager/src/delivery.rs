@@ -13,7 +13,9 @@
 //!   add-on CSR is never left pending, so the pending cap is zero by construction.
 //! - a broker watcher: when the set of live, non-draining brokers changes it tells every
 //!   installed add-on's agent (`{"type":"AddOnConfigChanged","addon":"<a>"}` on
-//!   `tether.v1.cluster.<c>.notify`) and re-runs the add-on controller (Available depends on it).
+//!   `tether.v1.cluster.<c>.notify`) and re-runs the add-on controller (Available depends on it);
+//!   when only the tunnels a serving broker reports change, it re-runs the controller for those
+//!   clusters' add-ons.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -35,7 +37,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::brokers;
 
-use crate::addons::{AddOnController, Changed, QUEUE_GROUP};
+use crate::addons::{AddOnController, Changed, ClustersChanged, QUEUE_GROUP};
 use crate::hub::HubCtx;
 use crate::registration::Registration;
 
@@ -504,6 +506,7 @@ pub async fn start(
     let stop = shutdown.clone();
     handles.push(tokio::spawn(async move {
         let mut set = brokers::BrokerSet::default();
+        let mut holders = brokers::TunnelHolders::default();
         let mut tick = tokio::time::interval(BROKER_CHECK_INTERVAL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -511,14 +514,29 @@ pub async fn start(
                 _ = stop.cancelled() => return,
                 _ = tick.tick() => {}
             }
-            let serving = match brokers::listed_brokers(&ctx.store, SystemTime::now()).await {
+            let announced = match brokers::announced(&ctx.store).await {
                 Ok(s) => s,
                 Err(e) => {
                     tracing::debug!(error = %e, "cannot read broker presence");
                     continue;
                 }
             };
-            let Some(change) = set.observe(serving) else {
+            let now = SystemTime::now();
+            // Available: the serving brokers and the tunnels they report.
+            let serving = brokers::select(announced.iter().cloned(), |b| b.is_serving(now));
+            match holders.observe(&serving) {
+                None => {}
+                Some(brokers::HoldersChange::All) => {
+                    let _ = controller.send(Changed).await;
+                }
+                Some(brokers::HoldersChange::Clusters(c)) => {
+                    tracing::debug!(clusters = ?c, "tunnel holders changed");
+                    let _ = controller.send(ClustersChanged(c)).await;
+                }
+            }
+            // The agents' config: the listed brokers.
+            let listed = brokers::select(announced, |b| b.is_listed(now));
+            let Some(change) = set.observe(listed) else {
                 continue;
             };
             let first = change.first;

@@ -54,6 +54,14 @@ pub struct AgentConfig {
     /// agent refuses service-proxy streams.
     #[serde(default)]
     pub service_proxy: Option<ServiceProxySettings>,
+    /// A broker endpoint that leaves the config while its tunnel is established keeps that
+    /// tunnel until it ends (the broker closes or drains it, or it fails), then is not
+    /// redialled. Off (a static config): the tunnel is closed at once. The registration-agent
+    /// turns it on for the configs the hub delivers, whose broker list is the hub's view of
+    /// broker presence, which can lapse (a NATS failover on the broker's side) while the
+    /// broker serves.
+    #[serde(default)]
+    pub keep_removed_brokers_connected: bool,
 }
 
 /// Default CA of the in-cluster API server (the pod's service account).

@@ -9,7 +9,8 @@
 //! Config reload (see `lib.rs`): [`Reconfigure`] swaps the shared settings (proxy, policy, …)
 //! and replaces the tunnel — the new one dials through the new proxy, the old one drains; a
 //! connector whose endpoint left the config is stopped with [`StopConnector`] (its tunnels
-//! drain) without touching the others.
+//! drain) without touching the others — or, with `keep_removed_brokers_connected` and a
+//! tunnel established, [`Retire`]d: the tunnel is kept until it ends and is not redialled.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -160,6 +161,11 @@ pub struct Connector {
     pub established: HashMap<u64, String>,
     /// Cancellation of each live tunnel generation (cancelled = GOAWAY and drain).
     pub tunnel_tokens: HashMap<u64, CancellationToken>,
+    /// The endpoint left the config while its tunnel worked ([`Retire`]): the tunnel is kept
+    /// until it ends, and then not redialled.
+    pub retired: bool,
+    /// Retired and its tunnel ended: nothing runs.
+    pub idle: bool,
     /// The agent's drain: every tunnel task (and its event pump and watcher) runs in it, and
     /// shutdown waits on it so each tunnel's last frames and its GOAWAY are flushed before the
     /// process exits.
@@ -178,6 +184,12 @@ pub struct Reconfigure {
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct StopConnector;
+
+/// Config reload: `Retire(true)` — the endpoint left the config while its tunnel works (kept
+/// until it ends, not redialled); `Retire(false)` — it is back (redialled if its tunnel ended).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Retire(pub bool);
 
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -312,6 +324,12 @@ impl Handler<Event> for Connector {
                 if msg.generation != self.generation {
                     return;
                 }
+                if self.retired {
+                    // Not in the config any more: let it drain, dial nothing else.
+                    tracing::info!(endpoint = %label, "broker of a removed endpoint is draining");
+                    self.states.remove(&label);
+                    return;
+                }
                 tracing::info!(endpoint = %label, "broker is draining; moving to another address");
                 self.avoid.insert(self.index, Instant::now());
                 self.index = (self.index + 1) % self.endpoint.addresses.len();
@@ -351,6 +369,12 @@ impl Handler<Ended> for Connector {
         if msg.generation != self.generation || self.shutdown.is_cancelled() {
             return; // a draining tunnel finished, or we are stopping
         }
+        if self.retired {
+            tracing::info!(endpoint = %label, "the tunnel of an endpoint removed from the config ended; not redialling");
+            self.states.remove(&label);
+            self.idle = true;
+            return;
+        }
         self.states.set(&label, None);
         if msg.result.is_err() {
             // Try the next address of the group on the next attempt.
@@ -369,8 +393,15 @@ impl Handler<Reconfigure> for Connector {
         if self.shutdown.is_cancelled() {
             return;
         }
-        tracing::info!(endpoint = %self.label(), "settings changed: replacing the tunnel");
         self.shared = msg.shared;
+        if self.retired {
+            // Removed from the config: its tunnel drains, nothing is dialled.
+            if let Some(t) = self.tunnel_tokens.get(&self.generation) {
+                t.cancel();
+            }
+            return;
+        }
+        tracing::info!(endpoint = %self.label(), "settings changed: replacing the tunnel");
         // The current tunnel drains (GOAWAY, open streams finish); its end is then ignored as
         // an older generation.
         if let Some(t) = self.tunnel_tokens.get(&self.generation) {
@@ -379,6 +410,20 @@ impl Handler<Reconfigure> for Connector {
         self.states.set(&self.label(), None);
         self.backoff.reset();
         self.connect(ctx);
+    }
+}
+
+impl Handler<Retire> for Connector {
+    type Result = ();
+
+    fn handle(&mut self, msg: Retire, ctx: &mut Context<Self>) {
+        self.retired = msg.0;
+        if !self.retired && self.idle && !self.shutdown.is_cancelled() {
+            self.idle = false;
+            self.states.add(&self.label());
+            self.backoff.reset();
+            self.connect(ctx);
+        }
     }
 }
 

@@ -43,7 +43,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{AgentConfig, BrokerEndpoint};
-use crate::connector::{Connector, EndpointStates, Reconfigure, StopConnector};
+use crate::connector::{Connector, EndpointStates, Reconfigure, Retire, StopConnector};
 use crate::metrics::AgentMetrics;
 use crate::tunnel::AgentShared;
 
@@ -189,6 +189,8 @@ struct Running {
     states: EndpointStates,
     shutdown: CancellationToken,
     connectors: BTreeMap<String, (BrokerEndpoint, Addr<Connector>)>,
+    /// Connectors of endpoints removed from the config that keep their working tunnel.
+    retired: std::collections::BTreeSet<String>,
     metrics: AgentMetrics,
     counters: ByteCounters,
     tunnels: tether_runtime::Drain,
@@ -211,6 +213,8 @@ impl Running {
             avoid: Default::default(),
             established: Default::default(),
             tunnel_tokens: Default::default(),
+            retired: false,
+            idle: false,
             tunnels: self.tunnels.clone(),
         };
         let addr = Supervisor::start_in_arbiter(&Arbiter::current(), move |_| c);
@@ -257,13 +261,29 @@ impl Running {
             .iter()
             .map(|b| (b.label(), b.clone()))
             .collect();
-        let stale: Vec<String> = self
-            .connectors
-            .iter()
-            .filter(|(l, (e, _))| wanted.get(*l).is_none_or(|w| !same_endpoint(w, e)))
-            .map(|(l, _)| l.clone())
-            .collect();
+        let connected = self.states.snapshot();
+        let mut stale = Vec::new();
+        for (label, (e, addr)) in &self.connectors {
+            match wanted.get(label) {
+                Some(w) if same_endpoint(w, e) => {
+                    if self.retired.remove(label) {
+                        tracing::info!(endpoint = %label, "broker endpoint back in the config");
+                        addr.do_send(Retire(false));
+                    }
+                }
+                None if self.cfg.keep_removed_brokers_connected
+                    && connected.get(label).is_some_and(Option::is_some) =>
+                {
+                    if self.retired.insert(label.clone()) {
+                        tracing::info!(endpoint = %label, "broker endpoint removed from the config; its working tunnel is kept until it ends");
+                        addr.do_send(Retire(true));
+                    }
+                }
+                _ => stale.push(label.clone()),
+            }
+        }
         for label in stale {
+            self.retired.remove(&label);
             if let Some((_, addr)) = self.connectors.remove(&label) {
                 tracing::info!(endpoint = %label, "broker endpoint removed or changed");
                 addr.do_send(StopConnector);
@@ -337,6 +357,7 @@ pub async fn run_with_reload(
         states: states.clone(),
         shutdown: shutdown.clone(),
         connectors: BTreeMap::new(),
+        retired: Default::default(),
         metrics: metrics.clone(),
         counters,
         tunnels: tether_runtime::Drain::new("tunnel-agent"),

@@ -54,6 +54,105 @@ struct LastValue {
     revision: u64,
 }
 
+/// How often a [`HubStore::watch`] checks that it keeps up with the stream leader.
+pub const WATCH_CHECK_INTERVAL: Duration = Duration::from_secs(2);
+/// Budget of that check (a stream info request to the leader).
+const WATCH_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The state of a [`HubStore::watch`]: the library's watch, what it delivered and what the
+/// stream leader had at the last check.
+struct WatchState {
+    kv: kv::Store,
+    name: &'static str,
+    /// `None` while it has to be (re-)opened.
+    inner: Option<std::pin::Pin<Box<kv::Watch>>>,
+    /// Highest revision delivered.
+    delivered: u64,
+    /// `delivered` at the last check.
+    delivered_at_check: u64,
+    /// The leader's last sequence at the last check, when the watch had not delivered it.
+    leader_at_check: Option<u64>,
+    check: tokio::time::Interval,
+}
+
+impl WatchState {
+    /// The next change (waits for one; re-opens a stalled or ended watch).
+    async fn next<T: DeserializeOwned>(&mut self) -> (String, Option<T>) {
+        loop {
+            if self.inner.is_none() {
+                match self.kv.watch_with_history(">").await {
+                    Ok(w) => {
+                        self.inner = Some(Box::pin(w));
+                        self.leader_at_check = None;
+                    }
+                    Err(e) => {
+                        tracing::warn!(bucket = self.name, error = %e, "cannot re-open watch");
+                        self.check.tick().await;
+                        continue;
+                    }
+                }
+            }
+            let Some(w) = self.inner.as_mut() else {
+                continue;
+            };
+            tokio::select! {
+                e = w.next() => match e {
+                    None => {
+                        tracing::warn!(bucket = self.name, "watch ended; re-opening");
+                        self.inner = None;
+                        self.check.tick().await;
+                    }
+                    Some(Err(err)) => {
+                        tracing::warn!(bucket = self.name, error = %err, "watch error");
+                    }
+                    Some(Ok(e)) => {
+                        self.delivered = self.delivered.max(e.revision);
+                        match e.operation {
+                            kv::Operation::Put => match serde_json::from_slice::<T>(&e.value) {
+                                Ok(v) => return (e.key, Some(v)),
+                                Err(err) => {
+                                    tracing::warn!(bucket = self.name, key = %e.key, error = %err, "undecodable entry");
+                                }
+                            },
+                            _ => return (e.key, None),
+                        }
+                    }
+                },
+                _ = self.check.tick() => self.check_leader().await,
+            }
+        }
+    }
+
+    /// Compares what the watch delivered with the stream leader; drops a stalled watch.
+    async fn check_leader(&mut self) {
+        let stalled = self
+            .leader_at_check
+            .is_some_and(|l| self.delivered < l && self.delivered == self.delivered_at_check);
+        if stalled {
+            tracing::warn!(
+                bucket = self.name,
+                delivered = self.delivered,
+                leader = ?self.leader_at_check,
+                "watch stalled behind the stream leader; re-opening"
+            );
+            self.inner = None;
+            self.leader_at_check = None;
+            return;
+        }
+        self.delivered_at_check = self.delivered;
+        let stream = self.kv.stream.clone();
+        self.leader_at_check =
+            match tokio::time::timeout(WATCH_CHECK_TIMEOUT, stream.get_info()).await {
+                Ok(Ok(info))
+                    if info.state.messages > 0 && info.state.last_sequence > self.delivered =>
+                {
+                    Some(info.state.last_sequence)
+                }
+                _ => None,
+            };
+    }
+}
+
 /// A KV delete or purge marker (the `KV-Operation` header, or a server marker).
 fn is_removal(headers: Option<&async_nats::HeaderMap>) -> bool {
     let Some(h) = headers else {
@@ -568,31 +667,40 @@ impl HubStore {
 
     /// Current values of a bucket, then every change (None = deleted), as a stream. Decoding
     /// errors are logged and skipped.
+    ///
+    /// The watch is a consumer on one server of the NATS cluster. When that server dies or is
+    /// cut off while this client stays connected elsewhere, the client library only notices
+    /// after two missed idle heartbeats (10 s), and its re-creation retries back off to 10 s
+    /// while JetStream has no leader — a broker then refused a cluster accepted 13 s earlier
+    /// (`tests/tests/hub_chaos_tunnels.rs`). So every [`WATCH_CHECK_INTERVAL`] the watch asks
+    /// the stream leader for its last sequence; a watch that delivered nothing in a whole
+    /// interval although the leader had a later message at the previous check is stalled and
+    /// re-opened (it then delivers every current value again: consumers must treat a repeated
+    /// value as no change, which every watcher here does).
     pub async fn watch<T: DeserializeOwned + Send + 'static>(
         &self,
         b: Bucket,
     ) -> Result<impl futures::Stream<Item = (String, Option<T>)> + Send + use<T>, ControlError>
     {
-        let w = self.kv(b).watch_with_history(">").await.map_err(js_err)?;
-        let name = b.name();
-        Ok(w.filter_map(move |e| async move {
-            let e = match e {
-                Ok(e) => e,
-                Err(err) => {
-                    tracing::warn!(bucket = name, error = %err, "watch error");
-                    return None;
-                }
-            };
-            match e.operation {
-                kv::Operation::Put => match serde_json::from_slice::<T>(&e.value) {
-                    Ok(v) => Some((e.key, Some(v))),
-                    Err(err) => {
-                        tracing::warn!(bucket = name, key = %e.key, error = %err, "undecodable entry");
-                        None
-                    }
-                },
-                _ => Some((e.key, None)),
-            }
+        let kv = self.kv(b).clone();
+        let w = kv.watch_with_history(">").await.map_err(js_err)?;
+        let mut check = tokio::time::interval_at(
+            tokio::time::Instant::now() + WATCH_CHECK_INTERVAL,
+            WATCH_CHECK_INTERVAL,
+        );
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let state = WatchState {
+            kv,
+            name: b.name(),
+            inner: Some(Box::pin(w)),
+            delivered: 0,
+            delivered_at_check: 0,
+            leader_at_check: None,
+            check,
+        };
+        Ok(futures::stream::unfold(state, |mut st| async move {
+            let item = st.next::<T>().await;
+            Some((item, st))
         }))
     }
 

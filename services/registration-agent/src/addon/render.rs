@@ -96,6 +96,9 @@ struct AgentYaml {
     proxy: Proxy,
     shutdown_grace: &'static str,
     backoff: Backoff,
+    /// The hub's broker list follows broker presence, which can lapse while a broker serves:
+    /// a working tunnel to a broker that left the list is kept until it ends.
+    keep_removed_brokers_connected: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     tunnel: Option<serde_json::Value>,
 }
@@ -154,6 +157,7 @@ pub fn render(
                 .map(|_| settings.runtime_dir.join(PROXY_CA_FILE)),
         },
         shutdown_grace: "2s",
+        keep_removed_brokers_connected: true,
         backoff: Backoff {
             initial: "100ms",
             max: "5s",
