@@ -1,14 +1,17 @@
 //! Supervision restarts something real: one real broker, two real agents. Agent `sa` reaches the
-//! broker through a relay this test controls. Its tunnel is killed three ways, one after the
+//! broker through a relay this test controls. Its tunnel is killed five ways, one after the
 //! other:
 //! 1. the relay cuts the tunnel's TCP connection (the connection dies under a live tunnel);
 //! 2. the broker's `TunnelActor` of `sa` panics (the broker's test-only `test_hooks`);
-//! 3. the task driving the tunnel's HTTP/2 connection on the broker panics (same hook).
+//! 3. the task driving the tunnel's HTTP/2 connection on the broker panics (same hook);
+//! 4. the agent's `Connector` actor of that endpoint panics (the agent's `test_hooks`): the
+//!    agent's supervisor starts a new connector (`tether_agent_connector_restarts_total`);
+//! 5. the agent's task driving the tunnel panics (same hook): the connector redials.
 //!
 //! Each time:
 //! - the broker deregisters the dead tunnel, and a new tunnel (a new id) is registered when the
-//!   agent's supervised `Connector` redials (its connect counter rises, the relay sees a new
-//!   connection);
+//!   agent's `Connector` (the same one, or a new one after 4) redials (its connect counter
+//!   rises, the relay sees a new connection);
 //! - a stream through `sb`'s tunnel, open and moving data the whole time, keeps flowing, and its
 //!   tunnel is the same one afterwards (no other tunnel affected);
 //! - a new stream through `sa` works again.
@@ -108,13 +111,18 @@ enum Kill {
     PanicActor,
     /// Make the broker's task driving the HTTP/2 connection panic.
     PanicConnectionTask,
+    /// Make the agent's connector actor of the endpoint panic.
+    PanicAgentConnector,
+    /// Make the agent's task driving the tunnel panic.
+    PanicAgentTunnelTask,
 }
 
-/// Asks the broker's test hook to make `cluster`'s tunnel panic in `task`.
-async fn panic_tunnel(admin: SocketAddr, cluster: &str, task: &str) -> anyhow::Result<()> {
+/// Asks a test hook (the broker's: `key` = `cluster`, the agent's: `endpoint`) to make the
+/// tunnel of `name` panic in `task`.
+async fn panic_tunnel(admin: SocketAddr, key: &str, name: &str, task: &str) -> anyhow::Result<()> {
     let (status, body) = admin_get(
         admin,
-        &format!("/debug/test/panic-tunnel?cluster={cluster}&task={task}"),
+        &format!("/debug/test/panic-tunnel?{key}={name}&task={task}"),
     )
     .await?;
     let answer: serde_json::Value = serde_json::from_str(&body)?;
@@ -142,7 +150,7 @@ async fn a_killed_tunnel_is_redialled_and_reregistered_while_another_tunnel_keep
     let echo = echo_server().await?;
     let broker = hub.start_broker("b1", "test_hooks: true")?;
     let relay = CutRelay::start(broker.agent_addr).await?;
-    let sa = hub.start_agent("sa", "sa", &[vec![relay.addr]], echo, "")?;
+    let sa = hub.start_agent("sa", "sa", &[vec![relay.addr]], echo, "test_hooks: true")?;
     let sb = hub.start_agent("sb", "sb", &[vec![broker.agent_addr]], echo, "")?;
     for (agent, cluster) in [(&sa, "sa"), (&sb, "sb")] {
         wait_agent_ready(agent).await?;
@@ -161,6 +169,15 @@ async fn a_killed_tunnel_is_redialled_and_reregistered_while_another_tunnel_keep
         .unwrap_or(0.0)
     };
     assert_eq!(connects(sa.admin_addr, endpoint.clone()).await, 1.0);
+    let restarts = |a: SocketAddr, e: String| async move {
+        metric(
+            a,
+            "tether_agent_connector_restarts_total",
+            &[("endpoint", e.as_str())],
+        )
+        .await
+    };
+    assert_eq!(restarts(sa.admin_addr, endpoint.clone()).await?, 0.0);
 
     // A stream through sb's tunnel that keeps moving data until told to stop.
     let stream = connect_ok(broker.client_addr, &qualified("sb", echo)).await?;
@@ -216,7 +233,10 @@ async fn a_killed_tunnel_is_redialled_and_reregistered_while_another_tunnel_keep
         Kill::CutConnection,
         Kill::PanicActor,
         Kill::PanicConnectionTask,
+        Kill::PanicAgentConnector,
+        Kill::PanicAgentTunnelTask,
     ];
+    let mut restarted = 0.0;
     for (n, kill) in kills.into_iter().enumerate() {
         let sa_before = tunnel_ids(broker.admin_addr, "sa").await?;
         assert_eq!(
@@ -227,9 +247,16 @@ async fn a_killed_tunnel_is_redialled_and_reregistered_while_another_tunnel_keep
         let accepted_before = relay.accepted.load(Ordering::Relaxed);
         match kill {
             Kill::CutConnection => relay.cut(),
-            Kill::PanicActor => panic_tunnel(broker.admin_addr, "sa", "actor").await?,
+            Kill::PanicActor => panic_tunnel(broker.admin_addr, "cluster", "sa", "actor").await?,
             Kill::PanicConnectionTask => {
-                panic_tunnel(broker.admin_addr, "sa", "connection").await?
+                panic_tunnel(broker.admin_addr, "cluster", "sa", "connection").await?
+            }
+            Kill::PanicAgentConnector => {
+                panic_tunnel(sa.admin_addr, "endpoint", &endpoint, "actor").await?;
+                restarted += 1.0;
+            }
+            Kill::PanicAgentTunnelTask => {
+                panic_tunnel(sa.admin_addr, "endpoint", &endpoint, "connection").await?
             }
         }
 
@@ -255,6 +282,13 @@ async fn a_killed_tunnel_is_redialled_and_reregistered_while_another_tunnel_keep
             || async { (connects(sa.admin_addr, endpoint.clone()).await >= want).then_some(()) },
         )
         .await?;
+        // Only the connector's own panic replaces the connector; the other kills end a tunnel
+        // and the same connector redials.
+        assert_eq!(
+            restarts(sa.admin_addr, endpoint.clone()).await?,
+            restarted,
+            "{kill:?}: connector restarts"
+        );
 
         // sb's stream kept flowing through the episode, on the same tunnel.
         progress(

@@ -54,6 +54,11 @@ pub struct AgentConfig {
     /// agent refuses service-proxy streams.
     #[serde(default)]
     pub service_proxy: Option<ServiceProxySettings>,
+    /// Test-only: the admin listener can make a connector actor or its tunnel's task panic
+    /// (`/debug/test/panic-tunnel?endpoint=<label>&task=<actor|connection>`, see
+    /// `tether_runtime::test_hooks`). Never set it in production; a change needs a restart.
+    #[serde(default)]
+    pub test_hooks: bool,
 }
 
 /// Default CA of the in-cluster API server (the pod's service account).

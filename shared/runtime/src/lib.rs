@@ -9,6 +9,8 @@
 //! - [`data_plane_allocator!`]: mimalloc as the broker's and the agent's global allocator.
 //! - [`service`]: the service skeleton's [`Drain`]: every long-lived task and open work item of a
 //!   service is tracked, and shutdown waits for them up to a named deadline.
+//! - [`test_hooks`]: test-only fault injection (a tunnel's actor or connection task panics) for
+//!   the supervision tests; off unless a service's config says `test_hooks: true`.
 //! - [`shutdown`]: a root [`CancellationToken`](tokio_util::sync::CancellationToken) cancelled on
 //!   SIGTERM or SIGINT, from which every component derives its own child token.
 
@@ -16,6 +18,7 @@ pub mod backoff;
 pub mod process;
 pub mod service;
 pub mod shutdown;
+pub mod test_hooks;
 
 pub use backoff::{Backoff, BackoffConfig};
 pub use process::{
