@@ -127,41 +127,19 @@ pub async fn run_tunnel(
     );
     let mut tcp = tether_tunnel::readahead::ReadAhead::new(tcp);
     tcp.count_into(Arc::clone(&window));
-    let tls = match tokio::time::timeout(hs, connector.connect(server_name, tcp)).await {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => {
-            return Err(TunnelError::Tls {
-                addr,
-                reason: e.to_string(),
-            });
+    let tls = within(hs, connector.connect(server_name, tcp), |reason| {
+        TunnelError::Tls {
+            addr: addr.clone(),
+            reason,
         }
-        Err(_) => {
-            return Err(TunnelError::Tls {
-                addr,
-                reason: format!("timed out after {hs:?}"),
-            });
-        }
-    };
-    let mut conn = match tokio::time::timeout(
-        hs,
-        shared.settings.server_builder().handshake::<_, Bytes>(tls),
-    )
-    .await
-    {
-        Ok(Ok(c)) => c,
-        Ok(Err(e)) => {
-            return Err(TunnelError::H2 {
-                addr,
-                reason: e.to_string(),
-            });
-        }
-        Err(_) => {
-            return Err(TunnelError::H2 {
-                addr,
-                reason: format!("timed out after {hs:?}"),
-            });
-        }
-    };
+    })
+    .await?;
+    let handshake = shared.settings.server_builder().handshake::<_, Bytes>(tls);
+    let mut conn = within(hs, handshake, |reason| TunnelError::H2 {
+        addr: addr.clone(),
+        reason,
+    })
+    .await?;
     let rtt = std::sync::atomic::AtomicU64::new(0);
     let keepalive = tether_tunnel::keepalive::run_probed(
         conn.ping_pong().expect("ping_pong taken once"),
@@ -262,19 +240,28 @@ async fn connect_transport(
                 reason: e.to_string(),
             });
     }
-    match tokio::time::timeout(hs, TcpStream::connect(addr)).await {
-        Ok(Ok(s)) => {
-            let _ = s.set_nodelay(true);
-            Ok(Box::new(s))
+    let s = within(hs, TcpStream::connect(addr), |reason| {
+        TunnelError::Connect {
+            addr: addr.to_owned(),
+            reason,
         }
-        Ok(Err(e)) => Err(TunnelError::Connect {
-            addr: addr.to_owned(),
-            reason: e.to_string(),
-        }),
-        Err(_) => Err(TunnelError::Connect {
-            addr: addr.to_owned(),
-            reason: format!("timed out after {hs:?}"),
-        }),
+    })
+    .await?;
+    let _ = s.set_nodelay(true);
+    Ok(Box::new(s))
+}
+
+/// `step` bounded by `limit` (a handshake step); its failure, or "timed out after …", as the
+/// `reason` of the error `err` builds.
+async fn within<T, E: std::fmt::Display>(
+    limit: Duration,
+    step: impl std::future::Future<Output = Result<T, E>>,
+    err: impl FnOnce(String) -> TunnelError,
+) -> Result<T, TunnelError> {
+    match tokio::time::timeout(limit, step).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(err(e.to_string())),
+        Err(_) => Err(err(format!("timed out after {limit:?}"))),
     }
 }
 
