@@ -40,6 +40,35 @@ pub struct AgentShared {
     pub service_proxy: Option<Arc<crate::service_proxy::ServiceProxy>>,
 }
 
+impl AgentShared {
+    /// Splices a broker's stream with a target's bytes (`rd`, `wr`), counted in
+    /// `tether_agent_open_streams` while it runs; returns how it ended.
+    async fn splice<R, W>(
+        &self,
+        rd: R,
+        wr: W,
+        send: h2::SendStream<Bytes>,
+        recv: h2::RecvStream,
+    ) -> Result<tether_tunnel::pump::SpliceStats, tether_tunnel::pump::SpliceError>
+    where
+        R: tether_tunnel::pump::ChunkReader,
+        W: tether_tunnel::pump::AbortableWrite,
+    {
+        self.metrics.open_streams.inc();
+        let r = splice(
+            rd,
+            wr,
+            send,
+            recv,
+            self.settings.write_stall_timeout,
+            &self.counters,
+        )
+        .await;
+        self.metrics.open_streams.dec();
+        r
+    }
+}
+
 /// Events a tunnel reports to its connector.
 #[derive(Debug)]
 pub enum TunnelEvent {
@@ -391,18 +420,15 @@ async fn handle_dial(
                 return;
             }
         };
-        shared.metrics.open_streams.inc();
         let (rd, wr) = tcp.into_split();
-        let result = splice(
-            TcpChunkReader::new(rd, shared.settings.read_chunk_bytes),
-            tether_tunnel::pump::ResettableWriteHalf::new(wr),
-            send,
-            req.into_body(),
-            shared.settings.write_stall_timeout,
-            &shared.counters,
-        )
-        .await;
-        shared.metrics.open_streams.dec();
+        let result = shared
+            .splice(
+                TcpChunkReader::new(rd, shared.settings.read_chunk_bytes),
+                tether_tunnel::pump::ResettableWriteHalf::new(wr),
+                send,
+                req.into_body(),
+            )
+            .await;
         let label = match &result {
             Ok(_) => "ok",
             Err(e) => e.reason.metric_label(),
@@ -452,18 +478,9 @@ async fn serve_service_proxy(
     };
     let (ours, theirs) = tokio::io::duplex(SERVICE_PROXY_PIPE_BYTES);
     tokio::spawn(proxy.serve(theirs));
-    shared.metrics.open_streams.inc();
     let (rd, wr) = tokio::io::split(ours);
-    let r = splice(
-        tether_tunnel::pump::AsyncChunkReader::new(rd, shared.settings.read_chunk_bytes),
-        wr,
-        send,
-        req.into_body(),
-        shared.settings.write_stall_timeout,
-        &shared.counters,
-    )
-    .await;
-    shared.metrics.open_streams.dec();
+    let rd = tether_tunnel::pump::AsyncChunkReader::new(rd, shared.settings.read_chunk_bytes);
+    let r = shared.splice(rd, wr, send, req.into_body()).await;
     if let Err(e) = r {
         tracing::debug!(reason = %e.reason, "service-proxy stream aborted");
     }
