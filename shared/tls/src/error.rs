@@ -12,6 +12,12 @@ pub enum TlsError {
     },
     #[error("{path}: {reason}")]
     Pem { path: PathBuf, reason: String },
+    #[error("{path}: {source}")]
+    Certs {
+        path: PathBuf,
+        #[source]
+        source: crate::pem::CertsError,
+    },
     #[error("certificate {cert} does not match key {key}: {reason}")]
     KeyMismatch {
         cert: PathBuf,

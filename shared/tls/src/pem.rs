@@ -9,19 +9,28 @@ use crate::error::TlsError;
 /// Reads every certificate in a PEM file; fails if there is none.
 pub fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let data = read(path)?;
-    certs_from_pem(&data).map_err(|reason| TlsError::Pem {
+    certs_from_pem(&data).map_err(|source| TlsError::Certs {
         path: path.to_owned(),
-        reason,
+        source,
     })
 }
 
+/// Why PEM text holds no usable certificate.
+#[derive(Debug, thiserror::Error)]
+pub enum CertsError {
+    #[error("malformed PEM certificate: {0}")]
+    Malformed(#[source] rustls::pki_types::pem::Error),
+    #[error("no CERTIFICATE block found")]
+    Empty,
+}
+
 /// Parses every certificate in PEM text; fails if there is none.
-pub fn certs_from_pem(data: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
+pub fn certs_from_pem(data: &[u8]) -> Result<Vec<CertificateDer<'static>>, CertsError> {
     let certs = CertificateDer::pem_slice_iter(data)
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("malformed PEM certificate: {e}"))?;
+        .map_err(CertsError::Malformed)?;
     if certs.is_empty() {
-        return Err("no CERTIFICATE block found".into());
+        return Err(CertsError::Empty);
     }
     Ok(certs)
 }
