@@ -12,6 +12,12 @@ pub enum TlsError {
     },
     #[error("{path}: {reason}")]
     Pem { path: PathBuf, reason: String },
+    #[error("{path}: bad certificate: {source}")]
+    BadCertificate {
+        path: PathBuf,
+        #[source]
+        source: x509_parser::nom::Err<x509_parser::error::X509Error>,
+    },
     #[error("{path}: {source}")]
     Certs {
         path: PathBuf,

@@ -222,9 +222,9 @@ fn load_snapshot(files: &TlsFiles) -> Result<Snapshot, TlsError> {
         key: files.key.clone(),
         reason: e.to_string(),
     })?;
-    let not_after_unix = not_after(&chain[0]).map_err(|reason| TlsError::Pem {
+    let not_after_unix = not_after(&chain[0]).map_err(|source| TlsError::BadCertificate {
         path: files.cert.clone(),
-        reason,
+        source,
     })?;
     let roots = Arc::new(load_roots(&files.ca)?);
     let ca_err = |e: &dyn std::fmt::Display| TlsError::Ca {
@@ -268,10 +268,11 @@ pub fn load_roots(path: &Path) -> Result<RootCertStore, TlsError> {
     Ok(roots)
 }
 
-fn not_after(cert: &CertificateDer<'_>) -> Result<i64, String> {
+fn not_after(
+    cert: &CertificateDer<'_>,
+) -> Result<i64, x509_parser::nom::Err<x509_parser::error::X509Error>> {
     use x509_parser::prelude::{FromDer, X509Certificate};
-    let (_, x) =
-        X509Certificate::from_der(cert.as_ref()).map_err(|e| format!("bad certificate: {e}"))?;
+    let (_, x) = X509Certificate::from_der(cert.as_ref())?;
     Ok(x.validity().not_after.timestamp())
 }
 
