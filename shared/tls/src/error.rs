@@ -22,7 +22,7 @@ pub enum TlsError {
     Certs {
         path: PathBuf,
         #[source]
-        source: crate::pem::CertsError,
+        source: CertsError,
     },
     #[error("certificate {cert} does not match key {key}: {reason}")]
     KeyMismatch {
@@ -34,4 +34,13 @@ pub enum TlsError {
     Ca { path: PathBuf, reason: String },
     #[error("TLS configuration error: {0}")]
     Config(String),
+}
+
+/// Why PEM text holds no usable certificate.
+#[derive(Debug, thiserror::Error)]
+pub enum CertsError {
+    #[error("malformed PEM certificate: {0}")]
+    Malformed(#[source] rustls::pki_types::pem::Error),
+    #[error("no CERTIFICATE block found")]
+    Empty,
 }

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
 
-use crate::error::TlsError;
+use crate::error::{CertsError, TlsError};
 
 /// Reads every certificate in a PEM file; fails if there is none.
 pub fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
@@ -13,15 +13,6 @@ pub fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError>
         path: path.to_owned(),
         source,
     })
-}
-
-/// Why PEM text holds no usable certificate.
-#[derive(Debug, thiserror::Error)]
-pub enum CertsError {
-    #[error("malformed PEM certificate: {0}")]
-    Malformed(#[source] rustls::pki_types::pem::Error),
-    #[error("no CERTIFICATE block found")]
-    Empty,
 }
 
 /// Parses every certificate in PEM text; fails if there is none.
