@@ -304,13 +304,7 @@ async fn handle_request(
     match req.uri().path() {
         wire::PATH_DIAL => handle_dial(req, respond, shared).await,
         wire::PATH_HELLO => {
-            let h = |n: &str| {
-                req.headers()
-                    .get(n)
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or("")
-                    .to_owned()
-            };
+            let h = |n: &str| header(&req, n);
             let (seen_cluster, seen_agent) = (h(wire::HEADER_CLUSTER), h(wire::HEADER_AGENT));
             let broker = h("tether-broker");
             if seen_cluster != shared.cluster {
@@ -364,18 +358,21 @@ async fn handle_request(
     }
 }
 
+/// Header `name` of a broker's request as text ("" when absent or not text).
+fn header<B>(req: &Request<B>, name: &str) -> String {
+    req.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned()
+}
+
 async fn handle_dial(
     req: Request<h2::RecvStream>,
     mut respond: SendResponse<Bytes>,
     shared: Arc<AgentShared>,
 ) {
-    let h = |n: &str| {
-        req.headers()
-            .get(n)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_owned()
-    };
+    let h = |n: &str| header(&req, n);
     let target = h(wire::HEADER_TARGET);
     let stream_id = h(wire::HEADER_STREAM);
     let span = tracing::info_span!("agent_stream", cluster = %shared.cluster, stream = %stream_id, target = %target);
