@@ -18,6 +18,7 @@ use anyhow::{Context as _, bail};
 use tether_test_support::{Child, bin, read_ready_file, wait_until};
 
 use crate::START_TIMEOUT;
+use tether_control::store::Store as _;
 
 /// Host name in the hub NATS certificate (and `--tls-server-name` of `tetherctl join`).
 pub const HUB_HOST: &str = "hub.tether.test";

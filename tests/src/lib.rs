@@ -6,12 +6,14 @@
 //!
 //! The hub side: [`control_plane`] (nats-server + addon-manager, replicated hubs, add-on agents)
 //! and [`registration`] (the registration tests' hub with forward proxies and network
-//! namespaces) — one harness in this library, used by every test file.
+//! namespaces) — one harness in this library, used by every test file. [`live`]: streams that
+//! keep moving data and relays that can be cut, for tests that change the world underneath.
 
 pub mod apiserver;
 pub mod benchkit;
 pub mod delay;
 pub mod forward_proxy;
+pub mod live;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

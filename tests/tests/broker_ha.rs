@@ -14,6 +14,7 @@ use tether_control::brokers::BrokerPresence;
 use tether_control::connect::{self, ConnectConfig, Credentials};
 use tether_control::hub::{ADMIN_USER, HubDir};
 use tether_control::resources::ManagedCluster;
+use tether_control::store::Store as _;
 use tether_control::store::{Bucket, HubStore};
 use tether_e2e::{
     Broker, Hub as Procs, OPS_TOKEN, admin_get, connect, connect_ok, echo_server, metric,

@@ -1,11 +1,16 @@
 //! A client may reach any broker: a broker without a tunnel for the cluster relays the stream
-//! to a peer broker that has one (real processes, mTLS between brokers).
+//! to a peer broker that has one (real processes, mTLS between brokers). A broker drained with
+//! relayed streams open (either end of the relay) keeps its deadline and truncates nothing
+//! silently.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use tether_e2e::live::ContinuousEcho;
 use tether_e2e::{
-    Hub, OPS_TOKEN, admin_get, connect, echo_server, peers_yaml, wait_agent_ready, wait_tunnel,
+    Hub, OPS_TOKEN, admin_get, connect, connect_ok, echo_server, peers_yaml, qualified,
+    sum_samples, wait_agent_ready, wait_tunnel,
 };
+use tether_test_support::wait_until_async;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -77,16 +82,7 @@ async fn stream_is_relayed_to_the_broker_holding_the_tunnel() -> anyhow::Result<
 async fn relayed_stream_aborts_as_error_when_agent_dies() -> anyhow::Result<()> {
     let hub = Hub::new()?;
     // A target that sends forever, so the client is mid-read when the agent dies.
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let source = l.local_addr()?;
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = l.accept().await {
-            tokio::spawn(async move {
-                let chunk = vec![7u8; 64 * 1024];
-                while s.write_all(&chunk).await.is_ok() {}
-            });
-        }
-    });
+    let source = endless_source().await?;
     let b1 = hub.start_broker("b1", "")?;
     let b2 = hub.start_broker("b2", &peers_yaml(&b1))?;
     let mut agent = hub.start_agent("c1", "c1", &[vec![b1.agent_addr]], source, "")?;
@@ -119,4 +115,167 @@ async fn relayed_stream_aborts_as_error_when_agent_dies() -> anyhow::Result<()> 
     let err = outcome.expect_err("a broken relayed stream must end with an error, not EOF");
     assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset, "{err}");
     Ok(())
+}
+
+/// Which broker a drain test stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Drained {
+    /// b2, which has no tunnel and relays its clients' streams to b1.
+    Relaying,
+    /// b1, which holds the agent's tunnel and accepts b2's relays.
+    TunnelHolder,
+}
+
+/// Broker drain with live peer relays (SIGTERM on one of two brokers while streams go
+/// client → b2 → relay → b1 → agent): a relayed stream that finishes during the drain arrives
+/// intact; a relayed stream that never finishes is cut at the drain deadline with a reset, not a
+/// clean EOF (no silent truncation); the broker exits within `drain_grace` plus its task
+/// deadline, and its drain reports every tracked task ended.
+async fn drain_with_live_relays(drained: Drained) -> anyhow::Result<()> {
+    // The hub's brokers drain for 10 s (`drain_grace`); then their tracked tasks get
+    // `DEFAULT_TASK_DRAIN_DEADLINE` (5 s). Beyond that the process has not kept its deadline.
+    const DRAIN_DEADLINE: Duration = Duration::from_secs(10 + 5);
+    let hub = Hub::new()?;
+    let echo = echo_server().await?;
+    let source = endless_source().await?;
+    let mut b1 = hub.start_broker("b1", "")?;
+    let mut b2 = hub.start_broker("b2", &peers_yaml(&b1))?;
+    let agent = hub.start_agent("c1", "c1", &[vec![b1.agent_addr]], echo, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&b1, "c1").await?;
+
+    // Both streams enter at b2 and are relayed to b1 (b2 has no tunnel for c1).
+    let mut endless =
+        tether_test_support::wait_until_async(Duration::from_secs(20), "relay via b2", || async {
+            connect(b2.client_addr, &qualified("c1", source), Some(OPS_TOKEN))
+                .await
+                .ok()?
+                .ok()
+        })
+        .await?;
+    let mut buf = vec![0u8; 64 << 10];
+    let mut got = 0usize;
+    while got < 1 << 20 {
+        got += endless.read(&mut buf).await?;
+    }
+    let finite = ContinuousEcho::start(
+        connect_ok(b2.client_addr, &qualified("c1", echo)).await?,
+        64 << 10,
+        true,
+    );
+    finite
+        .wait_progress(2 << 20, "relayed echo moving before the drain")
+        .await?;
+    let (_, relays) = admin_get(b1.admin_addr, "/metrics").await?;
+    assert!(
+        sum_samples(
+            &relays,
+            "tether_broker_open_streams",
+            &[("frontend", "relay")]
+        ) >= 2.0,
+        "b1 carries both streams as relays:\n{relays}"
+    );
+
+    let (stopped, log) = match drained {
+        Drained::Relaying => (&mut b2, "broker-b2.log"),
+        Drained::TunnelHolder => (&mut b1, "broker-b1.log"),
+    };
+    let started = Instant::now();
+    stopped.child.terminate();
+    // The open relayed echo keeps going through the drain, then finishes intact.
+    finite
+        .wait_progress(2 << 20, "relayed echo moving during the drain")
+        .await?;
+    finite.finish().await?;
+
+    // The endless stream is cut at the drain deadline: with a reset, never a clean EOF.
+    let end = tokio::time::timeout(DRAIN_DEADLINE, async {
+        loop {
+            match endless.read(&mut buf).await {
+                Ok(0) => return Ok(()),
+                Ok(_) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("{drained:?}: the endless stream outlived the drain"))?;
+    let Err(err) = end else {
+        eprintln!(
+            "== {log}\n{}",
+            without_ansi(&std::fs::read_to_string(hub.path().join(log)).unwrap_or_default())
+        );
+        anyhow::bail!(
+            "{drained:?}: the endless stream ended with a clean EOF {:?} after SIGTERM (silent truncation)",
+            started.elapsed()
+        );
+    };
+    assert_eq!(
+        err.kind(),
+        std::io::ErrorKind::ConnectionReset,
+        "{drained:?}: {err}"
+    );
+
+    let left = DRAIN_DEADLINE.saturating_sub(started.elapsed());
+    let status = wait_until_async(left, &format!("{drained:?} broker to exit"), || {
+        let s = stopped.child.try_wait();
+        async move { s }
+    })
+    .await?;
+    assert!(status.success(), "{drained:?}: exited with {status}");
+    let text = without_ansi(&std::fs::read_to_string(hub.path().join(log))?);
+    // The streams' drain hit its deadline (the endless stream); every tracked task of the
+    // broker still ended within its own.
+    assert!(
+        text.lines()
+            .any(|l| l.contains("drain complete") && l.contains("service=\"tunnel-broker\"")),
+        "{drained:?}: the broker's task drain did not complete:\n{text}"
+    );
+    assert!(
+        !text.lines().any(|l| l.contains("drain deadline passed")
+            && l.contains("service=\"tunnel-broker\"")),
+        "{drained:?}: tasks outlived the drain:\n{text}"
+    );
+    Ok(())
+}
+
+/// `text` without its ANSI colour sequences (`ESC [ … m`).
+fn without_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            chars.by_ref().find(|&c| c == 'm');
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// A target that sends forever, so a client is mid-read whenever its stream is cut.
+async fn endless_source() -> anyhow::Result<std::net::SocketAddr> {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = l.local_addr()?;
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let chunk = vec![7u8; 64 * 1024];
+                while s.write_all(&chunk).await.is_ok() {}
+            });
+        }
+    });
+    Ok(addr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draining_the_relaying_broker_ends_its_relayed_streams_within_the_deadline()
+-> anyhow::Result<()> {
+    drain_with_live_relays(Drained::Relaying).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draining_the_tunnel_holder_ends_relayed_streams_within_the_deadline() -> anyhow::Result<()>
+{
+    drain_with_live_relays(Drained::TunnelHolder).await
 }

@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 use registration::{Hub as NatsHub, HubOpts, read_log, tail};
 use tether_control::connect::{self, ConnectConfig, Credentials};
 use tether_control::hub::{ADMIN_USER, HubDir};
+use tether_control::store::Store as _;
 use tether_control::subjects;
 use tether_e2e::apiserver::FakeApiServer;
 use tether_e2e::control_plane::{

@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use tether_control::addons::ManagedClusterAddOn;
+use tether_control::store::Store as _;
 use tether_control::store::{Bucket, HubStore};
 use tether_e2e::control_plane::{
     AddonAgent, AddonAgentSpec, AvailabilityWatch, FailureLogs, HUB_HOST, Manager, NatsCluster,

@@ -15,6 +15,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use tether_control::leader::LeaderRecord;
+use tether_control::store::Store as _;
 use tether_control::store::{Bucket, HubStore};
 use tether_e2e::control_plane::{
     AvailabilityWatch, Manager, NatsCluster, admin_connection, assert_csrs_signed_once,

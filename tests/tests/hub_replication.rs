@@ -16,6 +16,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use tether_control::store::Store as _;
 use tether_control::store::{Bucket, HubStore, Replicas};
 use tether_control::subjects;
 use tether_e2e::control_plane::{

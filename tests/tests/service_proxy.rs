@@ -29,6 +29,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
+use tether_control::store::Store as _;
 use tether_e2e::apiserver::{AGENT_SA_TOKEN, KUBE_TOKEN, KubeApiServer};
 use tether_e2e::control_plane::{ControlPlane, broker_control_plane_yaml, tunnel_hub_from_ca};
 use tether_e2e::{OPS_TOKEN, metric, wait_tunnel};

@@ -1,92 +1,33 @@
 //! Supervision restarts something real: one real broker, two real agents. Agent `sa` reaches the
-//! broker through a relay this test controls. Its tunnel is killed three ways, one after the
+//! broker through a relay this test controls. Its tunnel is killed five ways, one after the
 //! other:
 //! 1. the relay cuts the tunnel's TCP connection (the connection dies under a live tunnel);
 //! 2. the broker's `TunnelActor` of `sa` panics (the broker's test-only `test_hooks`);
-//! 3. the task driving the tunnel's HTTP/2 connection on the broker panics (same hook).
+//! 3. the task driving the tunnel's HTTP/2 connection on the broker panics (same hook);
+//! 4. the agent's `Connector` actor of that endpoint panics (the agent's `test_hooks`): the
+//!    agent's supervisor starts a new connector (`tether_agent_connector_restarts_total`);
+//! 5. the agent's task driving the tunnel panics (same hook): the connector redials.
 //!
 //! Each time:
 //! - the broker deregisters the dead tunnel, and a new tunnel (a new id) is registered when the
-//!   agent's supervised `Connector` redials (its connect counter rises, the relay sees a new
-//!   connection);
+//!   agent's `Connector` (the same one, or a new one after 4) redials (its connect counter
+//!   rises, the relay sees a new connection);
 //! - a stream through `sb`'s tunnel, open and moving data the whole time, keeps flowing, and its
 //!   tunnel is the same one afterwards (no other tunnel affected);
 //! - a new stream through `sa` works again.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use tether_e2e::live::{ContinuousEcho, CutRelay};
 use tether_e2e::{
-    Hub, Payload, Sha256, admin_get, connect_ok, echo_server, metric, qualified, wait_agent_ready,
-    wait_tunnel,
+    Hub, admin_get, connect_ok, echo_server, metric, qualified, wait_agent_ready, wait_tunnel,
 };
 use tether_test_support::wait_until_async;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio_util::sync::CancellationToken;
 
 /// Deadline for each step of the test.
 const STEP: Duration = Duration::from_secs(30);
-
-/// A TCP relay to `upstream` whose current connections can be cut (both sockets dropped); new
-/// connections are relayed again afterwards.
-struct CutRelay {
-    addr: SocketAddr,
-    cut: Arc<std::sync::Mutex<CancellationToken>>,
-    accepted: Arc<AtomicU64>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for CutRelay {
-    fn drop(&mut self) {
-        self.task.abort();
-        self.cut.lock().unwrap().cancel();
-    }
-}
-
-impl CutRelay {
-    async fn start(upstream: SocketAddr) -> anyhow::Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let cut = Arc::new(std::sync::Mutex::new(CancellationToken::new()));
-        let accepted = Arc::new(AtomicU64::new(0));
-        let task = {
-            let (cut, accepted) = (Arc::clone(&cut), Arc::clone(&accepted));
-            tokio::spawn(async move {
-                while let Ok((mut down, _)) = listener.accept().await {
-                    accepted.fetch_add(1, Ordering::Relaxed);
-                    let stop = cut.lock().unwrap().clone();
-                    tokio::spawn(async move {
-                        let Ok(Ok(mut up)) =
-                            tokio::time::timeout(STEP, TcpStream::connect(upstream)).await
-                        else {
-                            return;
-                        };
-                        tokio::select! {
-                            _ = tokio::io::copy_bidirectional(&mut down, &mut up) => {}
-                            _ = stop.cancelled() => {}
-                        }
-                    });
-                }
-            })
-        };
-        Ok(Self {
-            addr,
-            cut,
-            accepted,
-            task,
-        })
-    }
-
-    /// Drops every connection relayed so far.
-    fn cut(&self) {
-        let mut c = self.cut.lock().unwrap();
-        c.cancel();
-        *c = CancellationToken::new();
-    }
-}
 
 /// Tunnel ids the broker's `/debug/tunnels` lists for `cluster`.
 async fn tunnel_ids(admin: SocketAddr, cluster: &str) -> anyhow::Result<Vec<u64>> {
@@ -108,13 +49,18 @@ enum Kill {
     PanicActor,
     /// Make the broker's task driving the HTTP/2 connection panic.
     PanicConnectionTask,
+    /// Make the agent's connector actor of the endpoint panic.
+    PanicAgentConnector,
+    /// Make the agent's task driving the tunnel panic.
+    PanicAgentTunnelTask,
 }
 
-/// Asks the broker's test hook to make `cluster`'s tunnel panic in `task`.
-async fn panic_tunnel(admin: SocketAddr, cluster: &str, task: &str) -> anyhow::Result<()> {
+/// Asks a test hook (the broker's: `key` = `cluster`, the agent's: `endpoint`) to make the
+/// tunnel of `name` panic in `task`.
+async fn panic_tunnel(admin: SocketAddr, key: &str, name: &str, task: &str) -> anyhow::Result<()> {
     let (status, body) = admin_get(
         admin,
-        &format!("/debug/test/panic-tunnel?cluster={cluster}&task={task}"),
+        &format!("/debug/test/panic-tunnel?{key}={name}&task={task}"),
     )
     .await?;
     let answer: serde_json::Value = serde_json::from_str(&body)?;
@@ -142,7 +88,7 @@ async fn a_killed_tunnel_is_redialled_and_reregistered_while_another_tunnel_keep
     let echo = echo_server().await?;
     let broker = hub.start_broker("b1", "test_hooks: true")?;
     let relay = CutRelay::start(broker.agent_addr).await?;
-    let sa = hub.start_agent("sa", "sa", &[vec![relay.addr]], echo, "")?;
+    let sa = hub.start_agent("sa", "sa", &[vec![relay.addr]], echo, "test_hooks: true")?;
     let sb = hub.start_agent("sb", "sb", &[vec![broker.agent_addr]], echo, "")?;
     for (agent, cluster) in [(&sa, "sa"), (&sb, "sb")] {
         wait_agent_ready(agent).await?;
@@ -161,62 +107,33 @@ async fn a_killed_tunnel_is_redialled_and_reregistered_while_another_tunnel_keep
         .unwrap_or(0.0)
     };
     assert_eq!(connects(sa.admin_addr, endpoint.clone()).await, 1.0);
+    let restarts = |a: SocketAddr, e: String| async move {
+        metric(
+            a,
+            "tether_agent_connector_restarts_total",
+            &[("endpoint", e.as_str())],
+        )
+        .await
+    };
+    assert_eq!(restarts(sa.admin_addr, endpoint.clone()).await?, 0.0);
 
     // A stream through sb's tunnel that keeps moving data until told to stop.
-    let stream = connect_ok(broker.client_addr, &qualified("sb", echo)).await?;
-    let (mut rd, mut wr) = stream.into_split();
-    let received = Arc::new(AtomicU64::new(0));
-    let stop = CancellationToken::new();
-    let writer = {
-        let stop = stop.clone();
-        tokio::spawn(async move {
-            let payload = Payload::new();
-            let (mut h, mut sent, mut i) = (Sha256::new(), 0u64, 0u64);
-            while !stop.is_cancelled() {
-                let c = payload.chunk(i, 16 << 10);
-                h.update(c);
-                wr.write_all(c).await?;
-                sent += c.len() as u64;
-                i += 1;
-                // Keep the stream moving without saturating two shared cores.
-                tokio::task::yield_now().await;
-            }
-            wr.shutdown().await?;
-            anyhow::Ok((sent, h.hex()))
-        })
-    };
-    let reader = {
-        let received = Arc::clone(&received);
-        tokio::spawn(async move {
-            let (mut h, mut buf) = (Sha256::new(), vec![0u8; 64 << 10]);
-            loop {
-                let n = rd.read(&mut buf).await?;
-                if n == 0 {
-                    break;
-                }
-                h.update(&buf[..n]);
-                received.fetch_add(n as u64, Ordering::Relaxed);
-            }
-            anyhow::Ok((received.load(Ordering::Relaxed), h.hex()))
-        })
-    };
-    let progress = |more: u64, what: String| {
-        let received = Arc::clone(&received);
-        async move {
-            let target = received.load(Ordering::Relaxed) + more;
-            wait_until_async(STEP, &what, || async {
-                (received.load(Ordering::Relaxed) >= target).then_some(())
-            })
-            .await
-        }
-    };
-    progress(1 << 20, "sb stream moving before the first kill".into()).await?;
+    let live = ContinuousEcho::start(
+        connect_ok(broker.client_addr, &qualified("sb", echo)).await?,
+        16 << 10,
+        true,
+    );
+    live.wait_progress(1 << 20, "sb stream moving before the first kill")
+        .await?;
 
     let kills = [
         Kill::CutConnection,
         Kill::PanicActor,
         Kill::PanicConnectionTask,
+        Kill::PanicAgentConnector,
+        Kill::PanicAgentTunnelTask,
     ];
+    let mut restarted = 0.0;
     for (n, kill) in kills.into_iter().enumerate() {
         let sa_before = tunnel_ids(broker.admin_addr, "sa").await?;
         assert_eq!(
@@ -224,12 +141,19 @@ async fn a_killed_tunnel_is_redialled_and_reregistered_while_another_tunnel_keep
             1,
             "{kill:?}: one tunnel for sa: {sa_before:?}"
         );
-        let accepted_before = relay.accepted.load(Ordering::Relaxed);
+        let accepted_before = relay.accepted();
         match kill {
             Kill::CutConnection => relay.cut(),
-            Kill::PanicActor => panic_tunnel(broker.admin_addr, "sa", "actor").await?,
+            Kill::PanicActor => panic_tunnel(broker.admin_addr, "cluster", "sa", "actor").await?,
             Kill::PanicConnectionTask => {
-                panic_tunnel(broker.admin_addr, "sa", "connection").await?
+                panic_tunnel(broker.admin_addr, "cluster", "sa", "connection").await?
+            }
+            Kill::PanicAgentConnector => {
+                panic_tunnel(sa.admin_addr, "endpoint", &endpoint, "actor").await?;
+                restarted += 1.0;
+            }
+            Kill::PanicAgentTunnelTask => {
+                panic_tunnel(sa.admin_addr, "endpoint", &endpoint, "connection").await?
             }
         }
 
@@ -244,7 +168,7 @@ async fn a_killed_tunnel_is_redialled_and_reregistered_while_another_tunnel_keep
         )
         .await?;
         assert!(
-            relay.accepted.load(Ordering::Relaxed) > accepted_before,
+            relay.accepted() > accepted_before,
             "{kill:?}: the agent redialled through the relay"
         );
         // The supervised connector dialled again and established one more tunnel.
@@ -255,11 +179,18 @@ async fn a_killed_tunnel_is_redialled_and_reregistered_while_another_tunnel_keep
             || async { (connects(sa.admin_addr, endpoint.clone()).await >= want).then_some(()) },
         )
         .await?;
+        // Only the connector's own panic replaces the connector; the other kills end a tunnel
+        // and the same connector redials.
+        assert_eq!(
+            restarts(sa.admin_addr, endpoint.clone()).await?,
+            restarted,
+            "{kill:?}: connector restarts"
+        );
 
         // sb's stream kept flowing through the episode, on the same tunnel.
-        progress(
+        live.wait_progress(
             1 << 20,
-            format!("{kill:?}: sb stream moving after sa's restart"),
+            &format!("{kill:?}: sb stream moving after sa's restart"),
         )
         .await?;
         assert_eq!(
@@ -273,10 +204,7 @@ async fn a_killed_tunnel_is_redialled_and_reregistered_while_another_tunnel_keep
         assert_eq!(tunnel_ids(broker.admin_addr, "sa").await?, sa_after);
     }
 
-    stop.cancel();
-    let (sent, sent_hash) = writer.await??;
-    let (got, got_hash) = tokio::time::timeout(STEP, reader).await???;
-    assert_eq!(got, sent, "every byte of sb's stream came back");
-    assert_eq!(got_hash, sent_hash, "sb's stream is intact");
+    // Every byte of sb's stream came back, intact.
+    live.finish().await?;
     Ok(())
 }

@@ -4,98 +4,16 @@
 //! certificate).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use tether_e2e::live::ContinuousEcho;
 use tether_e2e::{
-    ClientTls, Hub, OPS_TOKEN, Payload, Setup, Sha256, client_tls_config, connect_ok, connect_tls,
+    ClientTls, Hub, OPS_TOKEN, Payload, Setup, client_tls_config, connect_ok, connect_tls,
     echo_server, echo_transfer, metric, wait_agent_ready, wait_tunnel,
 };
 use tether_test_support::wait_until_async;
 use tether_tls::Identity;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-
-/// An echo stream that keeps moving data (writer and reader running at once) until stopped,
-/// so a test can change the world underneath it and then verify every byte.
-struct ContinuousEcho {
-    received: Arc<AtomicU64>,
-    stop: Arc<AtomicBool>,
-    writer: tokio::task::JoinHandle<anyhow::Result<(u64, String)>>,
-    reader: tokio::task::JoinHandle<anyhow::Result<(u64, String)>>,
-}
-
-impl ContinuousEcho {
-    fn start<S: AsyncRead + AsyncWrite + Send + 'static>(s: S) -> Self {
-        let (mut rd, mut wr) = tokio::io::split(s);
-        let payload = Arc::new(Payload::new());
-        let received = Arc::new(AtomicU64::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let writer = {
-            let stop = Arc::clone(&stop);
-            tokio::spawn(async move {
-                let (mut h, mut sent, mut i) = (Sha256::new(), 0u64, 0u64);
-                while !stop.load(Ordering::Relaxed) {
-                    let c = payload.chunk(i, 64 << 10);
-                    h.update(c);
-                    wr.write_all(c).await?;
-                    sent += c.len() as u64;
-                    i += 1;
-                }
-                wr.shutdown().await?;
-                anyhow::Ok((sent, h.hex()))
-            })
-        };
-        let reader = {
-            let received = Arc::clone(&received);
-            tokio::spawn(async move {
-                let (mut h, mut buf) = (Sha256::new(), vec![0u8; 256 << 10]);
-                loop {
-                    let n = rd.read(&mut buf).await?;
-                    if n == 0 {
-                        break;
-                    }
-                    h.update(&buf[..n]);
-                    received.fetch_add(n as u64, Ordering::Relaxed);
-                }
-                anyhow::Ok((received.load(Ordering::Relaxed), h.hex()))
-            })
-        };
-        Self {
-            received,
-            stop,
-            writer,
-            reader,
-        }
-    }
-
-    fn received(&self) -> u64 {
-        self.received.load(Ordering::Relaxed)
-    }
-
-    /// Waits until `more` bytes beyond the current count have come back.
-    async fn wait_progress(&self, more: u64, what: &str) -> anyhow::Result<()> {
-        let target = self.received() + more;
-        wait_until_async(Duration::from_secs(30), what, || async {
-            (self.received() >= target || self.reader.is_finished()).then_some(())
-        })
-        .await?;
-        anyhow::ensure!(
-            !self.reader.is_finished(),
-            "the stream ended while it should be moving data ({what})"
-        );
-        Ok(())
-    }
-
-    /// Stops writing, half-closes, reads to EOF; checks every byte came back.
-    async fn finish(self) -> anyhow::Result<u64> {
-        self.stop.store(true, Ordering::Relaxed);
-        let (sent, sent_sha) = self.writer.await??;
-        let (got, got_sha) = tokio::time::timeout(Duration::from_secs(30), self.reader).await???;
-        anyhow::ensure!(got == sent, "{got} of {sent} bytes came back");
-        anyhow::ensure!(got_sha == sent_sha, "the echoed bytes differ (SHA-256)");
-        Ok(sent)
-    }
-}
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The file stem of a certificate path (the name it was issued under).
 fn stem(p: &std::path::Path) -> String {
@@ -118,7 +36,7 @@ async fn certificate_reload_keeps_live_stream() -> anyhow::Result<()> {
     let old_cert =
         server_cert(&tether_e2e::tls_connect(setup.broker.client_tls_addr, tls_cfg()?).await?);
 
-    let live = ContinuousEcho::start(setup.connect_echo().await?);
+    let live = ContinuousEcho::start(setup.connect_echo().await?, 64 << 10, false);
     live.wait_progress(4 << 20, "data flowing before the rotation")
         .await?;
 
@@ -198,7 +116,11 @@ async fn broker_drain_moves_agent_to_second_broker() -> anyhow::Result<()> {
     );
     let authority = tether_e2e::qualified("c1", echo);
 
-    let live = ContinuousEcho::start(connect_ok(b1.client_addr, &authority).await?);
+    let live = ContinuousEcho::start(
+        connect_ok(b1.client_addr, &authority).await?,
+        64 << 10,
+        false,
+    );
     live.wait_progress(4 << 20, "data flowing through b1")
         .await?;
 
@@ -506,7 +428,7 @@ async fn broker_crash_fails_agent_over_to_second_broker() -> anyhow::Result<()> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_sigterm_lets_open_stream_finish() -> anyhow::Result<()> {
     let mut setup = Setup::start("c1", "", "shutdown_grace: 20s").await?;
-    let live = ContinuousEcho::start(setup.connect_echo().await?);
+    let live = ContinuousEcho::start(setup.connect_echo().await?, 64 << 10, false);
     live.wait_progress(4 << 20, "data flowing before SIGTERM")
         .await?;
     setup.agent.child.terminate();

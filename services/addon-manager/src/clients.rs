@@ -20,6 +20,7 @@ use tether_control::clients::{
     IssuedCertificate, new_token, token_sha256, validate_client_name,
 };
 use tether_control::resources::{Event, rfc3339};
+use tether_control::store::Store as _;
 use tether_control::store::{Bucket, HubStore};
 use tether_control::subjects;
 use tokio_util::sync::CancellationToken;

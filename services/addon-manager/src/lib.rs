@@ -43,6 +43,7 @@ use std::sync::Arc;
 use tether_control::connect::{self, ConnectConfig, Credentials};
 use tether_control::hub::{HUB_USER, HubDir};
 use tether_control::resources::BootstrapTokenRecord;
+use tether_control::store::Store as _;
 use tether_control::store::{Bucket, HubStore, Replicas};
 use tokio_util::sync::CancellationToken;
 

@@ -1,6 +1,7 @@
 //! Prometheus metrics of the health-prober.
 
 use prometheus::{Gauge, HistogramOpts, HistogramVec, IntCounter, IntGaugeVec, Opts, Registry};
+use tether_telemetry::Registered as _;
 
 use crate::probe::ProbeOutcome;
 
@@ -28,55 +29,50 @@ impl ProberMetrics {
                     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                 ]),
                 &["result"],
-            )?,
+            )
+            .registered(registry)?,
             healthy: IntGaugeVec::new(
                 Opts::new(
                     "tether_prober_cluster_healthy",
                     "1 if the cluster's last probe succeeded, else 0.",
                 ),
                 &["cluster"],
-            )?,
+            )
+            .registered(registry)?,
             round_duration: Gauge::new(
                 "tether_prober_round_duration_seconds",
                 "Duration of the last complete probe round.",
-            )?,
+            )
+            .registered(registry)?,
             rounds_overrun: IntCounter::new(
                 "tether_prober_rounds_overrun_total",
                 "Rounds skipped because the previous one was still running.",
-            )?,
+            )
+            .registered(registry)?,
             connections_opened: IntCounter::new(
                 "tether_prober_connections_opened_total",
                 "Tunnel streams dialled for probing (reused across rounds).",
-            )?,
+            )
+            .registered(registry)?,
             publish_dropped: IntCounter::new(
                 "tether_prober_publish_dropped_total",
                 "Probe results not handed to the NATS publisher (queue full for 5 s).",
-            )?,
+            )
+            .registered(registry)?,
             published: prometheus::IntCounterVec::new(
                 Opts::new(
                     "tether_prober_nats_published_total",
                     "Messages published to NATS, by kind (kv, event) and result (ok, error).",
                 ),
                 &["kind", "result"],
-            )?,
+            )
+            .registered(registry)?,
             health_requests: IntCounter::new(
                 "tether_prober_health_requests_total",
                 "tether.v1.health.get requests answered.",
-            )?,
+            )
+            .registered(registry)?,
         };
-        tether_telemetry::register_all(
-            registry,
-            [
-                Box::new(m.probe_duration.clone()) as Box<dyn prometheus::core::Collector>,
-                Box::new(m.healthy.clone()),
-                Box::new(m.round_duration.clone()),
-                Box::new(m.rounds_overrun.clone()),
-                Box::new(m.connections_opened.clone()),
-                Box::new(m.publish_dropped.clone()),
-                Box::new(m.published.clone()),
-                Box::new(m.health_requests.clone()),
-            ],
-        )?;
         Ok(m)
     }
 

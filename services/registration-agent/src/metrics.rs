@@ -3,6 +3,7 @@
 use prometheus::{
     Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
 };
+use tether_telemetry::Registered as _;
 
 #[derive(Clone)]
 pub struct AgentMetrics {
@@ -107,54 +108,49 @@ impl AddOnMetrics {
                     "Add-on agent configs applied, by result",
                 ),
                 &["addon", "result"],
-            )?,
+            )
+            .registered(r)?,
             lease_renewals_total: IntCounterVec::new(
                 Opts::new(
                     "tether_agent_addon_lease_renewals_total",
                     "Add-on lease renewals, by result",
                 ),
                 &["addon", "result"],
-            )?,
+            )
+            .registered(r)?,
             certificates_total: IntCounterVec::new(
                 Opts::new(
                     "tether_agent_addon_certificates_total",
                     "Add-on client certificates obtained, by kind (new, rotation)",
                 ),
                 &["addon", "kind"],
-            )?,
+            )
+            .registered(r)?,
             agent_restarts_total: IntCounterVec::new(
                 Opts::new(
                     "tether_agent_addon_process_restarts_total",
                     "Restarts of the local add-on agent process",
                 ),
                 &["addon"],
-            )?,
+            )
+            .registered(r)?,
             connected_brokers: IntGaugeVec::new(
                 Opts::new(
                     "tether_agent_addon_connected_brokers",
                     "Brokers the add-on agent holds an established tunnel to",
                 ),
                 &["addon"],
-            )?,
+            )
+            .registered(r)?,
             cleanups_total: IntCounterVec::new(
                 Opts::new(
                     "tether_agent_addon_cleanups_total",
                     "Add-on agents stopped and their credentials removed",
                 ),
                 &["addon"],
-            )?,
+            )
+            .registered(r)?,
         };
-        tether_telemetry::register_all(
-            r,
-            [
-                Box::new(m.config_applies_total.clone()) as Box<dyn prometheus::core::Collector>,
-                Box::new(m.lease_renewals_total.clone()),
-                Box::new(m.certificates_total.clone()),
-                Box::new(m.agent_restarts_total.clone()),
-                Box::new(m.connected_brokers.clone()),
-                Box::new(m.cleanups_total.clone()),
-            ],
-        )?;
         Ok(m)
     }
 }

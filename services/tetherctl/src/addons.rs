@@ -13,6 +13,7 @@ use tether_control::addons::{
     ManagedProxyConfiguration, addon_key, namespaced_key, parse_resource, spec_hash,
 };
 use tether_control::resources::{Event, Lease, ManagedCluster, ObjectMeta};
+use tether_control::store::Store as _;
 use tether_control::store::{Bucket, HubStore};
 
 use crate::ops::{age, connect_admin, print_table};

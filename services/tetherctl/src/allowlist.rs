@@ -7,6 +7,7 @@
 use anyhow::{Context, bail};
 use tether_control::resources::Event;
 use tether_control::service_proxy::{self, ServiceProxyAllowlist};
+use tether_control::store::Store as _;
 use tether_control::store::{Bucket, HubStore};
 
 use crate::HubArgs;

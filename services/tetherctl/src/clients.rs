@@ -20,6 +20,7 @@ use tether_control::clients::{
 };
 use tether_control::connect;
 use tether_control::resources::Event;
+use tether_control::store::Store as _;
 use tether_control::store::{Bucket, HubStore};
 use tether_control::subjects;
 

@@ -9,6 +9,7 @@ use tether_control::resources::{
     AdminClusterRequest, BootstrapTokenRecord, Lease, ManagedCluster, condition, parse_rfc3339,
     rfc3339,
 };
+use tether_control::store::Store as _;
 use tether_control::store::{Bucket, HubStore};
 use tether_control::subjects;
 

@@ -62,6 +62,11 @@ pub struct AgentConfig {
     /// broker serves.
     #[serde(default)]
     pub keep_removed_brokers_connected: bool,
+    /// Test-only: the admin listener can make a connector actor or its tunnel's task panic
+    /// (`/debug/test/panic-tunnel?endpoint=<label>&task=<actor|connection>`, see
+    /// `tether_runtime::test_hooks`). Never set it in production; a change needs a restart.
+    #[serde(default)]
+    pub test_hooks: bool,
 }
 
 /// Default CA of the in-cluster API server (the pod's service account).

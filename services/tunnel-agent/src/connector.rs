@@ -6,6 +6,15 @@
 //! keeps serving its open streams until the broker closes it. Run under an actix `Supervisor`:
 //! if the actor stops it is restarted with its backoff state intact.
 //!
+//! Supervision of a crash: a panic in one of the actor's handlers ends its task and drops the
+//! `Connector` (actix does not catch it). `Drop` then lets the connector's tunnels drain (their
+//! tokens are cancelled: GOAWAY, open streams finish) and fires its [`ExitSignal`]; the agent's
+//! supervisor (`Running` in `lib.rs`) starts a new connector for the endpoint, which redials.
+//! A panic of the tunnel task itself ends that tunnel like a lost connection: the connector
+//! redials after its backoff. Other endpoints' connectors and tunnels are untouched either way.
+//! With the config's `test_hooks`, the admin listener can cause both panics
+//! ([`tether_runtime::test_hooks`], tunnels named by `endpoint`).
+//!
 //! Config reload (see `lib.rs`): [`Reconfigure`] swaps the shared settings (proxy, policy, …)
 //! and replaces the tunnel — the new one dials through the new proxy, the old one drains; a
 //! connector whose endpoint left the config is stopped with [`StopConnector`] (its tunnels
@@ -13,14 +22,16 @@
 //! tunnel established, [`Retire`]d: the tunnel is kept until it ends and is not redialled.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use tether_runtime::Backoff;
+use tether_runtime::test_hooks::{self, TestHooks};
 use tether_telemetry::Readiness;
 use tether_tls::TlsMaterial;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio_rustls::TlsConnector;
 use tokio_util::sync::CancellationToken;
 
@@ -31,6 +42,29 @@ use crate::tunnel::{AgentShared, TunnelError, TunnelEvent, run_tunnel};
 pub const TUNNEL_EVENT_BUFFER: usize = 16;
 /// How long a draining address is avoided.
 pub const DRAIN_AVOID: Duration = Duration::from_secs(30);
+
+/// Ids of this process's tunnels in the test hooks' table ([`TestHooks`]).
+static NEXT_HOOKED_TUNNEL: AtomicU64 = AtomicU64::new(1);
+
+/// Fires (its receiver resolves) when the [`Connector`] holding it is dropped: its actor's task
+/// ended, by a panic or because nothing can reach it any more. The agent's supervisor watches
+/// the receiver.
+pub struct ExitSignal {
+    _fires_when_dropped: oneshot::Sender<()>,
+}
+
+impl ExitSignal {
+    /// A signal and the receiver that resolves when it is dropped.
+    pub fn new() -> (Self, oneshot::Receiver<()>) {
+        let (tx, rx) = oneshot::channel();
+        (
+            Self {
+                _fires_when_dropped: tx,
+            },
+            rx,
+        )
+    }
+}
 
 /// Connection state of every endpoint, shared by the connectors; drives `/readyz`.
 #[derive(Clone)]
@@ -170,6 +204,35 @@ pub struct Connector {
     /// shutdown waits on it so each tunnel's last frames and its GOAWAY are flushed before the
     /// process exits.
     pub tunnels: tether_runtime::Drain,
+    /// Test-only fault injection (config `test_hooks`; `None` in production), and the hook id
+    /// of each live tunnel generation.
+    pub hooks: Option<Arc<TestHooks>>,
+    pub hooked: HashMap<u64, u64>,
+    /// Dropped with the connector: tells the supervisor to start a new one.
+    pub exit: ExitSignal,
+}
+
+impl Drop for Connector {
+    /// Runs however the actor's task ends (a panic in a handler included): its tunnels drain
+    /// and leave the gauge and the test hooks; dropping `exit` tells the supervisor.
+    fn drop(&mut self) {
+        for token in self.tunnel_tokens.values() {
+            token.cancel();
+        }
+        let label = self.label();
+        for _ in self.established.drain() {
+            self.shared
+                .metrics
+                .tunnels
+                .with_label_values(&[&label])
+                .dec();
+        }
+        if let Some(hooks) = &self.hooks {
+            for (_, id) in self.hooked.drain() {
+                hooks.remove(id);
+            }
+        }
+    }
 }
 
 /// Config reload: new shared settings (proxy, policy, API server, tunnel settings). The
@@ -270,18 +333,25 @@ impl Connector {
         });
         let token = self.shutdown.child_token();
         self.tunnel_tokens.insert(generation, token.clone());
-        let task = self.tunnels.spawn(
-            "tunnel",
-            run_tunnel(
-                addr,
-                server_name,
-                connector,
-                Arc::clone(&self.shared),
-                ev_tx,
-                token,
-                self.grace,
-            ),
+        let panic = self.hooks.clone().map(|hooks| {
+            let id = NEXT_HOOKED_TUNNEL.fetch_add(1, Ordering::Relaxed);
+            let panic = CancellationToken::new();
+            hooks.add(id, &self.label(), ctx.address().recipient(), panic.clone());
+            self.hooked.insert(generation, id);
+            panic
+        });
+        let tunnel = run_tunnel(
+            addr,
+            server_name,
+            connector,
+            Arc::clone(&self.shared),
+            ev_tx,
+            token,
+            self.grace,
         );
+        let task = self
+            .tunnels
+            .spawn("tunnel", test_hooks::panics_on(tunnel, panic));
         let me = ctx.address();
         self.tunnels.spawn("tunnel watcher", async move {
             let result = task
@@ -346,6 +416,9 @@ impl Handler<Ended> for Connector {
     fn handle(&mut self, msg: Ended, ctx: &mut Context<Self>) {
         let label = self.label();
         self.tunnel_tokens.remove(&msg.generation);
+        if let (Some(hooks), Some(id)) = (&self.hooks, self.hooked.remove(&msg.generation)) {
+            hooks.remove(id);
+        }
         if self.established.remove(&msg.generation).is_some() {
             self.shared
                 .metrics
@@ -434,5 +507,16 @@ impl Handler<StopConnector> for Connector {
         tracing::info!(endpoint = %self.label(), "endpoint removed from the config: stopping");
         self.shutdown.cancel();
         self.states.remove(&self.label());
+    }
+}
+
+impl Handler<test_hooks::Panic> for Connector {
+    type Result = ();
+
+    fn handle(&mut self, _: test_hooks::Panic, _: &mut Context<Self>) {
+        panic!(
+            "test hook: the connector of endpoint {} panics",
+            self.label()
+        );
     }
 }

@@ -19,6 +19,10 @@
 //! (`configError`) and the metric `tether_agent_config_invalid` is 1. `/debug/agent` also lists
 //! `connectedBrokers` (ids of the brokers with an established tunnel) and `configSha256` (the
 //! file content running now), which the registration-agent reads.
+//!
+//! Supervision: a connector whose actor task dies (a panic in a handler) is replaced by a new
+//! connector for the same endpoint at once (`tether_agent_connector_restarts_total`); see
+//! [`connector`].
 
 #![forbid(unsafe_code)]
 
@@ -34,6 +38,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use actix::prelude::*;
+use futures::StreamExt as _;
+use futures::future::BoxFuture;
+use futures::stream::FuturesUnordered;
 use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
 use tether_runtime::Backoff;
 use tether_telemetry::{AdminServer, Readiness};
@@ -43,7 +50,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{AgentConfig, BrokerEndpoint};
-use crate::connector::{Connector, EndpointStates, Reconfigure, Retire, StopConnector};
+use crate::connector::{Connector, EndpointStates, ExitSignal, Reconfigure, Retire, StopConnector};
 use crate::metrics::AgentMetrics;
 use crate::tunnel::AgentShared;
 
@@ -86,6 +93,8 @@ struct ConfigStatus {
 struct ReloadMetrics {
     reloads: IntCounterVec,
     invalid: IntGauge,
+    /// Connectors replaced after their actor's task died (a panic), per endpoint.
+    connector_restarts: IntCounterVec,
 }
 
 impl ReloadMetrics {
@@ -102,9 +111,17 @@ impl ReloadMetrics {
                 "tether_agent_config_invalid",
                 "1 while the config file on disk is invalid and the previous config keeps running.",
             )?,
+            connector_restarts: IntCounterVec::new(
+                Opts::new(
+                    "tether_agent_connector_restarts_total",
+                    "Broker-endpoint connectors started again after their actor's task died (a panic).",
+                ),
+                &["endpoint"],
+            )?,
         };
         registry.register(Box::new(m.reloads.clone()))?;
         registry.register(Box::new(m.invalid.clone()))?;
+        registry.register(Box::new(m.connector_restarts.clone()))?;
         Ok(m)
     }
 }
@@ -179,7 +196,15 @@ fn same_endpoint(a: &BrokerEndpoint, b: &BrokerEndpoint) -> bool {
     a.addresses == b.addresses && a.server_name == b.server_name
 }
 
-/// The running connectors and what they were built from.
+/// A running connector: its endpoint, its actor, and which start of the endpoint's connector it
+/// is (a restarted connector is a new incarnation).
+struct RunningConnector {
+    endpoint: BrokerEndpoint,
+    addr: Addr<Connector>,
+    incarnation: u64,
+}
+
+/// The running connectors and what they were built from; the connectors' supervisor.
 struct Running {
     cfg: AgentConfig,
     agent: String,
@@ -188,18 +213,30 @@ struct Running {
     tls: Arc<TlsMaterial>,
     states: EndpointStates,
     shutdown: CancellationToken,
-    connectors: BTreeMap<String, (BrokerEndpoint, Addr<Connector>)>,
+    connectors: BTreeMap<String, RunningConnector>,
     /// Connectors of endpoints removed from the config that keep their working tunnel.
     retired: std::collections::BTreeSet<String>,
     metrics: AgentMetrics,
     counters: ByteCounters,
     tunnels: tether_runtime::Drain,
+    /// Resolves with `(endpoint label, incarnation)` when that connector is dropped.
+    exits: FuturesUnordered<BoxFuture<'static, (String, u64)>>,
+    incarnations: u64,
+    hooks: Option<Arc<tether_runtime::test_hooks::TestHooks>>,
 }
 
 impl Running {
     fn start_connector(&mut self, endpoint: &BrokerEndpoint) {
         let label = endpoint.label();
         self.states.add(&label);
+        self.incarnations += 1;
+        let incarnation = self.incarnations;
+        let (exit, exited) = ExitSignal::new();
+        let exit_label = label.clone();
+        self.exits.push(Box::pin(async move {
+            let _ = exited.await;
+            (exit_label, incarnation)
+        }));
         let c = Connector {
             endpoint: endpoint.clone(),
             shared: Arc::clone(&self.shared),
@@ -216,9 +253,40 @@ impl Running {
             retired: false,
             idle: false,
             tunnels: self.tunnels.clone(),
+            hooks: self.hooks.clone(),
+            hooked: Default::default(),
+            exit,
         };
         let addr = Supervisor::start_in_arbiter(&Arbiter::current(), move |_| c);
-        self.connectors.insert(label, (endpoint.clone(), addr));
+        self.connectors.insert(
+            label,
+            RunningConnector {
+                endpoint: endpoint.clone(),
+                addr,
+                incarnation,
+            },
+        );
+    }
+
+    /// A connector was dropped: when it is the endpoint's current one and the agent is not
+    /// stopping, its actor's task died (a panic) — start a new one, which redials.
+    fn connector_exited(&mut self, label: &str, incarnation: u64, restarts: &IntCounterVec) {
+        let Some(c) = self.connectors.get(label) else {
+            return; // the endpoint left the config
+        };
+        if c.incarnation != incarnation || self.shutdown.is_cancelled() {
+            return;
+        }
+        if self.retired.remove(label) {
+            // Its endpoint left the config; its tunnel ended with it: not redialled.
+            tracing::warn!(endpoint = %label, "connector of a removed broker died; not restarted");
+            self.connectors.remove(label);
+            return;
+        }
+        tracing::error!(endpoint = %label, "connector died; starting a new one");
+        restarts.with_label_values(&[label]).inc();
+        let endpoint = c.endpoint.clone();
+        self.start_connector(&endpoint);
     }
 
     /// Applies a validated new config; returns the fields that need a restart.
@@ -240,6 +308,9 @@ impl Running {
         if old.tls_reload_interval != new.tls_reload_interval {
             restart.push("tls_reload_interval".into());
         }
+        if old.test_hooks != new.test_hooks {
+            restart.push("test_hooks".into());
+        }
         let fp = shared_fingerprint(&new);
         let reconfigure = fp != self.shared_fp;
         if reconfigure {
@@ -253,6 +324,7 @@ impl Running {
         merged.tls = self.cfg.tls.clone();
         merged.admin_listen = self.cfg.admin_listen;
         merged.tls_reload_interval = self.cfg.tls_reload_interval;
+        merged.test_hooks = self.cfg.test_hooks;
         self.cfg = merged;
 
         let wanted: BTreeMap<String, BrokerEndpoint> = self
@@ -263,12 +335,12 @@ impl Running {
             .collect();
         let connected = self.states.snapshot();
         let mut stale = Vec::new();
-        for (label, (e, addr)) in &self.connectors {
+        for (label, c) in &self.connectors {
             match wanted.get(label) {
-                Some(w) if same_endpoint(w, e) => {
+                Some(w) if same_endpoint(w, &c.endpoint) => {
                     if self.retired.remove(label) {
                         tracing::info!(endpoint = %label, "broker endpoint back in the config");
-                        addr.do_send(Retire(false));
+                        c.addr.do_send(Retire(false));
                     }
                 }
                 None if self.cfg.keep_removed_brokers_connected
@@ -276,7 +348,7 @@ impl Running {
                 {
                     if self.retired.insert(label.clone()) {
                         tracing::info!(endpoint = %label, "broker endpoint removed from the config; its working tunnel is kept until it ends");
-                        addr.do_send(Retire(true));
+                        c.addr.do_send(Retire(true));
                     }
                 }
                 _ => stale.push(label.clone()),
@@ -284,15 +356,15 @@ impl Running {
         }
         for label in stale {
             self.retired.remove(&label);
-            if let Some((_, addr)) = self.connectors.remove(&label) {
+            if let Some(c) = self.connectors.remove(&label) {
                 tracing::info!(endpoint = %label, "broker endpoint removed or changed");
-                addr.do_send(StopConnector);
+                c.addr.do_send(StopConnector);
             }
         }
         if reconfigure {
-            for (label, (_, addr)) in &self.connectors {
+            for (label, c) in &self.connectors {
                 tracing::debug!(endpoint = %label, "reconfiguring");
-                addr.do_send(Reconfigure {
+                c.addr.do_send(Reconfigure {
                     shared: Arc::clone(&self.shared),
                 });
             }
@@ -348,6 +420,14 @@ pub async fn run_with_reload(
     let readiness = Readiness::new();
     let states = EndpointStates::new(cfg.brokers.iter().map(|b| b.label()), readiness.clone());
     let grace = cfg.shutdown_grace;
+    if cfg.test_hooks {
+        tracing::warn!(
+            "test hooks on: the admin listener can make connectors panic (never in production)"
+        );
+    }
+    let hooks = cfg
+        .test_hooks
+        .then(|| Arc::new(tether_runtime::test_hooks::TestHooks::new("endpoint")));
     let mut running = Running {
         shared_fp: shared_fingerprint(&cfg),
         cfg: cfg.clone(),
@@ -361,6 +441,9 @@ pub async fn run_with_reload(
         metrics: metrics.clone(),
         counters,
         tunnels: tether_runtime::Drain::new("tunnel-agent"),
+        exits: FuturesUnordered::new(),
+        incarnations: 0,
+        hooks: hooks.clone(),
     };
     for endpoint in &cfg.brokers {
         running.start_connector(endpoint);
@@ -395,6 +478,13 @@ pub async fn run_with_reload(
             })
             .to_string()
         });
+    let admin_server = match hooks {
+        Some(hooks) => admin_server
+            .with_json_query_route(tether_runtime::test_hooks::PANIC_TUNNEL_PATH, move |q| {
+                hooks.answer(q)
+            }),
+        None => admin_server,
+    };
     running.tunnels.spawn(
         "admin server",
         admin_server.serve(admin, shutdown.child_token()),
@@ -405,6 +495,10 @@ pub async fn run_with_reload(
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
+            Some((label, incarnation)) = running.exits.next(), if !running.exits.is_empty() => {
+                running.connector_exited(&label, incarnation, &reload_metrics.connector_restarts);
+                continue;
+            }
             _ = tick.tick() => {}
         }
         let Some(path) = config_path.as_deref() else {

@@ -4,6 +4,7 @@ use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry,
 };
+use tether_telemetry::Registered as _;
 
 #[derive(Clone)]
 pub struct AgentMetrics {
@@ -29,18 +30,18 @@ impl AgentMetrics {
                     "Established tunnels, per broker endpoint.",
                 ),
                 &["endpoint"],
-            )?,
+            ).registered(registry)?,
             tunnel_connects: IntCounterVec::new(
                 Opts::new(
                     "tether_agent_tunnel_connects_total",
                     "Tunnel connection attempts by result.",
                 ),
                 &["endpoint", "result"],
-            )?,
+            ).registered(registry)?,
             open_streams: IntGauge::new(
                 "tether_agent_open_streams",
                 "Streams currently open to targets.",
-            )?,
+            ).registered(registry)?,
             dial_duration: Histogram::with_opts(
                 HistogramOpts::new(
                     "tether_agent_dial_duration_seconds",
@@ -50,21 +51,21 @@ impl AgentMetrics {
                     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0,
                 ]),
-            )?,
+            ).registered(registry)?,
             dial_failures: IntCounterVec::new(
                 Opts::new(
                     "tether_agent_dial_failures_total",
                     "Failed target dials by reason.",
                 ),
                 &["reason"],
-            )?,
+            ).registered(registry)?,
             bytes: IntCounterVec::new(
                 Opts::new(
                     "tether_agent_bytes_total",
                     "Bytes carried, by direction (to_target, from_target).",
                 ),
                 &["direction"],
-            )?,
+            ).registered(registry)?,
             stream_duration: HistogramVec::new(
                 HistogramOpts::new(
                     "tether_agent_stream_duration_seconds",
@@ -72,33 +73,19 @@ impl AgentMetrics {
                 )
                 .buckets(vec![0.01, 0.1, 1.0, 10.0, 60.0, 600.0, 3600.0]),
                 &["result"],
-            )?,
+            ).registered(registry)?,
             tunnel_window_changes: IntCounter::new(
                 "tether_agent_tunnel_window_changes_total",
                 "Changes of a tunnel's adaptive receive window (raised to fit bandwidth x round trip, or back to the base after idling).",
-            )?,
+            ).registered(registry)?,
             tunnel_wedged: IntCounterVec::new(
                 Opts::new(
                     "tether_agent_tunnel_wedged_total",
                     "Tunnels torn down (and redialled) because they moved no bytes while bytes waited: detector=watchdog (bytes to the broker unanswered for tunnel.stall_timeout) or keepalive (PING unanswered for tunnel.keepalive_timeout).",
                 ),
                 &["detector"],
-            )?,
+            ).registered(registry)?,
         };
-        tether_telemetry::register_all(
-            registry,
-            [
-                Box::new(m.tunnels.clone()) as Box<dyn prometheus::core::Collector>,
-                Box::new(m.tunnel_connects.clone()),
-                Box::new(m.open_streams.clone()),
-                Box::new(m.dial_duration.clone()),
-                Box::new(m.dial_failures.clone()),
-                Box::new(m.bytes.clone()),
-                Box::new(m.stream_duration.clone()),
-                Box::new(m.tunnel_window_changes.clone()),
-                Box::new(m.tunnel_wedged.clone()),
-            ],
-        )?;
         Ok(m)
     }
 

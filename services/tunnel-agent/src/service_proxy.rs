@@ -219,19 +219,20 @@ impl ServiceProxy {
         headers.remove(http::header::HOST);
         http_proxy::strip_hop_by_hop(headers);
         if agent_creds {
-            let token = self.token().map_err(|m| (StatusCode::BAD_GATEWAY, m))?;
+            let token = self
+                .token()
+                .map_err(|e| (StatusCode::BAD_GATEWAY, e.to_string()))?;
             headers.insert(AUTHORIZATION, token);
         }
         Ok(())
     }
 
     /// `Bearer <token_file>`, re-read after [`TOKEN_REFRESH`].
-    fn token(&self) -> Result<HeaderValue, String> {
+    fn token(&self) -> Result<HeaderValue, TokenError> {
         let Some(path) = &self.token_file else {
-            return Err(format!(
-                "the agent of cluster {} has no service_proxy.token_file: hub identities cannot be impersonated (use a token of the cluster instead)",
-                self.cluster
-            ));
+            return Err(TokenError::NoTokenFile {
+                cluster: self.cluster.clone(),
+            });
         };
         let mut cached = self.token.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((at, v)) = cached.as_ref()
@@ -239,10 +240,12 @@ impl ServiceProxy {
         {
             return Ok(v.clone());
         }
-        let t = std::fs::read_to_string(path)
-            .map_err(|e| format!("agent token file {}: {e}", path.display()))?;
+        let t = std::fs::read_to_string(path).map_err(|source| TokenError::Read {
+            path: path.clone(),
+            source,
+        })?;
         let mut v = HeaderValue::from_str(&format!("Bearer {}", t.trim()))
-            .map_err(|_| format!("agent token file {} is not a token", path.display()))?;
+            .map_err(|_| TokenError::NotAToken { path: path.clone() })?;
         v.set_sensitive(true);
         *cached = Some((Instant::now(), v.clone()));
         Ok(v)
@@ -380,4 +383,21 @@ impl AsyncWrite for Upstream {
             Upstream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
     }
+}
+
+/// Why the agent's own credential cannot be sent (answered to the broker as a 502).
+#[derive(Debug, thiserror::Error)]
+enum TokenError {
+    #[error(
+        "the agent of cluster {cluster} has no service_proxy.token_file: hub identities cannot be impersonated (use a token of the cluster instead)"
+    )]
+    NoTokenFile { cluster: String },
+    #[error("agent token file {}: {source}", path.display())]
+    Read {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("agent token file {} is not a token", path.display())]
+    NotAToken { path: std::path::PathBuf },
 }

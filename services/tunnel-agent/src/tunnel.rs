@@ -40,6 +40,35 @@ pub struct AgentShared {
     pub service_proxy: Option<Arc<crate::service_proxy::ServiceProxy>>,
 }
 
+impl AgentShared {
+    /// Splices a broker's stream with a target's bytes (`rd`, `wr`), counted in
+    /// `tether_agent_open_streams` while it runs; returns how it ended.
+    async fn splice<R, W>(
+        &self,
+        rd: R,
+        wr: W,
+        send: h2::SendStream<Bytes>,
+        recv: h2::RecvStream,
+    ) -> Result<tether_tunnel::pump::SpliceStats, tether_tunnel::pump::SpliceError>
+    where
+        R: tether_tunnel::pump::ChunkReader,
+        W: tether_tunnel::pump::AbortableWrite,
+    {
+        self.metrics.open_streams.inc();
+        let r = splice(
+            rd,
+            wr,
+            send,
+            recv,
+            self.settings.write_stall_timeout,
+            &self.counters,
+        )
+        .await;
+        self.metrics.open_streams.dec();
+        r
+    }
+}
+
 /// Events a tunnel reports to its connector.
 #[derive(Debug)]
 pub enum TunnelEvent {
@@ -127,41 +156,19 @@ pub async fn run_tunnel(
     );
     let mut tcp = tether_tunnel::readahead::ReadAhead::new(tcp);
     tcp.count_into(Arc::clone(&window));
-    let tls = match tokio::time::timeout(hs, connector.connect(server_name, tcp)).await {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => {
-            return Err(TunnelError::Tls {
-                addr,
-                reason: e.to_string(),
-            });
+    let tls = within(hs, connector.connect(server_name, tcp), |reason| {
+        TunnelError::Tls {
+            addr: addr.clone(),
+            reason,
         }
-        Err(_) => {
-            return Err(TunnelError::Tls {
-                addr,
-                reason: format!("timed out after {hs:?}"),
-            });
-        }
-    };
-    let mut conn = match tokio::time::timeout(
-        hs,
-        shared.settings.server_builder().handshake::<_, Bytes>(tls),
-    )
-    .await
-    {
-        Ok(Ok(c)) => c,
-        Ok(Err(e)) => {
-            return Err(TunnelError::H2 {
-                addr,
-                reason: e.to_string(),
-            });
-        }
-        Err(_) => {
-            return Err(TunnelError::H2 {
-                addr,
-                reason: format!("timed out after {hs:?}"),
-            });
-        }
-    };
+    })
+    .await?;
+    let handshake = shared.settings.server_builder().handshake::<_, Bytes>(tls);
+    let mut conn = within(hs, handshake, |reason| TunnelError::H2 {
+        addr: addr.clone(),
+        reason,
+    })
+    .await?;
     let rtt = std::sync::atomic::AtomicU64::new(0);
     let keepalive = tether_tunnel::keepalive::run_probed(
         conn.ping_pong().expect("ping_pong taken once"),
@@ -262,19 +269,28 @@ async fn connect_transport(
                 reason: e.to_string(),
             });
     }
-    match tokio::time::timeout(hs, TcpStream::connect(addr)).await {
-        Ok(Ok(s)) => {
-            let _ = s.set_nodelay(true);
-            Ok(Box::new(s))
+    let s = within(hs, TcpStream::connect(addr), |reason| {
+        TunnelError::Connect {
+            addr: addr.to_owned(),
+            reason,
         }
-        Ok(Err(e)) => Err(TunnelError::Connect {
-            addr: addr.to_owned(),
-            reason: e.to_string(),
-        }),
-        Err(_) => Err(TunnelError::Connect {
-            addr: addr.to_owned(),
-            reason: format!("timed out after {hs:?}"),
-        }),
+    })
+    .await?;
+    let _ = s.set_nodelay(true);
+    Ok(Box::new(s))
+}
+
+/// `step` bounded by `limit` (a handshake step); its failure, or "timed out after …", as the
+/// `reason` of the error `err` builds.
+async fn within<T, E: std::fmt::Display>(
+    limit: Duration,
+    step: impl std::future::Future<Output = Result<T, E>>,
+    err: impl FnOnce(String) -> TunnelError,
+) -> Result<T, TunnelError> {
+    match tokio::time::timeout(limit, step).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(err(e.to_string())),
+        Err(_) => Err(err(format!("timed out after {limit:?}"))),
     }
 }
 
@@ -288,13 +304,7 @@ async fn handle_request(
     match req.uri().path() {
         wire::PATH_DIAL => handle_dial(req, respond, shared).await,
         wire::PATH_HELLO => {
-            let h = |n: &str| {
-                req.headers()
-                    .get(n)
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or("")
-                    .to_owned()
-            };
+            let h = |n: &str| header(&req, n);
             let (seen_cluster, seen_agent) = (h(wire::HEADER_CLUSTER), h(wire::HEADER_AGENT));
             let broker = h("tether-broker");
             if seen_cluster != shared.cluster {
@@ -348,18 +358,21 @@ async fn handle_request(
     }
 }
 
+/// Header `name` of a broker's request as text ("" when absent or not text).
+fn header<B>(req: &Request<B>, name: &str) -> String {
+    req.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned()
+}
+
 async fn handle_dial(
     req: Request<h2::RecvStream>,
     mut respond: SendResponse<Bytes>,
     shared: Arc<AgentShared>,
 ) {
-    let h = |n: &str| {
-        req.headers()
-            .get(n)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_owned()
-    };
+    let h = |n: &str| header(&req, n);
     let target = h(wire::HEADER_TARGET);
     let stream_id = h(wire::HEADER_STREAM);
     let span = tracing::info_span!("agent_stream", cluster = %shared.cluster, stream = %stream_id, target = %target);
@@ -404,18 +417,15 @@ async fn handle_dial(
                 return;
             }
         };
-        shared.metrics.open_streams.inc();
         let (rd, wr) = tcp.into_split();
-        let result = splice(
-            TcpChunkReader::new(rd, shared.settings.read_chunk_bytes),
-            tether_tunnel::pump::ResettableWriteHalf::new(wr),
-            send,
-            req.into_body(),
-            shared.settings.write_stall_timeout,
-            &shared.counters,
-        )
-        .await;
-        shared.metrics.open_streams.dec();
+        let result = shared
+            .splice(
+                TcpChunkReader::new(rd, shared.settings.read_chunk_bytes),
+                tether_tunnel::pump::ResettableWriteHalf::new(wr),
+                send,
+                req.into_body(),
+            )
+            .await;
         let label = match &result {
             Ok(_) => "ok",
             Err(e) => e.reason.metric_label(),
@@ -465,18 +475,9 @@ async fn serve_service_proxy(
     };
     let (ours, theirs) = tokio::io::duplex(SERVICE_PROXY_PIPE_BYTES);
     tokio::spawn(proxy.serve(theirs));
-    shared.metrics.open_streams.inc();
     let (rd, wr) = tokio::io::split(ours);
-    let r = splice(
-        tether_tunnel::pump::AsyncChunkReader::new(rd, shared.settings.read_chunk_bytes),
-        wr,
-        send,
-        req.into_body(),
-        shared.settings.write_stall_timeout,
-        &shared.counters,
-    )
-    .await;
-    shared.metrics.open_streams.dec();
+    let rd = tether_tunnel::pump::AsyncChunkReader::new(rd, shared.settings.read_chunk_bytes);
+    let r = shared.splice(rd, wr, send, req.into_body()).await;
     if let Err(e) = r {
         tracing::debug!(reason = %e.reason, "service-proxy stream aborted");
     }

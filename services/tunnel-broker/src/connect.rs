@@ -16,7 +16,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use tether_tunnel::lingering::{LINGER_TIMEOUT, close_gracefully};
 use tether_tunnel::pump::AbortableWrite;
-use tether_tunnel::pump::{AsyncChunkReader, ResettableWriteHalf, TcpChunkReader, splice};
+use tether_tunnel::pump::{AsyncChunkReader, ResettableWriteHalf, TcpChunkReader};
 use tether_tunnel::wire::DialErrorKind;
 use tether_tunnel::{DialError, Target};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -208,6 +208,32 @@ async fn open(
         .await
 }
 
+/// Reads the CONNECT head from `io` and opens its stream; returns it with what the client sent
+/// after the head. On failure the error is answered, `io` closed gracefully, and `None`
+/// returned.
+async fn open_from_head<S: AsyncRead + AsyncWrite + Unpin>(
+    broker: &Broker,
+    io: &mut S,
+    peer: Option<&crate::auth::PeerCert>,
+    stream_id: u64,
+) -> Option<(crate::dial::OpenStream, Bytes)> {
+    let opened = match read_head(io).await {
+        Ok((head, rest)) => open(broker, head, peer, stream_id).await.map(|o| (o, rest)),
+        Err(e) => {
+            broker.record_failure(FRONTEND, &e);
+            Err(e)
+        }
+    };
+    match opened {
+        Ok(x) => Some(x),
+        Err(e) => {
+            let _ = io.write_all(&error_response(&e)).await;
+            let _ = close_gracefully(io, LINGER_TIMEOUT).await;
+            None
+        }
+    }
+}
+
 fn span(stream_id: u64) -> tracing::Span {
     tracing::info_span!(
         "connect_stream",
@@ -223,22 +249,8 @@ pub async fn serve_plain(broker: Arc<Broker>, mut tcp: TcpStream) {
     let _ = tcp.set_nodelay(true);
     let stream_id = broker.next_stream_id();
     async move {
-        let opened = match read_head(&mut tcp).await {
-            Ok((head, rest)) => open(&broker, head, None, stream_id)
-                .await
-                .map(|o| (o, rest)),
-            Err(e) => {
-                broker.record_failure(FRONTEND, &e);
-                Err(e)
-            }
-        };
-        let (stream, rest) = match opened {
-            Ok(x) => x,
-            Err(e) => {
-                let _ = tcp.write_all(&error_response(&e)).await;
-                let _ = close_gracefully(&mut tcp, LINGER_TIMEOUT).await;
-                return;
-            }
+        let Some((stream, rest)) = open_from_head(&broker, &mut tcp, None, stream_id).await else {
+            return;
         };
         if tcp.write_all(ESTABLISHED).await.is_err() {
             broker.finish(&stream.ticket, &Ok(Default::default()));
@@ -247,26 +259,15 @@ pub async fn serve_plain(broker: Arc<Broker>, mut tcp: TcpStream) {
         // If the broker dies mid-stream the client must see a reset, not a clean EOF.
         let crash_reset = crate::linger::CrashReset::arm(&tcp);
         let (rd, wr) = tcp.into_split();
-        let crate::dial::OpenStream { send, recv, ticket } = stream;
-        let pacer = ticket.pacer.clone();
-        let r = splice(
-            crate::budget::PacedReader::new(
-                TcpChunkReader::with_prefix(rd, broker.settings.read_chunk_bytes, rest),
-                pacer.clone(),
-            ),
-            crate::budget::PacedWriter::new(ResettableWriteHalf::new(wr), pacer),
-            send,
-            recv,
-            broker.settings.write_stall_timeout,
-            &broker.counters,
-        )
-        .await;
+        let rd = TcpChunkReader::with_prefix(rd, broker.settings.read_chunk_bytes, rest);
+        let r = broker
+            .splice_paced(stream, rd, ResettableWriteHalf::new(wr))
+            .await;
         if r.is_ok()
             && let Some(g) = crash_reset
         {
             g.disarm();
         }
-        broker.finish(&ticket, &r);
     }
     .instrument(span(stream_id))
     .await
@@ -280,22 +281,9 @@ pub async fn serve_tls<S: TcpBacked + AsyncRead + AsyncWrite + Unpin + Send + 's
 ) {
     let stream_id = broker.next_stream_id();
     async move {
-        let opened = match read_head(&mut io).await {
-            Ok((head, rest)) => open(&broker, head, peer.as_ref(), stream_id)
-                .await
-                .map(|o| (o, rest)),
-            Err(e) => {
-                broker.record_failure(FRONTEND, &e);
-                Err(e)
-            }
-        };
-        let (stream, rest) = match opened {
-            Ok(x) => x,
-            Err(e) => {
-                let _ = io.write_all(&error_response(&e)).await;
-                let _ = close_gracefully(&mut io, LINGER_TIMEOUT).await;
-                return;
-            }
+        let Some((stream, rest)) = open_from_head(&broker, &mut io, peer.as_ref(), stream_id).await
+        else {
+            return;
         };
         if io.write_all(ESTABLISHED).await.is_err() || io.flush().await.is_err() {
             broker.finish(&stream.ticket, &Ok(Default::default()));
@@ -306,24 +294,13 @@ pub async fn serve_tls<S: TcpBacked + AsyncRead + AsyncWrite + Unpin + Send + 's
             io,
             aborted: Arc::clone(&aborted),
         });
-        let crate::dial::OpenStream { send, recv, ticket } = stream;
-        let pacer = ticket.pacer.clone();
-        let r = splice(
-            crate::budget::PacedReader::new(
-                tether_tunnel::pump::PrefixedReader::new(
-                    rest,
-                    AsyncChunkReader::new(rd, broker.settings.read_chunk_bytes),
-                ),
-                pacer.clone(),
-            ),
-            crate::budget::PacedWriter::new(AbortFlagWriteHalf { wr, aborted }, pacer),
-            send,
-            recv,
-            broker.settings.write_stall_timeout,
-            &broker.counters,
-        )
-        .await;
-        broker.finish(&ticket, &r);
+        let rd = tether_tunnel::pump::PrefixedReader::new(
+            rest,
+            AsyncChunkReader::new(rd, broker.settings.read_chunk_bytes),
+        );
+        let _ = broker
+            .splice_paced(stream, rd, AbortFlagWriteHalf { wr, aborted })
+            .await;
     }
     .instrument(span(stream_id))
     .await

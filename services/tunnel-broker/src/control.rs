@@ -26,6 +26,7 @@ use tether_control::clients::{ClientAccessPolicy, HubClient};
 use tether_control::connect::{self, ConnectConfig, Credentials};
 use tether_control::kubeconfig::HubEndpoint;
 use tether_control::resources::{ManagedCluster, rfc3339};
+use tether_control::store::Store as _;
 use tether_control::store::{Bucket, HubStore};
 use tether_runtime::{Backoff, BackoffConfig};
 use tokio::sync::watch;

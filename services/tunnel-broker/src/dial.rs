@@ -274,6 +274,33 @@ impl Broker {
         ))
     }
 
+    /// Splices an opened stream with a client's bytes (`rd`, `wr`), both directions paced by
+    /// the stream's budget, then records its end ([`Self::finish`]); returns how it ended.
+    pub async fn splice_paced<R, W>(
+        &self,
+        stream: OpenStream,
+        rd: R,
+        wr: W,
+    ) -> Result<SpliceStats, SpliceError>
+    where
+        R: tether_tunnel::pump::ChunkReader,
+        W: tether_tunnel::pump::AbortableWrite,
+    {
+        let OpenStream { send, recv, ticket } = stream;
+        let pacer = ticket.pacer.clone();
+        let r = tether_tunnel::pump::splice(
+            crate::budget::PacedReader::new(rd, pacer.clone()),
+            crate::budget::PacedWriter::new(wr, pacer),
+            send,
+            recv,
+            self.settings.write_stall_timeout,
+            &self.counters,
+        )
+        .await;
+        self.finish(&ticket, &r);
+        r
+    }
+
     /// Records the end of a stream.
     pub fn finish(&self, stream: &StreamTicket, result: &Result<SpliceStats, SpliceError>) {
         let frontend = stream.frontend;

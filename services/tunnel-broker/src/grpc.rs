@@ -246,17 +246,8 @@ async fn pump<In, Out>(
             }
             Ok::<(), AbortReason>(())
         };
-        tokio::pin!(up, down);
-        let (mut up_done, mut down_done) = (false, false);
-        loop {
-            tokio::select! {
-                r = &mut up, if !up_done => match r { Ok(()) => up_done = true, Err(e) => break Err(e) },
-                r = &mut down, if !down_done => match r { Ok(()) => down_done = true, Err(e) => break Err(e) },
-            }
-            if up_done && down_done {
-                break Ok(());
-            }
-        }
+        // Both directions to their end; the first error ends both.
+        tokio::try_join!(up, down).map(|_| ())
     };
     stats.from_tunnel_bytes = down_bytes;
     match result {

@@ -145,9 +145,7 @@ pub async fn run(
             "test hooks on: the admin listener can make tunnels panic (never in production)"
         );
     }
-    let test_hooks = cfg
-        .test_hooks
-        .then(|| Arc::new(test_hooks::TestHooks::default()));
+    let test_hooks = cfg.test_hooks.then(|| Arc::new(test_hooks::new()));
     let side = Arc::new(AgentSide {
         broker_id: cfg.id.clone(),
         acceptor: agent_acceptor,

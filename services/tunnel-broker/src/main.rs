@@ -2,40 +2,22 @@
 
 #![forbid(unsafe_code)]
 
-use std::path::PathBuf;
-
 use anyhow::Context as _;
-use clap::Parser;
-
-/// mimalloc instead of glibc malloc: h2 allocates a buffer per received DATA frame, and glibc
-/// trims and re-faults that memory constantly (~110k page faults per 3 s of one-stream traffic,
-/// 15–25 % of the tunnel's CPU per GB; see docs/benchmarks.md).
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use tokio::net::TcpListener;
 
-/// Tether tunnel-broker: accepts agent tunnels and routes hub clients to clusters.
-#[derive(Parser, Debug)]
-#[command(version, about)]
-struct Args {
-    /// Path of the YAML config file.
-    #[arg(long, short, env = "TETHER_BROKER_CONFIG")]
-    config: PathBuf,
-    #[command(flatten)]
-    process: tether_runtime::ProcessArgs,
-}
+tether_runtime::data_plane_allocator!();
 
 fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let args = tether_runtime::ConfigFileArgs::parse_for(
+        "tunnel-broker",
+        "Tether tunnel-broker: accepts agent tunnels and routes hub clients to clusters.",
+        "TETHER_BROKER_CONFIG",
+    );
     tether_tls::install_default_crypto();
     let cfg: tunnel_broker::config::BrokerConfig =
         tether_config::load(&args.config).context("invalid tunnel-broker configuration")?;
-    let workers = args
-        .process
-        .worker_threads
-        .unwrap_or_else(tether_runtime::data_plane_workers);
     let bind = tether_runtime::bind;
-    tether_runtime::actix_system(Some(workers)).block_on(async move {
+    tether_runtime::actix_system(Some(args.process.data_plane_workers())).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("tunnel-broker");
         let shutdown = tether_runtime::shutdown_token();
         let listeners = tunnel_broker::Listeners {

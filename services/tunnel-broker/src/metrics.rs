@@ -3,6 +3,7 @@
 use prometheus::{
     HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
 };
+use tether_telemetry::Registered as _;
 
 #[derive(Clone)]
 pub struct BrokerMetrics {
@@ -45,21 +46,21 @@ impl BrokerMetrics {
             tunnels: IntGauge::new(
                 "tether_broker_tunnels",
                 "Agent tunnels currently registered.",
-            )?,
+            ).registered(registry)?,
             tunnel_connects: IntCounterVec::new(
                 Opts::new(
                     "tether_broker_tunnel_connects_total",
                     "Agent connection attempts by result.",
                 ),
                 &["result"],
-            )?,
+            ).registered(registry)?,
             open_streams: IntGaugeVec::new(
                 Opts::new(
                     "tether_broker_open_streams",
                     "Client streams currently open, by front end.",
                 ),
                 &["frontend"],
-            )?,
+            ).registered(registry)?,
             dial_duration: HistogramVec::new(
                 HistogramOpts::new(
                     "tether_broker_dial_duration_seconds",
@@ -70,21 +71,21 @@ impl BrokerMetrics {
                     2.5, 5.0, 10.0,
                 ]),
                 &["frontend"],
-            )?,
+            ).registered(registry)?,
             dial_failures: IntCounterVec::new(
                 Opts::new(
                     "tether_broker_dial_failures_total",
                     "Failed client dials by reason.",
                 ),
                 &["frontend", "reason"],
-            )?,
+            ).registered(registry)?,
             bytes: IntCounterVec::new(
                 Opts::new(
                     "tether_broker_bytes_total",
                     "Bytes carried, by direction (to_cluster, from_cluster).",
                 ),
                 &["direction"],
-            )?,
+            ).registered(registry)?,
             stream_duration: HistogramVec::new(
                 HistogramOpts::new(
                     "tether_broker_stream_duration_seconds",
@@ -92,74 +93,74 @@ impl BrokerMetrics {
                 )
                 .buckets(vec![0.01, 0.1, 1.0, 10.0, 60.0, 600.0, 3600.0]),
                 &["frontend", "result"],
-            )?,
+            ).registered(registry)?,
             control_plane_connected: IntGauge::new(
                 "tether_broker_control_plane_connected",
                 "1 while the broker's control-plane session is up (presence renewed, hub state followed), else 0.",
-            )?,
+            ).registered(registry)?,
             presence_renewals: IntCounterVec::new(
                 Opts::new(
                     "tether_broker_presence_renewals_total",
                     "Writes of this broker's presence entry, by result.",
                 ),
                 &["result"],
-            )?,
+            ).registered(registry)?,
             discovered_peers: IntGauge::new(
                 "tether_broker_discovered_peers",
                 "Relay peers discovered from the other brokers' presence.",
-            )?,
+            ).registered(registry)?,
             relay_peers_connected: IntGauge::new(
                 "tether_broker_relay_peers_connected",
                 "Relay connections to peer brokers that are up.",
-            )?,
+            ).registered(registry)?,
             known_clusters: IntGauge::new(
                 "tether_broker_known_clusters",
                 "ManagedClusters read from the hub (0 without a control plane).",
-            )?,
+            ).registered(registry)?,
             hub_clients: IntGauge::new(
                 "tether_broker_hub_clients",
                 "Hub clients (HubClient resources) the broker accepts.",
-            )?,
+            ).registered(registry)?,
             tunnels_closed_by_hub: IntCounter::new(
                 "tether_broker_tunnels_closed_by_hub_total",
                 "Tunnels closed because their cluster was deleted, denied or never registered on the hub.",
-            )?,
+            ).registered(registry)?,
             tunnel_window_changes: IntCounter::new(
                 "tether_broker_tunnel_window_changes_total",
                 "Changes of a tunnel's adaptive receive window (raised to fit bandwidth x round trip, or back to the base after idling).",
-            )?,
+            ).registered(registry)?,
             tunnel_wedged: IntCounterVec::new(
                 Opts::new(
                     "tether_broker_tunnel_wedged_total",
                     "Agent tunnels torn down because they moved no bytes while bytes waited: detector=watchdog (bytes to the agent unanswered for tunnel.stall_timeout) or keepalive (PING unanswered for tunnel.keepalive_timeout).",
                 ),
                 &["detector"],
-            )?,
+            ).registered(registry)?,
             budget_rejections: IntCounterVec::new(
                 Opts::new(
                     "tether_broker_budget_rejections_total",
                     "Dials refused by a fairness budget: budget (cluster_streams, cluster_pending_dials, client_streams, client_pending_dials) and owner (the cluster or client name; clusters with no tunnel on this broker count as \"other\").",
                 ),
                 &["budget", "owner"],
-            )?,
+            ).registered(registry)?,
             paced_clusters: IntGauge::new(
                 "tether_broker_paced_clusters",
                 "Clusters whose streams the broker paces now: the CPU is contended (runtime lag above budgets.cpu_share_lag, or host CPU pressure above 20 %) and the cluster floods (refused by a budget, or most of the broker's bytes for 1 s) while other clusters hold streams.",
-            )?,
+            ).registered(registry)?,
             konnectivity_errors: IntCounterVec::new(
                 Opts::new(
                     "tether_broker_konnectivity_errors_total",
                     "konnectivity Proxy events by kind: second_dial, unknown_connect_id, oversize_data (answered with an error packet), dial_cancelled (DIAL_CLS or stream end during a dial), close_timeout (target still open 5 s after CLOSE_REQ, reset), unexpected_packet (ignored).",
                 ),
                 &["kind"],
-            )?,
+            ).registered(registry)?,
             service_proxy_requests: IntCounterVec::new(
                 Opts::new(
                     "tether_broker_service_proxy_requests_total",
                     "Service-proxy requests by cluster (empty before the cluster was admitted) and status code.",
                 ),
                 &["cluster", "code"],
-            )?,
+            ).registered(registry)?,
             service_proxy_duration: HistogramVec::new(
                 HistogramOpts::new(
                     "tether_broker_service_proxy_request_duration_seconds",
@@ -170,49 +171,20 @@ impl BrokerMetrics {
                     10.0,
                 ]),
                 &["cluster"],
-            )?,
+            ).registered(registry)?,
             service_proxy_stripped_headers: IntCounter::new(
                 "tether_broker_service_proxy_stripped_headers_total",
                 "Client-supplied Impersonate-* and tether-* headers removed by the service proxy.",
-            )?,
+            ).registered(registry)?,
             service_proxy_allowlist_entries: IntGauge::new(
                 "tether_broker_service_proxy_allowlist_entries",
                 "Services in the service proxy's effective allowlist (config plus hub).",
-            )?,
+            ).registered(registry)?,
             service_proxy_allowlist_rejected: IntCounter::new(
                 "tether_broker_service_proxy_allowlist_rejected_total",
                 "ServiceProxyAllowlist updates ignored as invalid (the last good version stays).",
-            )?,
+            ).registered(registry)?,
         };
-        tether_telemetry::register_all(
-            registry,
-            [
-                Box::new(m.tunnels.clone()) as Box<dyn prometheus::core::Collector>,
-                Box::new(m.tunnel_connects.clone()),
-                Box::new(m.open_streams.clone()),
-                Box::new(m.dial_duration.clone()),
-                Box::new(m.dial_failures.clone()),
-                Box::new(m.bytes.clone()),
-                Box::new(m.stream_duration.clone()),
-                Box::new(m.control_plane_connected.clone()),
-                Box::new(m.presence_renewals.clone()),
-                Box::new(m.discovered_peers.clone()),
-                Box::new(m.relay_peers_connected.clone()),
-                Box::new(m.known_clusters.clone()),
-                Box::new(m.hub_clients.clone()),
-                Box::new(m.tunnels_closed_by_hub.clone()),
-                Box::new(m.tunnel_window_changes.clone()),
-                Box::new(m.konnectivity_errors.clone()),
-                Box::new(m.tunnel_wedged.clone()),
-                Box::new(m.budget_rejections.clone()),
-                Box::new(m.paced_clusters.clone()),
-                Box::new(m.service_proxy_requests.clone()),
-                Box::new(m.service_proxy_duration.clone()),
-                Box::new(m.service_proxy_stripped_headers.clone()),
-                Box::new(m.service_proxy_allowlist_entries.clone()),
-                Box::new(m.service_proxy_allowlist_rejected.clone()),
-            ],
-        )?;
         Ok(m)
     }
 

@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::addons::{CLUSTER_PROXY, ManagedClusterAddOn, condition as addon_condition};
 use crate::connect::ControlError;
 use crate::resources::ManagedCluster;
+use crate::store::Store as _;
 use crate::store::{Bucket, HubStore};
 use crate::subjects;
 

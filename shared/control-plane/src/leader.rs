@@ -17,6 +17,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::connect::ControlError;
+use crate::store::Store as _;
 use crate::store::{Bucket, HubStore};
 
 /// Default lease TTL of a controller leader.

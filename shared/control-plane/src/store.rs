@@ -269,7 +269,7 @@ async fn replica_count(
     name: &str,
     replicas: Replicas,
     fallback: usize,
-) -> Result<usize, ControlError> {
+) -> StoreResult<usize> {
     if let Replicas::Exactly(n) = replicas {
         return Ok(n);
     }
@@ -300,6 +300,19 @@ impl std::fmt::Debug for HubStore {
     }
 }
 
+/// What every store operation answers.
+pub type StoreResult<T> = Result<T, ControlError>;
+
+/// A value as stored (JSON); the error names the bucket and key.
+fn encode<T: Serialize>(b: Bucket, key: &str, v: &T) -> StoreResult<Vec<u8>> {
+    serde_json::to_vec(v).map_err(|e| ControlError::Codec(format!("{}/{key}: {e}", b.name())))
+}
+
+/// A stored value; the error names the bucket and key.
+fn decode<T: DeserializeOwned>(b: Bucket, key: &str, v: &[u8]) -> StoreResult<T> {
+    serde_json::from_slice(v).map_err(|e| ControlError::Codec(format!("{}/{key}: {e}", b.name())))
+}
+
 fn js_err(e: impl std::fmt::Display) -> ControlError {
     ControlError::JetStream(e.to_string())
 }
@@ -307,15 +320,12 @@ fn js_err(e: impl std::fmt::Display) -> ControlError {
 impl HubStore {
     /// Opens (creating if needed) the buckets and the stream, keeping the replica count of
     /// those that exist ([`Replicas::Keep`]).
-    pub async fn open(client: async_nats::Client) -> Result<Self, ControlError> {
+    pub async fn open(client: async_nats::Client) -> StoreResult<Self> {
         Self::open_with(client, Replicas::Keep).await
     }
 
     /// Opens (creating if needed) the buckets and the stream with `replicas`.
-    pub async fn open_with(
-        client: async_nats::Client,
-        replicas: Replicas,
-    ) -> Result<Self, ControlError> {
+    pub async fn open_with(client: async_nats::Client, replicas: Replicas) -> StoreResult<Self> {
         let fallback = default_replicas(&client);
         let js = jetstream::new(client);
         let mut stores = Vec::with_capacity(ALL_BUCKETS.len());
@@ -359,132 +369,12 @@ impl HubStore {
         &self.js
     }
 
-    /// The value and its revision, read from the stream leader.
-    ///
-    /// Not a KV "direct get": JetStream answers those from any replica, and a replica that
-    /// is catching up (a node just restarted or thawed after a partition) answers with what it
-    /// had — an old lease renewal time, or "no such key" for a cluster created while it was
-    /// away. The controllers act on these reads (an add-on of a "missing" cluster is removed,
-    /// a lease that "stopped" turns its add-on Unavailable), so every read goes to the leader,
-    /// which orders it after every acknowledged write. Seen in `tests/tests/hub_chaos_tunnels.rs`.
-    pub async fn get<T: DeserializeOwned>(
-        &self,
-        b: Bucket,
-        key: &str,
-    ) -> Result<Option<(T, u64)>, ControlError> {
-        if !valid_key(key) {
-            return Err(ControlError::JetStream(format!(
-                "{}: invalid key {key:?}",
-                b.name()
-            )));
-        }
-        let kv = self.kv(b);
-        let subject = format!("{}{key}", kv.prefix);
-        let m = match kv.stream.get_last_raw_message_by_subject(&subject).await {
-            Ok(m) => m,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    jetstream::stream::LastRawMessageErrorKind::NoMessageFound
-                ) =>
-            {
-                return Ok(None);
-            }
-            Err(e) => return Err(js_err(e)),
-        };
-        if is_removal(Some(&m.headers)) {
-            return Ok(None);
-        }
-        let v = serde_json::from_slice(&m.payload)
-            .map_err(|err| ControlError::Codec(format!("{}/{key}: {err}", b.name())))?;
-        Ok(Some((v, m.sequence)))
-    }
-
-    pub async fn put<T: Serialize>(
-        &self,
-        b: Bucket,
-        key: &str,
-        v: &T,
-    ) -> Result<u64, ControlError> {
-        let bytes = serde_json::to_vec(v).map_err(|e| ControlError::Codec(e.to_string()))?;
-        self.kv(b).put(key, bytes.into()).await.map_err(js_err)
-    }
-
-    /// Creates; `Ok(None)` when the key already exists.
-    pub async fn create<T: Serialize>(
-        &self,
-        b: Bucket,
-        key: &str,
-        v: &T,
-    ) -> Result<Option<u64>, ControlError> {
-        let bytes = serde_json::to_vec(v).map_err(|e| ControlError::Codec(e.to_string()))?;
-        match self.kv(b).create(key, bytes.into()).await {
-            Ok(r) => Ok(Some(r)),
-            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
-            Err(e) => Err(js_err(e)),
-        }
-    }
-
-    /// Compare-and-swap; `Ok(None)` when the revision moved (re-read and retry).
-    pub async fn update<T: Serialize>(
-        &self,
-        b: Bucket,
-        key: &str,
-        v: &T,
-        revision: u64,
-    ) -> Result<Option<u64>, ControlError> {
-        let bytes = serde_json::to_vec(v).map_err(|e| ControlError::Codec(e.to_string()))?;
-        match self.kv(b).update(key, bytes.into(), revision).await {
-            Ok(r) => Ok(Some(r)),
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(None),
-            Err(e) => Err(js_err(e)),
-        }
-    }
-
-    pub async fn delete(&self, b: Bucket, key: &str) -> Result<(), ControlError> {
-        self.kv(b).delete(key).await.map_err(js_err)
-    }
-
-    /// All keys of a bucket.
-    pub async fn keys(&self, b: Bucket) -> Result<Vec<String>, ControlError> {
-        self.keys_matching(b, ">").await
-    }
-
-    /// The keys of a bucket that match the NATS subject `filter` (`>` for all, `c1.>` for
-    /// every key under `c1.`): one ordered consumer that delivers only the headers of the last
-    /// message of each key, so the cost follows the number of matching keys, not the bucket.
-    pub async fn keys_matching(
-        &self,
-        b: Bucket,
-        filter: &str,
-    ) -> Result<Vec<String>, ControlError> {
-        Ok(self
-            .last_values(b, filter, true)
-            .await?
-            .into_iter()
-            .map(|e| e.key)
-            .collect())
-    }
-
-    /// All values of a bucket (skips undecodable entries with a warning).
-    ///
-    /// One ordered consumer delivers the last value of every key in one stream of messages (the
-    /// KV "watch with history" without the watch): one round trip to set up and then a flow of
-    /// messages, instead of a get per key (65 s for 10,000 clusters through three nodes before,
-    /// see docs/scale.md).
-    pub async fn list<T: DeserializeOwned>(
-        &self,
-        b: Bucket,
-    ) -> Result<Vec<(String, T, u64)>, ControlError> {
-        self.list_matching(b, ">").await
-    }
-
     /// The values of the keys that match the NATS subject `filter` (see [`Self::keys_matching`]).
     pub async fn list_matching<T: DeserializeOwned>(
         &self,
         b: Bucket,
         filter: &str,
-    ) -> Result<Vec<(String, T, u64)>, ControlError> {
+    ) -> StoreResult<Vec<(String, T, u64)>> {
         let mut out = Vec::new();
         for e in self.last_values(b, filter, false).await? {
             match serde_json::from_slice::<T>(&e.value) {
@@ -512,7 +402,7 @@ impl HubStore {
         b: Bucket,
         filter: &str,
         headers_only: bool,
-    ) -> Result<Vec<LastValue>, ControlError> {
+    ) -> StoreResult<Vec<LastValue>> {
         let kv = self.kv(b);
         let whole = filter == ">";
         for _ in 0..LIST_ATTEMPTS {
@@ -552,7 +442,7 @@ impl HubStore {
         filter: &str,
         headers_only: bool,
         leader_last: Option<u64>,
-    ) -> Result<Option<Vec<LastValue>>, ControlError> {
+    ) -> StoreResult<Option<Vec<LastValue>>> {
         let kv = self.kv(b);
         let consumer = kv
             .stream
@@ -615,7 +505,7 @@ impl HubStore {
         b: Bucket,
         filter: &str,
         headers_only: bool,
-    ) -> Result<Vec<LastValue>, ControlError> {
+    ) -> StoreResult<Vec<LastValue>> {
         let kv = self.kv(b);
         let subject = format!("{}{filter}", kv.prefix);
         let mut live: std::collections::BTreeMap<String, LastValue> = Default::default();
@@ -680,8 +570,7 @@ impl HubStore {
     pub async fn watch<T: DeserializeOwned + Send + 'static>(
         &self,
         b: Bucket,
-    ) -> Result<impl futures::Stream<Item = (String, Option<T>)> + Send + use<T>, ControlError>
-    {
+    ) -> StoreResult<impl futures::Stream<Item = (String, Option<T>)> + Send + use<T>> {
         let kv = self.kv(b).clone();
         let w = kv.watch_with_history(">").await.map_err(js_err)?;
         let mut check = tokio::time::interval_at(
@@ -704,25 +593,8 @@ impl HubStore {
         }))
     }
 
-    /// Publishes an event on `tether.v1.events.<kind>.<name>` and waits for the stream's ack.
-    pub async fn publish_event(&self, ev: &Event) -> Result<(), ControlError> {
-        let subject = subjects::event(&ev.involved_object.kind, &ev.involved_object.name);
-        let bytes = serde_json::to_vec(ev).map_err(|e| ControlError::Codec(e.to_string()))?;
-        self.js
-            .publish(subject, bytes.into())
-            .await
-            .map_err(js_err)?
-            .await
-            .map_err(js_err)?;
-        Ok(())
-    }
-
     /// The last `n` events (newest last), optionally for one object name.
-    pub async fn recent_events(
-        &self,
-        n: usize,
-        name: Option<&str>,
-    ) -> Result<Vec<Event>, ControlError> {
+    pub async fn recent_events(&self, n: usize, name: Option<&str>) -> StoreResult<Vec<Event>> {
         let stream = self
             .js
             .get_stream(subjects::STREAM_EVENTS)
@@ -767,21 +639,21 @@ pub trait Store: Clone + Send + Sync + 'static {
         &self,
         b: Bucket,
         key: &str,
-    ) -> impl Future<Output = Result<Option<(T, u64)>, ControlError>> + Send;
+    ) -> impl Future<Output = StoreResult<Option<(T, u64)>>> + Send;
     /// Writes unconditionally; returns the new revision.
     fn put<T: Serialize + Sync>(
         &self,
         b: Bucket,
         key: &str,
         v: &T,
-    ) -> impl Future<Output = Result<u64, ControlError>> + Send;
+    ) -> impl Future<Output = StoreResult<u64>> + Send;
     /// Creates; `Ok(None)` when the key already exists.
     fn create<T: Serialize + Sync>(
         &self,
         b: Bucket,
         key: &str,
         v: &T,
-    ) -> impl Future<Output = Result<Option<u64>, ControlError>> + Send;
+    ) -> impl Future<Output = StoreResult<Option<u64>>> + Send;
     /// Compare-and-swap on `revision`; `Ok(None)` when the revision moved.
     fn update<T: Serialize + Sync>(
         &self,
@@ -789,98 +661,159 @@ pub trait Store: Clone + Send + Sync + 'static {
         key: &str,
         v: &T,
         revision: u64,
-    ) -> impl Future<Output = Result<Option<u64>, ControlError>> + Send;
-    fn delete(&self, b: Bucket, key: &str)
-    -> impl Future<Output = Result<(), ControlError>> + Send;
+    ) -> impl Future<Output = StoreResult<Option<u64>>> + Send;
+    fn delete(&self, b: Bucket, key: &str) -> impl Future<Output = StoreResult<()>> + Send;
     /// All keys of a bucket.
-    fn keys(&self, b: Bucket) -> impl Future<Output = Result<Vec<String>, ControlError>> + Send;
+    fn keys(&self, b: Bucket) -> impl Future<Output = StoreResult<Vec<String>>> + Send;
     /// The keys that match the NATS subject `filter` (`c1.>`: every key under `c1.`; `*` one
     /// token; `>` the rest).
     fn keys_matching(
         &self,
         b: Bucket,
         filter: &str,
-    ) -> impl Future<Output = Result<Vec<String>, ControlError>> + Send;
+    ) -> impl Future<Output = StoreResult<Vec<String>>> + Send;
     /// All values of a bucket with their keys and revisions (undecodable entries skipped).
     fn list<T: DeserializeOwned + Send>(
         &self,
         b: Bucket,
-    ) -> impl Future<Output = Result<Vec<(String, T, u64)>, ControlError>> + Send;
+    ) -> impl Future<Output = StoreResult<Vec<(String, T, u64)>>> + Send;
     /// Current values of a bucket, then every change (`None` = deleted).
     fn watch<T: DeserializeOwned + Send + 'static>(
         &self,
         b: Bucket,
-    ) -> impl Future<
-        Output = Result<futures::stream::BoxStream<'static, (String, Option<T>)>, ControlError>,
-    > + Send;
+    ) -> impl Future<Output = StoreResult<futures::stream::BoxStream<'static, (String, Option<T>)>>> + Send;
     /// Appends an event to the events stream.
-    fn publish_event(&self, ev: &Event) -> impl Future<Output = Result<(), ControlError>> + Send;
+    fn publish_event(&self, ev: &Event) -> impl Future<Output = StoreResult<()>> + Send;
 }
 
 impl Store for HubStore {
-    fn get<T: DeserializeOwned>(
+    /// The value and its revision, read from the stream leader.
+    ///
+    /// Not a KV "direct get": JetStream answers those from any replica, and a replica that
+    /// is catching up (a node just restarted or thawed after a partition) answers with what it
+    /// had — an old lease renewal time, or "no such key" for a cluster created while it was
+    /// away. The controllers act on these reads (an add-on of a "missing" cluster is removed,
+    /// a lease that "stopped" turns its add-on Unavailable), so every read goes to the leader,
+    /// which orders it after every acknowledged write. Seen in `tests/tests/hub_chaos_tunnels.rs`.
+    async fn get<T: DeserializeOwned>(
         &self,
         b: Bucket,
         key: &str,
-    ) -> impl Future<Output = Result<Option<(T, u64)>, ControlError>> + Send {
-        HubStore::get(self, b, key)
+    ) -> StoreResult<Option<(T, u64)>> {
+        if !valid_key(key) {
+            return Err(ControlError::JetStream(format!(
+                "{}: invalid key {key:?}",
+                b.name()
+            )));
+        }
+        let kv = self.kv(b);
+        let subject = format!("{}{key}", kv.prefix);
+        let m = match kv.stream.get_last_raw_message_by_subject(&subject).await {
+            Ok(m) => m,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    jetstream::stream::LastRawMessageErrorKind::NoMessageFound
+                ) =>
+            {
+                return Ok(None);
+            }
+            Err(e) => return Err(js_err(e)),
+        };
+        if is_removal(Some(&m.headers)) {
+            return Ok(None);
+        }
+        Ok(Some((decode(b, key, &m.payload)?, m.sequence)))
     }
-    fn put<T: Serialize + Sync>(
+
+    async fn put<T: Serialize + Sync>(&self, b: Bucket, key: &str, v: &T) -> StoreResult<u64> {
+        let bytes = encode(b, key, v)?;
+        self.kv(b).put(key, bytes.into()).await.map_err(js_err)
+    }
+
+    /// Creates; `Ok(None)` when the key already exists.
+    async fn create<T: Serialize + Sync>(
         &self,
         b: Bucket,
         key: &str,
         v: &T,
-    ) -> impl Future<Output = Result<u64, ControlError>> + Send {
-        HubStore::put(self, b, key, v)
+    ) -> StoreResult<Option<u64>> {
+        let bytes = encode(b, key, v)?;
+        match self.kv(b).create(key, bytes.into()).await {
+            Ok(r) => Ok(Some(r)),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
+            Err(e) => Err(js_err(e)),
+        }
     }
-    fn create<T: Serialize + Sync>(
-        &self,
-        b: Bucket,
-        key: &str,
-        v: &T,
-    ) -> impl Future<Output = Result<Option<u64>, ControlError>> + Send {
-        HubStore::create(self, b, key, v)
-    }
-    fn update<T: Serialize + Sync>(
+
+    /// Compare-and-swap; `Ok(None)` when the revision moved (re-read and retry).
+    async fn update<T: Serialize + Sync>(
         &self,
         b: Bucket,
         key: &str,
         v: &T,
         revision: u64,
-    ) -> impl Future<Output = Result<Option<u64>, ControlError>> + Send {
-        HubStore::update(self, b, key, v, revision)
+    ) -> StoreResult<Option<u64>> {
+        let bytes = encode(b, key, v)?;
+        match self.kv(b).update(key, bytes.into(), revision).await {
+            Ok(r) => Ok(Some(r)),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(None),
+            Err(e) => Err(js_err(e)),
+        }
     }
-    fn delete(
+
+    async fn delete(&self, b: Bucket, key: &str) -> StoreResult<()> {
+        self.kv(b).delete(key).await.map_err(js_err)
+    }
+
+    /// All keys of a bucket.
+    async fn keys(&self, b: Bucket) -> StoreResult<Vec<String>> {
+        self.keys_matching(b, ">").await
+    }
+
+    /// The keys of a bucket that match the NATS subject `filter` (`>` for all, `c1.>` for
+    /// every key under `c1.`): one ordered consumer that delivers only the headers of the last
+    /// message of each key, so the cost follows the number of matching keys, not the bucket.
+    async fn keys_matching(&self, b: Bucket, filter: &str) -> StoreResult<Vec<String>> {
+        Ok(self
+            .last_values(b, filter, true)
+            .await?
+            .into_iter()
+            .map(|e| e.key)
+            .collect())
+    }
+
+    /// All values of a bucket (skips undecodable entries with a warning).
+    ///
+    /// One ordered consumer delivers the last value of every key in one stream of messages (the
+    /// KV "watch with history" without the watch): one round trip to set up and then a flow of
+    /// messages, instead of a get per key (65 s for 10,000 clusters through three nodes before,
+    /// see docs/scale.md).
+    async fn list<T: DeserializeOwned + Send>(
         &self,
         b: Bucket,
-        key: &str,
-    ) -> impl Future<Output = Result<(), ControlError>> + Send {
-        HubStore::delete(self, b, key)
+    ) -> StoreResult<Vec<(String, T, u64)>> {
+        self.list_matching(b, ">").await
     }
-    fn keys(&self, b: Bucket) -> impl Future<Output = Result<Vec<String>, ControlError>> + Send {
-        HubStore::keys(self, b)
-    }
-    fn keys_matching(
-        &self,
-        b: Bucket,
-        filter: &str,
-    ) -> impl Future<Output = Result<Vec<String>, ControlError>> + Send {
-        HubStore::keys_matching(self, b, filter)
-    }
-    fn list<T: DeserializeOwned + Send>(
-        &self,
-        b: Bucket,
-    ) -> impl Future<Output = Result<Vec<(String, T, u64)>, ControlError>> + Send {
-        HubStore::list(self, b)
-    }
+
     async fn watch<T: DeserializeOwned + Send + 'static>(
         &self,
         b: Bucket,
-    ) -> Result<futures::stream::BoxStream<'static, (String, Option<T>)>, ControlError> {
+    ) -> StoreResult<futures::stream::BoxStream<'static, (String, Option<T>)>> {
         Ok(HubStore::watch::<T>(self, b).await?.boxed())
     }
-    fn publish_event(&self, ev: &Event) -> impl Future<Output = Result<(), ControlError>> + Send {
-        HubStore::publish_event(self, ev)
+
+    /// Publishes an event on `tether.v1.events.<kind>.<name>` and waits for the stream's ack.
+    async fn publish_event(&self, ev: &Event) -> StoreResult<()> {
+        let subject = subjects::event(&ev.involved_object.kind, &ev.involved_object.name);
+        let bytes = serde_json::to_vec(ev).map_err(|e| ControlError::Codec(e.to_string()))?;
+        self.js
+            .publish(subject, bytes.into())
+            .await
+            .map_err(js_err)?
+            .await
+            .map_err(js_err)?;
+        Ok(())
     }
 }
 

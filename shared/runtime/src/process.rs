@@ -48,6 +48,40 @@ pub struct ProcessArgs {
     pub worker_threads: Option<usize>,
 }
 
+impl ProcessArgs {
+    /// `--worker-threads`, or the data-plane default ([`data_plane_workers`]).
+    pub fn data_plane_workers(&self) -> usize {
+        self.worker_threads.unwrap_or_else(data_plane_workers)
+    }
+}
+
+/// The command line of a service that runs from one YAML config file (the broker and the
+/// agent): `--config` (or an environment variable the service names) and [`ProcessArgs`].
+#[derive(Debug, Clone, clap::Parser)]
+#[command(version)]
+pub struct ConfigFileArgs {
+    /// Path of the YAML config file.
+    #[arg(long, short)]
+    pub config: std::path::PathBuf,
+    #[command(flatten)]
+    pub process: ProcessArgs,
+}
+
+impl ConfigFileArgs {
+    /// Parses this process's arguments as service `name` (`about` is the help's first line);
+    /// `--config` may also come from the environment variable `config_env`. Exits with clap's
+    /// message on bad arguments, `--help` and `--version`.
+    pub fn parse_for(name: &'static str, about: &'static str, config_env: &'static str) -> Self {
+        use clap::{CommandFactory as _, FromArgMatches as _};
+        let matches = Self::command()
+            .name(name)
+            .about(about)
+            .mut_arg("config", |a| a.env(config_env))
+            .get_matches();
+        Self::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+    }
+}
+
 /// Why a service could not bind a listener or announce it.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {

@@ -173,12 +173,18 @@ impl AdminServer {
     }
 }
 
-/// Registers every collector, stopping at the first error (e.g. a duplicate metric name).
-pub fn register_all(
-    registry: &Registry,
-    collectors: impl IntoIterator<Item = Box<dyn prometheus::core::Collector>>,
-) -> prometheus::Result<()> {
-    collectors
-        .into_iter()
-        .try_for_each(|c| registry.register(c))
+/// Registers a metric as it is built — `IntGauge::new(…).registered(registry)?` — so a
+/// metrics struct cannot declare a metric and forget to export it, and no list of its fields
+/// is kept twice.
+pub trait Registered<C> {
+    /// The metric, registered with `registry` (stops at the first error, e.g. a duplicate name).
+    fn registered(self, registry: &Registry) -> prometheus::Result<C>;
+}
+
+impl<C: prometheus::core::Collector + Clone + 'static> Registered<C> for prometheus::Result<C> {
+    fn registered(self, registry: &Registry) -> prometheus::Result<C> {
+        let metric = self?;
+        registry.register(Box::new(metric.clone()))?;
+        Ok(metric)
+    }
 }

@@ -11,5 +11,5 @@ pub mod admin;
 pub mod propagation;
 pub mod tracing_setup;
 
-pub use admin::{AdminServer, Readiness, register_all};
+pub use admin::{AdminServer, Readiness, Registered};
 pub use tracing_setup::{TelemetryGuard, init_tracing};

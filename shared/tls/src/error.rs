@@ -12,6 +12,18 @@ pub enum TlsError {
     },
     #[error("{path}: {reason}")]
     Pem { path: PathBuf, reason: String },
+    #[error("{path}: bad certificate: {source}")]
+    BadCertificate {
+        path: PathBuf,
+        #[source]
+        source: x509_parser::nom::Err<x509_parser::error::X509Error>,
+    },
+    #[error("{path}: {source}")]
+    Certs {
+        path: PathBuf,
+        #[source]
+        source: CertsError,
+    },
     #[error("certificate {cert} does not match key {key}: {reason}")]
     KeyMismatch {
         cert: PathBuf,
@@ -22,4 +34,13 @@ pub enum TlsError {
     Ca { path: PathBuf, reason: String },
     #[error("TLS configuration error: {0}")]
     Config(String),
+}
+
+/// Why PEM text holds no usable certificate.
+#[derive(Debug, thiserror::Error)]
+pub enum CertsError {
+    #[error("malformed PEM certificate: {0}")]
+    Malformed(#[source] rustls::pki_types::pem::Error),
+    #[error("no CERTIFICATE block found")]
+    Empty,
 }

@@ -4,24 +4,24 @@ use std::path::Path;
 
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
 
-use crate::error::TlsError;
+use crate::error::{CertsError, TlsError};
 
 /// Reads every certificate in a PEM file; fails if there is none.
 pub fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let data = read(path)?;
-    certs_from_pem(&data).map_err(|reason| TlsError::Pem {
+    certs_from_pem(&data).map_err(|source| TlsError::Certs {
         path: path.to_owned(),
-        reason,
+        source,
     })
 }
 
 /// Parses every certificate in PEM text; fails if there is none.
-pub fn certs_from_pem(data: &[u8]) -> Result<Vec<CertificateDer<'static>>, String> {
+pub fn certs_from_pem(data: &[u8]) -> Result<Vec<CertificateDer<'static>>, CertsError> {
     let certs = CertificateDer::pem_slice_iter(data)
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("malformed PEM certificate: {e}"))?;
+        .map_err(CertsError::Malformed)?;
     if certs.is_empty() {
-        return Err("no CERTIFICATE block found".into());
+        return Err(CertsError::Empty);
     }
     Ok(certs)
 }

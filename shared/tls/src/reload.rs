@@ -222,9 +222,9 @@ fn load_snapshot(files: &TlsFiles) -> Result<Snapshot, TlsError> {
         key: files.key.clone(),
         reason: e.to_string(),
     })?;
-    let not_after_unix = not_after(&chain[0]).map_err(|reason| TlsError::Pem {
+    let not_after_unix = not_after(&chain[0]).map_err(|source| TlsError::BadCertificate {
         path: files.cert.clone(),
-        reason,
+        source,
     })?;
     let roots = Arc::new(load_roots(&files.ca)?);
     let ca_err = |e: &dyn std::fmt::Display| TlsError::Ca {
@@ -268,10 +268,11 @@ pub fn load_roots(path: &Path) -> Result<RootCertStore, TlsError> {
     Ok(roots)
 }
 
-fn not_after(cert: &CertificateDer<'_>) -> Result<i64, String> {
+fn not_after(
+    cert: &CertificateDer<'_>,
+) -> Result<i64, x509_parser::nom::Err<x509_parser::error::X509Error>> {
     use x509_parser::prelude::{FromDer, X509Certificate};
-    let (_, x) =
-        X509Certificate::from_der(cert.as_ref()).map_err(|e| format!("bad certificate: {e}"))?;
+    let (_, x) = X509Certificate::from_der(cert.as_ref())?;
     Ok(x.validity().not_after.timestamp())
 }
 
@@ -292,6 +293,31 @@ impl rustls::client::ResolvesClientCert for ReloadingResolver {
     fn has_certs(&self) -> bool {
         true
     }
+}
+
+/// The signature checks both reloading verifiers pass on unchanged to the current snapshot's
+/// verifier (`self.$inner()`): the same three methods of rustls' `ClientCertVerifier` and
+/// `ServerCertVerifier`, which share no trait, so a function cannot stand in for them.
+macro_rules! delegate_signature_checks {
+    ($inner:ident) => {
+        delegate_signature_checks!($inner: verify_tls12_signature, verify_tls13_signature);
+
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            self.$inner().supported_verify_schemes()
+        }
+    };
+    ($inner:ident: $($method:ident),+) => {
+        $(
+            fn $method(
+                &self,
+                message: &[u8],
+                cert: &CertificateDer<'_>,
+                dss: &DigitallySignedStruct,
+            ) -> Result<HandshakeSignatureValid, rustls::Error> {
+                self.$inner().$method(message, cert, dss)
+            }
+        )+
+    };
 }
 
 #[derive(Debug)]
@@ -334,31 +360,17 @@ impl ClientCertVerifier for ReloadingClientVerifier {
             .verify_client_cert(end_entity, intermediates, now)
     }
 
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner().verify_tls12_signature(message, cert, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner().verify_tls13_signature(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.inner().supported_verify_schemes()
-    }
+    delegate_signature_checks!(inner);
 }
 
 #[derive(Debug)]
 struct ReloadingServerVerifier(Arc<TlsMaterial>);
+
+impl ReloadingServerVerifier {
+    fn inner(&self) -> Arc<WebPkiServerVerifier> {
+        Arc::clone(&self.0.snapshot().server_verifier)
+    }
+}
 
 impl ServerCertVerifier for ReloadingServerVerifier {
     fn verify_server_cert(
@@ -369,40 +381,9 @@ impl ServerCertVerifier for ReloadingServerVerifier {
         ocsp: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        self.0.snapshot().server_verifier.verify_server_cert(
-            end_entity,
-            intermediates,
-            server_name,
-            ocsp,
-            now,
-        )
+        self.inner()
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
     }
 
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0
-            .snapshot()
-            .server_verifier
-            .verify_tls12_signature(message, cert, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0
-            .snapshot()
-            .server_verifier
-            .verify_tls13_signature(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.snapshot().server_verifier.supported_verify_schemes()
-    }
+    delegate_signature_checks!(inner);
 }

@@ -291,12 +291,28 @@ impl<R: ChunkReader> ChunkReader for PrefixedReader<R> {
 /// the final close then sends RST, but the FIN is already on its way and the peer reads it as a
 /// clean EOF before the reset arrives — exactly the confusion the tunnel must never cause. On
 /// abort this type sets zero linger and *forgets* the write half (no FIN), so the socket is
-/// reset when the read half drops.
-pub struct ResettableWriteHalf(Option<OwnedWriteHalf>);
+/// reset when the read half drops. Dropped before its write side was shut down (the stream's
+/// future cancelled mid-stream, as at the end of a broker's drain) counts as an abort too.
+pub struct ResettableWriteHalf {
+    wr: Option<OwnedWriteHalf>,
+    /// Its write side was shut down (a FIN sent after every byte): dropping it is clean.
+    shut_down: bool,
+}
 
 impl ResettableWriteHalf {
     pub fn new(wr: OwnedWriteHalf) -> Self {
-        Self(Some(wr))
+        Self {
+            wr: Some(wr),
+            shut_down: false,
+        }
+    }
+}
+
+impl Drop for ResettableWriteHalf {
+    fn drop(&mut self) {
+        if !self.shut_down {
+            self.abort();
+        }
     }
 }
 
@@ -310,22 +326,27 @@ impl AsyncWrite for ResettableWriteHalf {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        match self.get_mut().0.as_mut() {
+        match self.get_mut().wr.as_mut() {
             Some(w) => Pin::new(w).poll_write(cx, buf),
             None => Poll::Ready(Err(aborted())),
         }
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut().0.as_mut() {
+        match self.get_mut().wr.as_mut() {
             Some(w) => Pin::new(w).poll_flush(cx),
             None => Poll::Ready(Ok(())),
         }
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut().0.as_mut() {
-            Some(w) => Pin::new(w).poll_shutdown(cx),
+        let this = self.get_mut();
+        match this.wr.as_mut() {
+            Some(w) => {
+                let r = Pin::new(w).poll_shutdown(cx);
+                this.shut_down |= matches!(r, Poll::Ready(Ok(())));
+                r
+            }
             None => Poll::Ready(Err(aborted())),
         }
     }
@@ -333,7 +354,7 @@ impl AsyncWrite for ResettableWriteHalf {
 
 impl AbortableWrite for ResettableWriteHalf {
     fn abort(&mut self) {
-        if let Some(w) = self.0.take() {
+        if let Some(w) = self.wr.take() {
             let _ = w.as_ref().set_zero_linger();
             w.forget();
         }

@@ -37,17 +37,8 @@ pub async fn splice_streams(
     let result = {
         let up = forward(&mut a_rx, &mut b_tx, &mut ab);
         let down = forward(&mut b_rx, &mut a_tx, &mut ba);
-        tokio::pin!(up, down);
-        let (mut up_done, mut down_done) = (false, false);
-        loop {
-            tokio::select! {
-                r = &mut up, if !up_done => match r { Ok(()) => up_done = true, Err(e) => break Err(e) },
-                r = &mut down, if !down_done => match r { Ok(()) => down_done = true, Err(e) => break Err(e) },
-            }
-            if up_done && down_done {
-                break Ok(());
-            }
-        }
+        // Both directions to their end; the first error ends both.
+        tokio::try_join!(up, down).map(|_| ())
     };
     let stats = SpliceStats {
         to_tunnel_bytes: ab,

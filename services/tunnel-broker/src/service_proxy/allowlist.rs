@@ -20,6 +20,7 @@ use futures::StreamExt;
 use prometheus::{IntCounter, IntGauge};
 use tether_control::connect::{self, ConnectConfig};
 use tether_control::service_proxy::{self, AllowedService};
+use tether_control::store::Store as _;
 use tether_control::store::{Bucket, HubStore};
 use tether_runtime::{Backoff, BackoffConfig};
 use tokio_util::sync::CancellationToken;

@@ -19,11 +19,10 @@ use http::Uri;
 use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::TokioIo;
 use tether_tunnel::Target;
-use tether_tunnel::pump::{AsyncChunkReader, splice};
+use tether_tunnel::pump::AsyncChunkReader;
 use tokio::io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf};
 use tracing::Instrument;
 
-use crate::budget::{PacedReader, PacedWriter};
 use crate::dial::Broker;
 
 /// Bytes buffered between a pooled connection and its tunnel stream.
@@ -71,24 +70,11 @@ impl tower::Service<Uri> for TunnelConnector {
                 .await
                 .map_err(std::io::Error::other)?;
             let (ours, theirs) = tokio::io::duplex(PIPE_BYTES);
-            let crate::dial::OpenStream { send, recv, ticket } = open;
             tokio::spawn(
                 async move {
                     let (rd, wr) = tokio::io::split(theirs);
-                    let pacer = ticket.pacer.clone();
-                    let r = splice(
-                        PacedReader::new(
-                            AsyncChunkReader::new(rd, broker.settings.read_chunk_bytes),
-                            pacer.clone(),
-                        ),
-                        PacedWriter::new(wr, pacer),
-                        send,
-                        recv,
-                        broker.settings.write_stall_timeout,
-                        &broker.counters,
-                    )
-                    .await;
-                    broker.finish(&ticket, &r);
+                    let rd = AsyncChunkReader::new(rd, broker.settings.read_chunk_bytes);
+                    let _ = broker.splice_paced(open, rd, wr).await;
                 }
                 .instrument(span),
             );

@@ -23,8 +23,7 @@ use futures::StreamExt;
 use serde::{Serialize, de::DeserializeOwned};
 use tokio::sync::broadcast;
 
-use super::{Bucket, Store};
-use crate::connect::ControlError;
+use super::{Bucket, Store, StoreResult, decode, encode};
 use crate::resources::Event;
 
 /// Changes buffered per bucket for watchers.
@@ -82,16 +81,6 @@ impl std::fmt::Debug for MemoryStore {
     }
 }
 
-fn encode<T: Serialize>(b: Bucket, key: &str, v: &T) -> Result<Arc<Vec<u8>>, ControlError> {
-    serde_json::to_vec(v)
-        .map(Arc::new)
-        .map_err(|e| ControlError::Codec(format!("{}/{key}: {e}", b.name())))
-}
-
-fn decode<T: DeserializeOwned>(b: Bucket, key: &str, v: &[u8]) -> Result<T, ControlError> {
-    serde_json::from_slice(v).map_err(|e| ControlError::Codec(format!("{}/{key}: {e}", b.name())))
-}
-
 impl MemoryStore {
     pub fn new() -> Self {
         Self::default()
@@ -133,7 +122,7 @@ impl Store for MemoryStore {
         &self,
         b: Bucket,
         key: &str,
-    ) -> Result<Option<(T, u64)>, ControlError> {
+    ) -> StoreResult<Option<(T, u64)>> {
         tokio::task::yield_now().await;
         let found = self.with_bucket(b, |s| s.entries.get(key).cloned());
         match found {
@@ -142,13 +131,8 @@ impl Store for MemoryStore {
         }
     }
 
-    async fn put<T: Serialize + Sync>(
-        &self,
-        b: Bucket,
-        key: &str,
-        v: &T,
-    ) -> Result<u64, ControlError> {
-        let bytes = encode(b, key, v)?;
+    async fn put<T: Serialize + Sync>(&self, b: Bucket, key: &str, v: &T) -> StoreResult<u64> {
+        let bytes = Arc::new(encode(b, key, v)?);
         tokio::task::yield_now().await;
         Ok(self.with_bucket(b, |s| s.write(key, Some(bytes))))
     }
@@ -158,8 +142,8 @@ impl Store for MemoryStore {
         b: Bucket,
         key: &str,
         v: &T,
-    ) -> Result<Option<u64>, ControlError> {
-        let bytes = encode(b, key, v)?;
+    ) -> StoreResult<Option<u64>> {
+        let bytes = Arc::new(encode(b, key, v)?);
         tokio::task::yield_now().await;
         Ok(self.with_bucket(b, |s| {
             (!s.entries.contains_key(key)).then(|| s.write(key, Some(bytes)))
@@ -172,8 +156,8 @@ impl Store for MemoryStore {
         key: &str,
         v: &T,
         revision: u64,
-    ) -> Result<Option<u64>, ControlError> {
-        let bytes = encode(b, key, v)?;
+    ) -> StoreResult<Option<u64>> {
+        let bytes = Arc::new(encode(b, key, v)?);
         tokio::task::yield_now().await;
         Ok(self.with_bucket(b, |s| {
             let current = s.entries.get(key).map_or(0, |(_, r)| *r);
@@ -181,7 +165,7 @@ impl Store for MemoryStore {
         }))
     }
 
-    async fn delete(&self, b: Bucket, key: &str) -> Result<(), ControlError> {
+    async fn delete(&self, b: Bucket, key: &str) -> StoreResult<()> {
         tokio::task::yield_now().await;
         self.with_bucket(b, |s| {
             if s.entries.contains_key(key) {
@@ -191,12 +175,12 @@ impl Store for MemoryStore {
         Ok(())
     }
 
-    async fn keys(&self, b: Bucket) -> Result<Vec<String>, ControlError> {
+    async fn keys(&self, b: Bucket) -> StoreResult<Vec<String>> {
         tokio::task::yield_now().await;
         Ok(self.with_bucket(b, |s| s.entries.keys().cloned().collect()))
     }
 
-    async fn keys_matching(&self, b: Bucket, filter: &str) -> Result<Vec<String>, ControlError> {
+    async fn keys_matching(&self, b: Bucket, filter: &str) -> StoreResult<Vec<String>> {
         tokio::task::yield_now().await;
         Ok(self.with_bucket(b, |s| {
             s.entries
@@ -210,7 +194,7 @@ impl Store for MemoryStore {
     async fn list<T: DeserializeOwned + Send>(
         &self,
         b: Bucket,
-    ) -> Result<Vec<(String, T, u64)>, ControlError> {
+    ) -> StoreResult<Vec<(String, T, u64)>> {
         tokio::task::yield_now().await;
         let all: Vec<(String, Stored)> = self.with_bucket(b, |s| {
             s.entries
@@ -233,7 +217,7 @@ impl Store for MemoryStore {
     async fn watch<T: DeserializeOwned + Send + 'static>(
         &self,
         b: Bucket,
-    ) -> Result<futures::stream::BoxStream<'static, (String, Option<T>)>, ControlError> {
+    ) -> StoreResult<futures::stream::BoxStream<'static, (String, Option<T>)>> {
         tokio::task::yield_now().await;
         // Snapshot and subscription under one lock: no change is missed or seen twice.
         let (current, rx) = self.with_bucket(b, |s| {
@@ -275,7 +259,7 @@ impl Store for MemoryStore {
             .boxed())
     }
 
-    async fn publish_event(&self, ev: &Event) -> Result<(), ControlError> {
+    async fn publish_event(&self, ev: &Event) -> StoreResult<()> {
         tokio::task::yield_now().await;
         let mut st = self.lock();
         if st.events.len() >= MAX_EVENTS {
