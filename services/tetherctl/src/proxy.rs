@@ -235,12 +235,8 @@ async fn forward(
     }
 }
 
-/// A read from the local connection starts a fresh buffer of [`FORWARD_BUFFER_BYTES`] when
-/// less than this is left in the current one.
-const MIN_READ_BYTES: usize = 16 * 1024;
-
 /// Copies both ways between a local connection and its tunnel stream until both directions
-/// ended, without copying in user space: the kernel reads into a `BytesMut` whose filled part
+/// ended, without copying in user space: the kernel reads into a pooled buffer whose filled part
 /// is handed to the stream as it is ([`tether_client::DialStream::send`]), and chunks from
 /// the tunnel are written to the socket as they are. An EOF either way is passed on as a
 /// half-close; an error ends both (the caller drops the stream: an abort).
@@ -249,7 +245,9 @@ async fn splice(local: tokio::net::TcpStream, remote: &mut DialStream) -> std::i
     use std::task::Poll;
     use tokio::io::AsyncWrite;
     let (mut lr, mut lw) = local.into_split();
-    let mut buf = bytes::BytesMut::new();
+    // Reads go into pooled FORWARD_BUFFER_BYTES buffers (no 256 KiB allocation per chunk).
+    let pool = tether_client::ChunkPool::default();
+    let mut buf: Option<Vec<u8>> = None;
     let mut up: Option<bytes::Bytes> = None;
     let mut down: Option<bytes::Bytes> = None;
     let (mut up_done, mut down_done) = (false, false);
@@ -267,15 +265,20 @@ async fn splice(local: tokio::net::TcpStream, remote: &mut DialStream) -> std::i
                 }
                 continue;
             }
-            if buf.capacity() - buf.len() < MIN_READ_BYTES {
-                buf = bytes::BytesMut::with_capacity(FORWARD_BUFFER_BYTES);
-            }
-            match tokio_util::io::poll_read_buf(Pin::new(&mut lr), cx, &mut buf) {
+            let b = buf.get_or_insert_with(|| pool.take());
+            match tokio_util::io::poll_read_buf(Pin::new(&mut lr), cx, b) {
                 Poll::Ready(Ok(0)) => {
                     std::task::ready!(Pin::new(&mut *remote).poll_shutdown(cx))?;
                     up_done = true;
+                    buf = None;
                 }
-                Poll::Ready(Ok(_)) => up = Some(buf.split().freeze()),
+                // A small read is copied out and the buffer kept; a large one is handed over as
+                // it is and its buffer comes back to the pool once h2 has written it.
+                Poll::Ready(Ok(n)) if n < tether_client::COPY_BELOW => {
+                    up = Some(bytes::Bytes::copy_from_slice(b));
+                    b.clear();
+                }
+                Poll::Ready(Ok(_)) => up = buf.take().map(|b| pool.lend(b)),
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                 Poll::Pending => break,
             }
@@ -315,6 +318,28 @@ async fn splice(local: tokio::net::TcpStream, remote: &mut DialStream) -> std::i
         }
     })
     .await
+}
+
+/// Re-executes this process once (same pid, arguments and descriptors) with the data-plane
+/// glibc tunable ([`tether_runtime::GLIBC_TUNABLES_DATA_PLANE`]) unless `GLIBC_TUNABLES`
+/// already sets that threshold: `proxy connect` moves every byte through rustls, whose record
+/// copies glibc's `memmove` makes with `rep movsb`, slow on some x86 CPUs for these copies
+/// (docs/benchmarks.md, tuning log items 5 and 9; broker and agent get it from their
+/// launchers, a CLI has none). Returns only when the re-exec is not needed or failed.
+pub fn reexec_with_data_plane_tunables() {
+    use std::os::unix::process::CommandExt as _;
+    let current = std::env::var("GLIBC_TUNABLES").ok();
+    let Some(tunables) = tether_runtime::glibc_tunables_for_child(current.as_deref()) else {
+        return;
+    };
+    let Ok(exe) = std::env::current_exe() else {
+        return;
+    };
+    let err = std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .env("GLIBC_TUNABLES", tunables)
+        .exec();
+    tracing::debug!(error = %err, "re-exec with GLIBC_TUNABLES failed: glibc defaults");
 }
 
 /// `tetherctl proxy connect`.
