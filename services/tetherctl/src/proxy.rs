@@ -33,10 +33,6 @@ pub const PROGRESS_AFTER: Duration = Duration::from_secs(1);
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(15);
 /// Budget of connecting to the broker.
 pub const BROKER_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Copy buffer of a forwarded connection, each direction: one SDK data frame
-/// ([`tether_client::MAX_FRAME_BYTES`]) per read when data flows, instead of tokio's 8 KiB
-/// default (which made 32× more gRPC messages, each a task hand-off and an HTTP/2 frame).
-pub const FORWARD_BUFFER_BYTES: usize = tether_client::MAX_FRAME_BYTES;
 /// Most worker threads of the forward's runtime, and HTTP/2 connections to the broker (at
 /// least 2; one per CPU up to this).
 pub const FORWARD_MAX_WORKERS: usize = 4;
@@ -245,7 +241,9 @@ async fn splice(local: tokio::net::TcpStream, remote: &mut DialStream) -> std::i
     use std::task::Poll;
     use tokio::io::AsyncWrite;
     let (mut lr, mut lw) = local.into_split();
-    // Reads go into pooled FORWARD_BUFFER_BYTES buffers (no 256 KiB allocation per chunk).
+    // Reads go into buffers of one SDK data frame ([`tether_client::MAX_FRAME_BYTES`], not
+    // tokio's 8 KiB default, which made 32× more frames), recycled through a pool: no 256 KiB
+    // allocation per chunk.
     let pool = tether_client::ChunkPool::default();
     let mut buf: Option<Vec<u8>> = None;
     let mut up: Option<bytes::Bytes> = None;
