@@ -367,10 +367,7 @@ async fn main() {
                 local_port,
                 address,
                 broker,
-            } => {
-                proxy::reexec_with_data_plane_tunables();
-                proxy::connect(&broker, &cluster, target.as_deref(), &address, local_port).await
-            }
+            } => proxy::connect(&broker, &cluster, target.as_deref(), &address, local_port).await,
             ProxyCmd::Kubectl { args, broker } => match proxy::kubectl(&broker, &args).await {
                 Ok(code) => std::process::exit(code),
                 Err(e) => Err(e),
