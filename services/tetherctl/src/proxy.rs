@@ -318,28 +318,6 @@ async fn splice(local: tokio::net::TcpStream, remote: &mut DialStream) -> std::i
     .await
 }
 
-/// Re-executes this process once (same pid, arguments and descriptors) with the data-plane
-/// glibc tunable ([`tether_runtime::GLIBC_TUNABLES_DATA_PLANE`]) unless `GLIBC_TUNABLES`
-/// already sets that threshold: `proxy connect` moves every byte through rustls, whose record
-/// copies glibc's `memmove` makes with `rep movsb`, slow on some x86 CPUs for these copies
-/// (docs/benchmarks.md, tuning log items 5 and 9; broker and agent get it from their
-/// launchers, a CLI has none). Returns only when the re-exec is not needed or failed.
-pub fn reexec_with_data_plane_tunables() {
-    use std::os::unix::process::CommandExt as _;
-    let current = std::env::var("GLIBC_TUNABLES").ok();
-    let Some(tunables) = tether_runtime::glibc_tunables_for_child(current.as_deref()) else {
-        return;
-    };
-    let Ok(exe) = std::env::current_exe() else {
-        return;
-    };
-    let err = std::process::Command::new(exe)
-        .args(std::env::args_os().skip(1))
-        .env("GLIBC_TUNABLES", tunables)
-        .exec();
-    tracing::debug!(error = %err, "re-exec with GLIBC_TUNABLES failed: glibc defaults");
-}
-
 /// `tetherctl proxy connect`.
 pub async fn connect(
     broker: &BrokerArgs,
