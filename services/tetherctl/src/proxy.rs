@@ -33,10 +33,6 @@ pub const PROGRESS_AFTER: Duration = Duration::from_secs(1);
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(15);
 /// Budget of connecting to the broker.
 pub const BROKER_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Copy buffer of a forwarded connection, each direction: one SDK data frame
-/// ([`tether_client::MAX_FRAME_BYTES`]) per read when data flows, instead of tokio's 8 KiB
-/// default (which made 32× more gRPC messages, each a task hand-off and an HTTP/2 frame).
-pub const FORWARD_BUFFER_BYTES: usize = tether_client::MAX_FRAME_BYTES;
 /// Most worker threads of the forward's runtime, and HTTP/2 connections to the broker (at
 /// least 2; one per CPU up to this).
 pub const FORWARD_MAX_WORKERS: usize = 4;
@@ -235,12 +231,8 @@ async fn forward(
     }
 }
 
-/// A read from the local connection starts a fresh buffer of [`FORWARD_BUFFER_BYTES`] when
-/// less than this is left in the current one.
-const MIN_READ_BYTES: usize = 16 * 1024;
-
 /// Copies both ways between a local connection and its tunnel stream until both directions
-/// ended, without copying in user space: the kernel reads into a `BytesMut` whose filled part
+/// ended, without copying in user space: the kernel reads into a pooled buffer whose filled part
 /// is handed to the stream as it is ([`tether_client::DialStream::send`]), and chunks from
 /// the tunnel are written to the socket as they are. An EOF either way is passed on as a
 /// half-close; an error ends both (the caller drops the stream: an abort).
@@ -249,7 +241,11 @@ async fn splice(local: tokio::net::TcpStream, remote: &mut DialStream) -> std::i
     use std::task::Poll;
     use tokio::io::AsyncWrite;
     let (mut lr, mut lw) = local.into_split();
-    let mut buf = bytes::BytesMut::new();
+    // Reads go into buffers of one SDK data frame ([`tether_client::MAX_FRAME_BYTES`], not
+    // tokio's 8 KiB default, which made 32× more frames), recycled through a pool: no 256 KiB
+    // allocation per chunk.
+    let pool = tether_client::ChunkPool::default();
+    let mut buf: Option<Vec<u8>> = None;
     let mut up: Option<bytes::Bytes> = None;
     let mut down: Option<bytes::Bytes> = None;
     let (mut up_done, mut down_done) = (false, false);
@@ -267,15 +263,20 @@ async fn splice(local: tokio::net::TcpStream, remote: &mut DialStream) -> std::i
                 }
                 continue;
             }
-            if buf.capacity() - buf.len() < MIN_READ_BYTES {
-                buf = bytes::BytesMut::with_capacity(FORWARD_BUFFER_BYTES);
-            }
-            match tokio_util::io::poll_read_buf(Pin::new(&mut lr), cx, &mut buf) {
+            let b = buf.get_or_insert_with(|| pool.take());
+            match tokio_util::io::poll_read_buf(Pin::new(&mut lr), cx, b) {
                 Poll::Ready(Ok(0)) => {
                     std::task::ready!(Pin::new(&mut *remote).poll_shutdown(cx))?;
                     up_done = true;
+                    buf = None;
                 }
-                Poll::Ready(Ok(_)) => up = Some(buf.split().freeze()),
+                // A small read is copied out and the buffer kept; a large one is handed over as
+                // it is and its buffer comes back to the pool once h2 has written it.
+                Poll::Ready(Ok(n)) if n < tether_client::COPY_BELOW => {
+                    up = Some(bytes::Bytes::copy_from_slice(b));
+                    b.clear();
+                }
+                Poll::Ready(Ok(_)) => up = buf.take().map(|b| pool.lend(b)),
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                 Poll::Pending => break,
             }

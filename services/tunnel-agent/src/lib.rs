@@ -6,6 +6,7 @@
 //! - [`connector`]: one supervised actix actor per broker endpoint (reconnect, backoff, drain).
 //! - [`tunnel`]: one tunnel connection: TLS client + HTTP/2 server, request handlers, dialling.
 //! - [`metrics`]: Prometheus metrics.
+//! - [`net`]: dialling a target without a reactor turn when `connect()` already completed.
 //! - [`service_proxy`]: the agent end of the brokers' HTTP service proxy (`service_proxy`).
 //!
 //! [`run`] is what `main` calls, and what tests call in-process.
@@ -29,6 +30,7 @@
 pub mod config;
 pub mod connector;
 pub mod metrics;
+pub mod net;
 pub mod service_proxy;
 pub mod tunnel;
 

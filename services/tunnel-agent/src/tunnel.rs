@@ -530,11 +530,9 @@ async fn dial(
         }
         let mut last = None;
         for a in addrs {
-            match TcpStream::connect(a).await {
-                Ok(s) => {
-                    let _ = s.set_nodelay(true);
-                    return Ok(s);
-                }
+            // No reactor turn when the kernel finished the handshake inside connect().
+            match crate::net::connect(a).await {
+                Ok(s) => return Ok(s),
                 Err(e) => last = Some((a, e)),
             }
         }

@@ -46,6 +46,13 @@ pub const SEND_QUEUE_FRAMES: usize = 2;
 /// Largest data frame sent.
 pub const MAX_FRAME_BYTES: usize = 256 * 1024;
 
+/// Writes up to this size are copied into a right-sized buffer; larger ones into a pooled
+/// [`MAX_FRAME_BYTES`] buffer ([`ChunkPool`]).
+pub const COPY_BELOW: usize = 16 * 1024;
+/// Buffers a [`ChunkPool`] keeps for reuse: the send queue, the chunk h2 is writing, and one
+/// being filled.
+pub const POOLED_CHUNKS: usize = SEND_QUEUE_FRAMES + 2;
+
 /// How long a stream dropped after `shutdown()` (before the target's EOF) keeps its call open
 /// so that everything written before `shutdown()` still reaches the target.
 pub const LINGER_AFTER_SHUTDOWN: Duration = Duration::from_secs(30);
@@ -322,6 +329,7 @@ impl Dialer {
             tunnel_rtt: (rtt > 0).then(|| Duration::from_micros(rtt)),
             unframed: true,
             load,
+            pool: ChunkPool::default(),
         }))
     }
 
@@ -388,6 +396,7 @@ impl Dialer {
                 .then(|| Duration::from_micros(result.tunnel_rtt_micros)),
             unframed: false,
             load,
+            pool: ChunkPool::default(),
         })
     }
 
@@ -600,6 +609,63 @@ fn code_of_label(label: &str) -> pb::DialErrorCode {
     }
 }
 
+/// [`MAX_FRAME_BYTES`] buffers lent out as `Bytes` and recycled: a buffer comes back once the
+/// last `Bytes` cut from it is dropped (h2 wrote it), so a busy stream reuses a few buffers
+/// instead of allocating (and, with glibc's allocator, page-faulting) 256 KiB per chunk. At
+/// most [`POOLED_CHUNKS`] are kept; the rest are freed.
+#[derive(Clone, Default)]
+pub struct ChunkPool(Arc<std::sync::Mutex<Vec<Vec<u8>>>>);
+
+/// A pooled buffer lent out as `Bytes`; returns to its pool on drop.
+struct Lent {
+    buf: Vec<u8>,
+    pool: std::sync::Weak<std::sync::Mutex<Vec<Vec<u8>>>>,
+}
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.upgrade()
+            && let Ok(mut free) = pool.lock()
+            && free.len() < POOLED_CHUNKS
+        {
+            let mut buf = std::mem::take(&mut self.buf);
+            buf.clear();
+            free.push(buf);
+        }
+    }
+}
+
+impl ChunkPool {
+    /// An empty buffer with [`MAX_FRAME_BYTES`] of capacity, recycled when one is free.
+    pub fn take(&self) -> Vec<u8> {
+        self.0
+            .lock()
+            .ok()
+            .and_then(|mut free| free.pop())
+            .unwrap_or_else(|| Vec::with_capacity(MAX_FRAME_BYTES))
+    }
+
+    /// `buf`'s bytes as `Bytes` without a copy; the buffer returns to this pool when the last
+    /// `Bytes` cut from it is dropped.
+    pub fn lend(&self, buf: Vec<u8>) -> Bytes {
+        Bytes::from_owner(Lent {
+            buf,
+            pool: Arc::downgrade(&self.0),
+        })
+    }
+
+    /// Buffers waiting for reuse.
+    pub fn free(&self) -> usize {
+        self.0.lock().map_or(0, |f| f.len())
+    }
+}
+
 /// Chunks from the broker, either framing.
 type Inbound = Pin<Box<dyn Stream<Item = io::Result<Bytes>> + Send>>;
 
@@ -617,6 +683,8 @@ pub struct DialStream {
     unframed: bool,
     /// Counts this stream on its connection until dropped.
     load: ConnLoad,
+    /// Buffers for `poll_write`'s copies.
+    pool: ChunkPool,
 }
 
 impl DialStream {
@@ -731,8 +799,15 @@ impl AsyncWrite for DialStream {
         ready!(self.tx.poll_reserve(cx))
             .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "stream closed"))?;
         let n = buf.len().min(MAX_FRAME_BYTES);
+        let chunk = if n < COPY_BELOW {
+            Bytes::copy_from_slice(&buf[..n])
+        } else {
+            let mut b = self.pool.take();
+            b.extend_from_slice(&buf[..n]);
+            self.pool.lend(b)
+        };
         self.tx
-            .send_item(Bytes::copy_from_slice(&buf[..n]))
+            .send_item(chunk)
             .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "stream closed"))?;
         Poll::Ready(Ok(n))
     }
@@ -773,5 +848,48 @@ impl Drop for DialStream {
             })
             .await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunk_pool_recycles_lent_buffers() {
+        let pool = ChunkPool::default();
+        let mut a = pool.take();
+        assert!(a.capacity() >= MAX_FRAME_BYTES && a.is_empty());
+        a.extend_from_slice(&[7u8; 100_000]);
+        let ptr = a.as_ptr();
+        let lent = pool.lend(a);
+        assert_eq!(lent.len(), 100_000);
+        let part = lent.slice(10..20);
+        drop(lent);
+        assert_eq!(pool.free(), 0, "a slice still holds the buffer");
+        assert_eq!(&part[..], &[7u8; 10]);
+        drop(part);
+        assert_eq!(pool.free(), 1, "returned once the last slice dropped");
+        let again = pool.take();
+        assert_eq!(again.as_ptr(), ptr, "the same allocation is reused");
+        assert!(again.is_empty());
+        // At most POOLED_CHUNKS are kept.
+        let bufs: Vec<Bytes> = (0..POOLED_CHUNKS + 3)
+            .map(|_| {
+                let mut b = pool.take();
+                b.push(1);
+                pool.lend(b)
+            })
+            .collect();
+        drop(bufs);
+        assert_eq!(pool.free(), POOLED_CHUNKS);
+        // Buffers lent by a pool that is gone are simply freed.
+        let orphan = {
+            let p = ChunkPool::default();
+            let mut b = p.take();
+            b.push(1);
+            p.lend(b)
+        };
+        drop(orphan);
     }
 }

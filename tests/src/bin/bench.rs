@@ -1082,11 +1082,28 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
     if setup.wants("open") {
         let n = if setup.quick { 300 } else { 2000 };
         let mut samples: [Vec<Duration>; PATHS] = per_path();
+        // CPU of each path's two hops over the whole section, per stream (each path's opens
+        // and closes; the least noisy figure of this row on a shared machine).
+        let vias = ends.vias();
+        let hop_cpu0: Vec<f64> = vias.iter().map(|v| cpu_of(&hops(*v))).collect();
         for i in 0..n {
             for via in Setup::order(&ends, i) {
                 samples[via as usize].push(open_first_byte(&ends, via).await?);
             }
         }
+        let per_stream: Vec<String> = vias
+            .iter()
+            .zip(&hop_cpu0)
+            .filter(|(v, _)| **v != Via::Direct)
+            .map(|(v, c0)| {
+                let us = (cpu_of(&hops(*v)) - c0) / n as f64 * 1e6;
+                format!("{} {us:.0} µs", v.name())
+            })
+            .collect();
+        println!(
+            "  new stream, CPU of the two hops per open+close: {}",
+            per_stream.join(", ")
+        );
         for s in &mut samples {
             s.sort();
         }
