@@ -34,6 +34,37 @@ use crate::secret::{
     KEY_TLS_KEY,
 };
 
+/// Why stored or just-issued hub credentials cannot be used (OCM's validity check), or why the
+/// bootstrap kubeconfig cannot be read; shown as the agent's phase and in its log.
+#[derive(Debug, thiserror::Error)]
+pub enum CredentialsError {
+    #[error("reading bootstrap kubeconfig {}: {source}", path.display())]
+    ReadBootstrap {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Kubeconfig(#[from] tether_control::kubeconfig::KubeconfigError),
+    #[error("no hub credentials yet")]
+    NotYet,
+    #[error("cluster-name differs")]
+    ClusterNameDiffers,
+    #[error("server, proxy-url or CA differ from the bootstrap kubeconfig")]
+    OtherHub,
+    #[error("certificate: {0}")]
+    Certificate(#[source] tether_pki::PkiError),
+    #[error("certificate CN {0:?} is not this cluster/agent")]
+    CommonName(String),
+    #[error("certificate not valid against the bootstrap CA bundle: {0}")]
+    NotIssuedByHub(#[source] tether_pki::PkiError),
+    #[error("tls.key: {0}")]
+    Key(#[source] tether_pki::PkiError),
+    #[error("tls.key does not match tls.crt")]
+    KeyMismatch,
+    #[error("writing hub credentials: {0}")]
+    Store(#[from] crate::secret::SecretError),
+}
+
 /// Jitter factor on the lease interval (OCM: 0.25).
 pub const LEASE_JITTER: f64 = 0.25;
 /// Rotation starts when less than a random fraction in this range of the certificate's life is left.
@@ -187,15 +218,14 @@ impl<S: HubSecretStore> Agent<S> {
         });
     }
 
-    fn read_bootstrap(&mut self) -> Result<BootstrapConfig, String> {
-        let bytes = std::fs::read(&self.cfg.bootstrap_kubeconfig).map_err(|e| {
-            format!(
-                "reading bootstrap kubeconfig {}: {e}",
-                self.cfg.bootstrap_kubeconfig.display()
-            )
+    fn read_bootstrap(&mut self) -> Result<BootstrapConfig, CredentialsError> {
+        let bytes = std::fs::read(&self.cfg.bootstrap_kubeconfig).map_err(|source| {
+            CredentialsError::ReadBootstrap {
+                path: self.cfg.bootstrap_kubeconfig.clone(),
+                source,
+            }
         })?;
-        let bc = kubeconfig::read_bootstrap(&self.cfg.bootstrap_kubeconfig)
-            .map_err(|e| e.to_string())?;
+        let bc = kubeconfig::read_bootstrap(&self.cfg.bootstrap_kubeconfig)?;
         self.bootstrap_fingerprint = Some(bytes);
         Ok(bc)
     }
@@ -245,7 +275,7 @@ impl<S: HubSecretStore> Agent<S> {
                 Ok(b) => b,
                 Err(e) => {
                     if self
-                        .bootstrap_failed("kubeconfig", e, &mut bo, &stop)
+                        .bootstrap_failed("kubeconfig", e.to_string(), &mut bo, &stop)
                         .await
                         .is_err()
                     {
@@ -323,36 +353,32 @@ impl<S: HubSecretStore> Agent<S> {
         bootstrap: &BootstrapConfig,
         secret: &HubSecret,
         agent: &str,
-    ) -> Result<(CertMaterial, CertInfo), String> {
+    ) -> Result<(CertMaterial, CertInfo), CredentialsError> {
         let (Some(kc), Some(crt), Some(key)) = (
             secret.get(KEY_KUBECONFIG),
             secret.get(KEY_TLS_CRT),
             secret.get(KEY_TLS_KEY),
         ) else {
-            return Err("no hub credentials yet".into());
+            return Err(CredentialsError::NotYet);
         };
         if secret.get(KEY_CLUSTER_NAME).map(str::trim) != Some(self.cfg.cluster_name.as_str()) {
-            return Err("cluster-name differs".into());
+            return Err(CredentialsError::ClusterNameDiffers);
         }
         let hub_ep =
-            kubeconfig::parse_hub_endpoint(kc, &format!("{}/kubeconfig", self.store.location()))
-                .map_err(|e| e.to_string())?;
+            kubeconfig::parse_hub_endpoint(kc, &format!("{}/kubeconfig", self.store.location()))?;
         if !hub_ep.same_hub(&bootstrap.endpoint) {
-            return Err("server, proxy-url or CA differ from the bootstrap kubeconfig".into());
+            return Err(CredentialsError::OtherHub);
         }
-        let info = CertInfo::from_pem(crt).map_err(|e| e.to_string())?;
+        let info = CertInfo::from_pem(crt).map_err(CredentialsError::Certificate)?;
         if info.common_name != subject::common_name(&self.cfg.cluster_name, agent) {
-            return Err(format!(
-                "certificate CN {:?} is not this cluster/agent",
-                info.common_name
-            ));
+            return Err(CredentialsError::CommonName(info.common_name));
         }
         let der = tether_pki::pem_certificates(crt).remove(0);
         tether_pki::verify_issued_by(der.as_ref(), &bootstrap.endpoint.ca_pem, SystemTime::now())
-            .map_err(|e| format!("certificate not valid against the bootstrap CA bundle: {e}"))?;
-        let key = AgentKey::from_pem(key).map_err(|e| e.to_string())?;
+            .map_err(CredentialsError::NotIssuedByHub)?;
+        let key = AgentKey::from_pem(key).map_err(CredentialsError::Key)?;
         if key.public_key_raw() != info.public_key_raw.as_slice() {
-            return Err("tls.key does not match tls.crt".into());
+            return Err(CredentialsError::KeyMismatch);
         }
         Ok((
             CertMaterial {
@@ -506,7 +532,7 @@ impl<S: HubSecretStore> Agent<S> {
                             return Ok(());
                         }
                         Err(e) => {
-                            self.set_phase(Phase::BootstrapError(e));
+                            self.set_phase(Phase::BootstrapError(e.to_string()));
                             if self.sleep_or_stop(bo.failed(), stop).await {
                                 return Err(Stop);
                             }
@@ -546,22 +572,22 @@ impl<S: HubSecretStore> Agent<S> {
         key: &AgentKey,
         cert_pem: &str,
         agent: &str,
-    ) -> Result<(), String> {
-        let info = CertInfo::from_pem(cert_pem).map_err(|e| format!("issued certificate: {e}"))?;
+    ) -> Result<(), CredentialsError> {
+        let info = CertInfo::from_pem(cert_pem).map_err(CredentialsError::Certificate)?;
         if info.public_key_raw != key.public_key_raw() {
-            return Err("issued certificate is not for our key".into());
+            return Err(CredentialsError::KeyMismatch);
         }
         if info.common_name != subject::common_name(&self.cfg.cluster_name, agent) {
-            return Err(format!("issued certificate has CN {:?}", info.common_name));
+            return Err(CredentialsError::CommonName(info.common_name));
         }
-        let hub_kc = kubeconfig::render_hub(&bootstrap.endpoint).map_err(|e| e.to_string())?;
+        let hub_kc = kubeconfig::render_hub(&bootstrap.endpoint)?;
         let mut s = HubSecret::default();
         s.set(KEY_KUBECONFIG, hub_kc);
         s.set(KEY_TLS_CRT, cert_pem);
         s.set(KEY_TLS_KEY, key.to_pem());
         s.set(KEY_CLUSTER_NAME, self.cfg.cluster_name.clone());
         s.set(KEY_AGENT_NAME, agent);
-        self.store.save(&s).await.map_err(|e| e.to_string())
+        Ok(self.store.save(&s).await?)
     }
 
     /// Joined: renew the lease, rotate the certificate, watch the bootstrap kubeconfig.
@@ -771,7 +797,7 @@ impl<S: HubSecretStore> Agent<S> {
         }
         self.store_credentials(bootstrap, &key, &reply.certificate, agent)
             .await
-            .map_err(ControlError::Codec)?;
+            .map_err(|e| ControlError::Codec(e.to_string()))?;
         let info = CertInfo::from_pem(&reply.certificate)
             .map_err(|e| ControlError::Codec(e.to_string()))?;
         if let Ok(mut m) = material.write() {

@@ -76,13 +76,14 @@ pub fn init_tracing(service: &str) -> TelemetryGuard {
     TelemetryGuard { provider }
 }
 
-fn build_provider(service: &str) -> Result<SdkTracerProvider, String> {
+fn build_provider(
+    service: &str,
+) -> Result<SdkTracerProvider, opentelemetry_otlp::ExporterBuildError> {
     use opentelemetry_otlp::WithExportConfig as _;
     let exporter = opentelemetry_otlp::SpanExporter::builder()
         .with_tonic()
         .with_timeout(std::time::Duration::from_secs(5))
-        .build()
-        .map_err(|e| e.to_string())?;
+        .build()?;
     let resource = opentelemetry_sdk::Resource::builder()
         .with_service_name(service.to_owned())
         .build();
