@@ -36,20 +36,40 @@ pub async fn listed_brokers(
     brokers_where(store, |b| b.is_listed(now)).await
 }
 
+/// Every announced broker (one listing of `tether-brokers`), whatever its state.
+pub async fn announced(store: &impl Store) -> Result<Vec<BrokerPresence>, ControlError> {
+    Ok(store
+        .list::<BrokerPresence>(Bucket::Brokers)
+        .await?
+        .into_iter()
+        .map(|(_, b, _)| b)
+        .collect())
+}
+
+/// [`listed_brokers`] among an earlier listing `all` ([`announced`]).
+pub fn listed_among(all: Vec<BrokerPresence>, now: SystemTime) -> Vec<BrokerPresence> {
+    keep_sorted(all, |b| b.is_listed(now))
+}
+
+/// The brokers of `all` with agent addresses that pass `keep`, sorted by id.
+fn keep_sorted(
+    all: Vec<BrokerPresence>,
+    keep: impl Fn(&BrokerPresence) -> bool,
+) -> Vec<BrokerPresence> {
+    let mut out: Vec<BrokerPresence> = all
+        .into_iter()
+        .filter(|b| keep(b) && !b.agent_addresses.is_empty())
+        .collect();
+    out.sort_by(|a, b| a.id.cmp(&b.id));
+    out
+}
+
 /// Announced brokers with agent addresses that pass `keep`, sorted by id.
 async fn brokers_where(
     store: &impl Store,
     keep: impl Fn(&BrokerPresence) -> bool,
 ) -> Result<Vec<BrokerPresence>, ControlError> {
-    let mut out: Vec<BrokerPresence> = store
-        .list::<BrokerPresence>(Bucket::Brokers)
-        .await?
-        .into_iter()
-        .map(|(_, b, _)| b)
-        .filter(|b| keep(b) && !b.agent_addresses.is_empty())
-        .collect();
-    out.sort_by(|a, b| a.id.cmp(&b.id));
-    Ok(out)
+    Ok(keep_sorted(announced(store).await?, keep))
 }
 
 /// What an add-on agent dials: the serving brokers, else (none announced yet) the
