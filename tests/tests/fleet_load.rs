@@ -46,6 +46,17 @@ fn fleet_load_joins_renews_and_stops_its_hub() {
             "{p}: {r:#}"
         );
     }
+    // Every node's /varz was read at both ends of the window (monitoring on random ports).
+    for n in ["nats-1", "nats-2", "nats-3"] {
+        assert!(
+            r["nats_rates"][n]["in_msgs_per_s"].as_f64().unwrap() > 0.0,
+            "{n}: {r:#}"
+        );
+        assert!(
+            r["nats_rates"][n]["js_api_per_s"].as_f64().is_some(),
+            "{n}: {r:#}"
+        );
+    }
     for pid in r["hub_pids"].as_array().unwrap() {
         let pid = pid.as_u64().unwrap();
         assert!(

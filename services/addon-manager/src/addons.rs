@@ -42,6 +42,7 @@ use tether_control::store::{Bucket, HubStore, Store};
 use tether_control::subjects;
 use tokio_util::sync::CancellationToken;
 
+use crate::addon_cache::AddOnCache;
 use crate::brokers;
 
 /// Annotation on ManagedClusterAddOns the controller created from an install strategy (those
@@ -167,10 +168,22 @@ pub struct AddOnController {
     dirty: Scope,
     /// The pending re-evaluation at the next add-on lease deadline, and when it fires.
     deadline: Option<(SpawnHandle, std::time::Instant)>,
+    /// What the add-on lease renewals read (fed by the watches of [`start`]).
+    cache: std::sync::Arc<AddOnCache>,
 }
 
 impl AddOnController {
     pub fn start_with(store: HubStore, notify: Option<async_nats::Client>) -> Addr<Self> {
+        Self::start_cached(store, notify, Default::default())
+    }
+
+    /// Like [`Self::start_with`], serving add-on lease renewals through `cache` (the one
+    /// [`start`] feeds).
+    pub fn start_cached(
+        store: HubStore,
+        notify: Option<async_nats::Client>,
+        cache: std::sync::Arc<AddOnCache>,
+    ) -> Addr<Self> {
         Self::create(|c| {
             c.set_mailbox_capacity(MAILBOX_CAPACITY);
             Self {
@@ -179,6 +192,7 @@ impl AddOnController {
                 running: false,
                 dirty: Scope::none(),
                 deadline: None,
+                cache,
             }
         })
     }
@@ -270,6 +284,7 @@ impl Handler<AgentRequest> for AddOnController {
     type Result = ResponseFuture<Result<serde_json::Value, AgentRequestError>>;
     fn handle(&mut self, msg: AgentRequest, _ctx: &mut Self::Context) -> Self::Result {
         let store = self.store.clone();
+        let cache = self.cache.clone();
         Box::pin(async move {
             match msg {
                 AgentRequest::Status(r) => record_report(&store, r)
@@ -280,7 +295,7 @@ impl Handler<AgentRequest> for AddOnController {
                     cluster,
                     addon,
                     body,
-                } => renew_lease(&store, &cluster, &addon, body, SystemTime::now())
+                } => renew_lease_with(&store, &cache, &cluster, &addon, body, SystemTime::now())
                     .await
                     .and_then(|r| {
                         serde_json::to_value(r).map_err(|e| ControlError::Codec(e.to_string()))
@@ -292,7 +307,8 @@ impl Handler<AgentRequest> for AddOnController {
 }
 
 /// Stores the add-on lease (`tether-addon-leases`, key `<cluster>.<addon>`); refused when the
-/// add-on is not installed on the cluster.
+/// add-on is not installed on the cluster. Reads everything from KV ([`renew_lease_with`] an
+/// empty cache).
 pub async fn renew_lease(
     store: &impl Store,
     cluster: &str,
@@ -300,12 +316,22 @@ pub async fn renew_lease(
     body: AddOnLeaseRenew,
     now: SystemTime,
 ) -> Result<AddOnLeaseReply, ControlError> {
+    renew_lease_with(store, &AddOnCache::default(), cluster, addon, body, now).await
+}
+
+/// [`renew_lease`] reading the ManagedClusterAddOn and the stored lease through `cache` (what
+/// the KV watches delivered; a miss reads the stream leader): in the steady state a renewal
+/// that is not written costs no JetStream request at all.
+pub async fn renew_lease_with(
+    store: &impl Store,
+    cache: &AddOnCache,
+    cluster: &str,
+    addon: &str,
+    body: AddOnLeaseRenew,
+    now: SystemTime,
+) -> Result<AddOnLeaseReply, ControlError> {
     let key = addon_key(cluster, addon);
-    if store
-        .get::<serde_json::Value>(Bucket::ManagedClusterAddOns, &key)
-        .await?
-        .is_none()
-    {
+    if cache.addon(store, &key).await?.is_none() {
         return Ok(AddOnLeaseReply {
             accepted: false,
             message: format!("add-on {addon} is not installed on cluster {cluster}"),
@@ -319,13 +345,15 @@ pub async fn renew_lease(
     }
     let now_t = now;
     let now = rfc3339(now);
-    let old: Option<(Lease, u64)> = store.get(Bucket::AddOnLeases, &key).await?;
+    // A cached lease may be older than the stored one (the watch lags): then the renewal is
+    // written sooner than needed, never later.
+    let old: Option<Lease> = cache.lease(store, &key).await?;
     let mut connected = body.connected_brokers.clone();
     connected.sort();
     connected.dedup();
     // Only the renew time would change and the stored one is recent: not written (the
     // controller allows for the persist interval; docs/control-plane.md, "Lease renewals").
-    if let Some((l, _)) = &old
+    if let Some(l) = &old
         && l.spec.holder_identity == body.holder_identity
         && l.spec.lease_duration_seconds == body.lease_duration_seconds
         && l.metadata
@@ -343,8 +371,8 @@ pub async fn renew_lease(
         });
     }
     let acquire_time = old
-        .filter(|(l, _)| l.spec.holder_identity == body.holder_identity)
-        .map(|(l, _)| l.spec.acquire_time)
+        .filter(|l| l.spec.holder_identity == body.holder_identity)
+        .map(|l| l.spec.acquire_time)
         .unwrap_or_else(|| now.clone());
     let mut metadata = ObjectMeta::new(addon);
     metadata.namespace = Some(cluster.to_string());
@@ -926,12 +954,71 @@ fn parse_agent_request(
     }
 }
 
-/// Watches every input bucket (each change → [`Changed`]) and serves the status-report
-/// subject. Returns the tasks.
+/// What the controller was last told about one add-on lease (see [`lease_change_matters`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseSeen {
+    holder: String,
+    duration_seconds: u32,
+    connected_brokers: String,
+    renew: Option<SystemTime>,
+}
+
+impl LeaseSeen {
+    pub fn of(lease: &Lease) -> Self {
+        Self {
+            holder: lease.spec.holder_identity.clone(),
+            duration_seconds: lease.spec.lease_duration_seconds,
+            connected_brokers: lease
+                .metadata
+                .annotations
+                .get(addons::CONNECTED_BROKERS_ANNOTATION)
+                .cloned()
+                .unwrap_or_default(),
+            renew: parse_rfc3339(&lease.spec.renew_time),
+        }
+    }
+}
+
+/// Whether a stored add-on lease (`next`, `None` = deleted) can change what a reconcile
+/// computes, given the previous one the controller was told about: not when only the renew
+/// time moved forward on a lease that is still well inside its grace — Available depends on
+/// the lease only through "renewed within grace + persist interval" (and the next deadline,
+/// which only a full pass may push back), so such a write would cost a scoped pass (four
+/// listings and a leader read per key, ≈ 70 per second at 10,000 clusters) that changes
+/// nothing. Everything else (first lease, holder, duration or connected brokers changed, a
+/// lease back from beyond the grace, a delete) is reconciled as before.
+pub fn lease_change_matters(
+    prev: Option<&LeaseSeen>,
+    next: Option<&LeaseSeen>,
+    now: SystemTime,
+) -> bool {
+    let (Some(p), Some(n)) = (prev, next) else {
+        return true;
+    };
+    if p.holder != n.holder
+        || p.duration_seconds != n.duration_seconds
+        || p.connected_brokers != n.connected_brokers
+    {
+        return true;
+    }
+    let (Some(pr), Some(nr)) = (p.renew, n.renew) else {
+        return true;
+    };
+    let grace = Duration::from_secs(
+        u64::from(p.duration_seconds) * u64::from(ADDON_LEASE_GRACE_MULTIPLIER),
+    );
+    // The previous lease must still be inside the grace alone (the controller declares it
+    // gone only after grace + persist interval), so no pass can have acted on its expiry.
+    nr < pr || now.duration_since(pr).map_or(true, |age| age >= grace)
+}
+
+/// Watches every input bucket (each change → [`ChangedKey`], feeding `cache` on the way) and
+/// serves the add-on status-report and lease subjects. Returns the tasks.
 pub async fn start(
     client: async_nats::Client,
     store: HubStore,
     addr: Addr<AddOnController>,
+    cache: std::sync::Arc<AddOnCache>,
     shutdown: CancellationToken,
 ) -> Result<Vec<tokio::task::JoinHandle<()>>, crate::ManagerError> {
     let mut handles = Vec::new();
@@ -947,18 +1034,40 @@ pub async fn start(
         let store = store.clone();
         let addr = addr.clone();
         let stop = shutdown.clone();
+        let cache = cache.clone();
         handles.push(tokio::spawn(async move {
             let mut w = Some(Box::pin(first));
+            // Add-on leases: what the controller was last told per key.
+            let mut seen: HashMap<String, LeaseSeen> = HashMap::new();
             loop {
                 if let Some(mut watch) = w.take() {
                     loop {
-                        tokio::select! {
+                        let (key, value) = tokio::select! {
                             _ = stop.cancelled() => return,
                             ev = watch.next() => match ev {
-                                Some((key, _)) => { let _ = addr.send(ChangedKey { bucket: b, key }).await; }
+                                Some(ev) => ev,
                                 None => break,
                             }
+                        };
+                        cache.apply(b, &key, value.as_ref());
+                        if b == Bucket::AddOnLeases {
+                            let next = value
+                                .and_then(|v| serde_json::from_value::<Lease>(v).ok())
+                                .map(|l| LeaseSeen::of(&l));
+                            let matters = lease_change_matters(
+                                seen.get(&key),
+                                next.as_ref(),
+                                SystemTime::now(),
+                            );
+                            match next {
+                                Some(n) => seen.insert(key.clone(), n),
+                                None => seen.remove(&key),
+                            };
+                            if !matters {
+                                continue;
+                            }
                         }
+                        let _ = addr.send(ChangedKey { bucket: b, key }).await;
                     }
                     tracing::warn!(bucket = b.name(), "watch ended; re-opening");
                 }
@@ -968,6 +1077,10 @@ pub async fn start(
                 }
                 match store.watch::<serde_json::Value>(b).await {
                     Ok(watch) => {
+                        // The new watch delivers every key again (and not what was deleted
+                        // meanwhile): start both from empty.
+                        cache.clear(b);
+                        seen.clear();
                         w = Some(Box::pin(watch));
                         let _ = addr.send(Changed).await;
                     }
@@ -1036,5 +1149,134 @@ mod tests {
         s.merge(Scope::All);
         s.merge(Scope::for_key(Bucket::Clusters, "c3"));
         assert_eq!(s, Scope::All);
+    }
+
+    fn seen(holder: &str, brokers: &str, renew: SystemTime) -> LeaseSeen {
+        LeaseSeen {
+            holder: holder.into(),
+            duration_seconds: 60,
+            connected_brokers: brokers.into(),
+            renew: Some(renew),
+        }
+    }
+
+    #[test]
+    fn only_renew_time_refreshes_of_a_live_lease_skip_the_reconcile() {
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let later = t0 + Duration::from_secs(120);
+        let now = later + Duration::from_millis(5);
+        let prev = seen("h", "b1", t0);
+        // Only the renew time moved, the previous lease is inside its 300 s grace: skipped.
+        assert!(!lease_change_matters(
+            Some(&prev),
+            Some(&seen("h", "b1", later)),
+            now
+        ));
+        // First lease, a delete, a new holder or broker set: reconciled.
+        assert!(lease_change_matters(None, Some(&prev), now));
+        assert!(lease_change_matters(Some(&prev), None, now));
+        assert!(lease_change_matters(
+            Some(&prev),
+            Some(&seen("h2", "b1", later)),
+            now
+        ));
+        assert!(lease_change_matters(
+            Some(&prev),
+            Some(&seen("h", "b1,b2", later)),
+            now
+        ));
+        let mut longer = seen("h", "b1", later);
+        longer.duration_seconds = 120;
+        assert!(lease_change_matters(Some(&prev), Some(&longer), now));
+        // The previous lease is past the grace (the add-on may be Available=False by now).
+        let late = t0 + Duration::from_secs(300);
+        assert!(lease_change_matters(
+            Some(&prev),
+            Some(&seen("h", "b1", late)),
+            late
+        ));
+        // A renew time going back, or one that does not parse: reconciled.
+        assert!(lease_change_matters(
+            Some(&seen("h", "b1", later)),
+            Some(&prev),
+            now
+        ));
+        let mut unparsed = seen("h", "b1", later);
+        unparsed.renew = None;
+        assert!(lease_change_matters(Some(&prev), Some(&unparsed), now));
+    }
+
+    #[tokio::test]
+    async fn lease_renewals_read_through_the_cache() {
+        use tether_control::store::MemoryStore;
+        let store = MemoryStore::new();
+        let cache = AddOnCache::default();
+        let now = SystemTime::now();
+        let body = || AddOnLeaseRenew {
+            holder_identity: "agent-1".into(),
+            lease_duration_seconds: 60,
+            connected_brokers: vec![],
+        };
+        // Not installed as far as KV knows, and nothing cached: refused (a leader read).
+        let r = renew_lease_with(&store, &cache, "c1", "a", body(), now)
+            .await
+            .unwrap();
+        assert!(!r.accepted, "{r:?}");
+        // The watch delivered the add-on and a fresh lease (KV holds neither here): the renewal
+        // is accepted from the cache alone and, the stored lease being recent, not written.
+        let mca = ManagedClusterAddOn::new("c1", "a");
+        cache.apply(
+            Bucket::ManagedClusterAddOns,
+            "c1.a",
+            Some(&serde_json::to_value(&mca).unwrap()),
+        );
+        let mut metadata = ObjectMeta::new("a");
+        metadata
+            .annotations
+            .insert(addons::CONNECTED_BROKERS_ANNOTATION.into(), String::new());
+        let lease = Lease {
+            api_version: Lease::API_VERSION.into(),
+            kind: Lease::KIND.into(),
+            metadata,
+            spec: LeaseSpec {
+                holder_identity: "agent-1".into(),
+                lease_duration_seconds: 60,
+                acquire_time: rfc3339(now),
+                renew_time: rfc3339(now),
+            },
+        };
+        cache.apply(
+            Bucket::AddOnLeases,
+            "c1.a",
+            Some(&serde_json::to_value(&lease).unwrap()),
+        );
+        let r = renew_lease_with(&store, &cache, "c1", "a", body(), now)
+            .await
+            .unwrap();
+        assert!(r.accepted, "{r:?}");
+        assert!(
+            store
+                .get::<Lease>(Bucket::AddOnLeases, "c1.a")
+                .await
+                .unwrap()
+                .is_none(),
+            "a renewal of a recent cached lease must not be written"
+        );
+        // Another holder: written, with this renewal's time.
+        let mut other = body();
+        other.holder_identity = "agent-2".into();
+        let r = renew_lease_with(&store, &cache, "c1", "a", other, now)
+            .await
+            .unwrap();
+        assert!(r.accepted);
+        let (stored, _) = store
+            .get::<Lease>(Bucket::AddOnLeases, "c1.a")
+            .await
+            .unwrap()
+            .expect("written");
+        assert_eq!(stored.spec.holder_identity, "agent-2");
+        // Without the cache, the same request reads KV: the add-on is not installed there.
+        let r = renew_lease(&store, "c1", "a", body(), now).await.unwrap();
+        assert!(!r.accepted);
     }
 }

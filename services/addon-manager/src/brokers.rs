@@ -36,6 +36,21 @@ pub async fn listed_brokers(
     brokers_where(store, |b| b.is_listed(now)).await
 }
 
+/// Every announced broker (one listing of `tether-brokers`), whatever its state.
+pub async fn announced(store: &impl Store) -> Result<Vec<BrokerPresence>, ControlError> {
+    Ok(store
+        .list::<BrokerPresence>(Bucket::Brokers)
+        .await?
+        .into_iter()
+        .map(|(_, b, _)| b)
+        .collect())
+}
+
+/// [`listed_brokers`] among an earlier listing `all` ([`announced`]).
+pub fn listed_among(all: Vec<BrokerPresence>, now: SystemTime) -> Vec<BrokerPresence> {
+    select(all, |b| b.is_listed(now))
+}
+
 /// Announced brokers with agent addresses that pass `keep`, sorted by id.
 async fn brokers_where(
     store: &impl Store,
@@ -44,26 +59,18 @@ async fn brokers_where(
     Ok(select(announced(store).await?, keep))
 }
 
-/// Every announced broker with agent addresses (one listing), sorted by id; split it with
-/// [`select`] into the serving and the listed brokers.
-pub async fn announced(store: &impl Store) -> Result<Vec<BrokerPresence>, ControlError> {
-    let mut out: Vec<BrokerPresence> = store
-        .list::<BrokerPresence>(Bucket::Brokers)
-        .await?
-        .into_iter()
-        .map(|(_, b, _)| b)
-        .filter(|b| !b.agent_addresses.is_empty())
-        .collect();
-    out.sort_by(|a, b| a.id.cmp(&b.id));
-    Ok(out)
-}
-
-/// The brokers of `all` that pass `keep` (e.g. `|b| b.is_serving(now)`).
+/// The brokers of `all` (a listing, [`announced`]) with agent addresses that pass `keep`
+/// (e.g. `|b| b.is_serving(now)`), sorted by id.
 pub fn select(
     all: impl IntoIterator<Item = BrokerPresence>,
     keep: impl Fn(&BrokerPresence) -> bool,
 ) -> Vec<BrokerPresence> {
-    all.into_iter().filter(|b| keep(b)).collect()
+    let mut out: Vec<BrokerPresence> = all
+        .into_iter()
+        .filter(|b| keep(b) && !b.agent_addresses.is_empty())
+        .collect();
+    out.sort_by(|a, b| a.id.cmp(&b.id));
+    out
 }
 
 /// What an add-on agent dials: the serving brokers, else (none announced yet) the

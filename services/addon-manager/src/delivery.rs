@@ -23,9 +23,8 @@ use std::time::{Duration, SystemTime};
 use actix::Addr;
 use tether_control::ControlError;
 use tether_control::addons::{
-    self, AddOnAgentConfig, AddOnAgentConfigReply, AddOnAgentConfigRequest, AddOnDeploymentConfig,
-    AppliedConfig, ConfigKind, ManagedClusterAddOn, ManagedProxyConfiguration, addon_key,
-    spec_hash,
+    self, AddOnAgentConfig, AddOnAgentConfigReply, AddOnAgentConfigRequest, AppliedConfig,
+    ConfigKind, ManagedClusterAddOn, addon_key, spec_hash,
 };
 use tether_control::resources::{
     CertificateSigningRequest, CsrGet, CsrPhase, CsrReply, CsrSpec, CsrStatus, CsrSubmit, Event,
@@ -75,10 +74,10 @@ pub async fn agent_config(
         }
         Err(e) => return Err(ControlError::Codec(e.to_string())),
     }
-    let Some((mca, _)) = store
-        .get::<ManagedClusterAddOn>(Bucket::ManagedClusterAddOns, &addon_key(cluster, addon))
-        .await?
-    else {
+    // Read through the add-on caches (what the KV watches delivered; a miss reads the stream
+    // leader): a config request costs no JetStream read in the steady state.
+    let cache = &ctx.addon_cache;
+    let Some(mca) = cache.addon(store, &addon_key(cluster, addon)).await? else {
         return Ok(not_installed(format!(
             "add-on {addon} is not installed on cluster {cluster}"
         )));
@@ -101,10 +100,7 @@ pub async fn agent_config(
         };
         let hash = match cref.key() {
             Some((ConfigKind::AddOnDeploymentConfig, k)) => {
-                let Some((adc, _)) = store
-                    .get::<AddOnDeploymentConfig>(Bucket::AddOnDeploymentConfigs, &k)
-                    .await?
-                else {
+                let Some(adc) = cache.deployment_config(store, &k).await? else {
                     continue;
                 };
                 let p = &adc.spec.proxy_config;
@@ -119,10 +115,7 @@ pub async fn agent_config(
                 spec_hash(&adc.spec)
             }
             Some((ConfigKind::ManagedProxyConfiguration, k)) => {
-                let Some((mpc, _)) = store
-                    .get::<ManagedProxyConfiguration>(Bucket::ProxyConfigurations, &k)
-                    .await?
-                else {
+                let Some(mpc) = cache.proxy_config(store, &k).await? else {
                     continue;
                 };
                 cfg.replicas = mpc.spec.proxy_agent.replicas.max(1);
@@ -140,7 +133,13 @@ pub async fn agent_config(
             spec_hash: hash,
         });
     }
-    let serving = brokers::listed_brokers(store, ctx.clock.now()).await?;
+    // The broker watcher's listing of at most BROKER_CHECK_INTERVAL ago (it notifies every
+    // agent after it saw the set change); before its first listing, one of our own.
+    let now = ctx.clock.now();
+    let serving = match cache.brokers() {
+        Some(all) => brokers::listed_among(all, now),
+        None => brokers::listed_brokers(store, now).await?,
+    };
     cfg.brokers = brokers::agent_endpoints(serving, &entrypoints);
     Ok(AddOnAgentConfigReply {
         installed: true,
@@ -521,6 +520,8 @@ pub async fn start(
                     continue;
                 }
             };
+            // Config requests read this listing (before any agent is notified of a change).
+            ctx.addon_cache.set_brokers(announced.clone());
             let now = SystemTime::now();
             // Available: the serving brokers and the tunnels they report.
             let serving = brokers::select(announced.iter().cloned(), |b| b.is_serving(now));
@@ -535,7 +536,7 @@ pub async fn start(
                 }
             }
             // The agents' config: the listed brokers.
-            let listed = brokers::select(announced, |b| b.is_listed(now));
+            let listed = brokers::listed_among(announced, now);
             let Some(change) = set.observe(listed) else {
                 continue;
             };

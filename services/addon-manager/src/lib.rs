@@ -12,6 +12,7 @@
 //! - [`controller`]: serves the registration request subjects (a bounded number in flight per
 //!   subscription) and runs the leader-only lease monitor and CSR garbage collector.
 //! - [`signing`]: the one place the hub CA signs (tokio's blocking pool).
+//! - [`addon_cache`]: read caches of the add-on buckets for the per-agent request paths.
 //! - [`addons`]: the [`addons::AddOnController`] actor: ManagedClusterAddOns from
 //!   ClusterManagementAddOn install strategies, config spec hashes, Progressing/Available/Degraded.
 //! - [`delivery`]: what an add-on agent runs (`…addon.<a>.config`), its credentials
@@ -24,6 +25,7 @@
 //! bootstrap tokens, start the actor and the admin server, and wait for shutdown.
 #![forbid(unsafe_code)]
 
+pub mod addon_cache;
 pub mod addons;
 pub mod brokers;
 pub mod callout;
@@ -281,12 +283,16 @@ pub async fn run(
     );
     let pumps =
         controller::start_pumps(conn.client.clone(), ctx.clone(), shutdown.child_token()).await?;
-    let addon_ctl =
-        addons::AddOnController::start_with(ctx.store.clone(), Some(conn.client.clone()));
+    let addon_ctl = addons::AddOnController::start_cached(
+        ctx.store.clone(),
+        Some(conn.client.clone()),
+        ctx.addon_cache.clone(),
+    );
     let mut addon_tasks = addons::start(
         conn.client.clone(),
         ctx.store.clone(),
         addon_ctl.clone(),
+        ctx.addon_cache.clone(),
         shutdown.child_token(),
     )
     .await?;

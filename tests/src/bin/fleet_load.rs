@@ -127,6 +127,9 @@ impl Hub {
         }
         // The hub's default lease check, not the tests' fast one.
         extra.extend(["--lease-check-interval", "10s"]);
+        // nats-server monitoring (random ports, in the ports files): the window's JetStream API
+        // request and message counts per node come from /varz.
+        extra.extend(["--nats-http", "127.0.0.1:-1"]);
         let dir = init_cluster_hub(work, args.nats_nodes, &extra)?;
         // Logs and nats-server ports files both go to the work directory (init's
         // --ports-file-dir).
@@ -427,10 +430,29 @@ async fn main() -> anyhow::Result<()> {
     });
     let js = async_nats::jetstream::new(admin.client.clone());
     let seq_before = lease_stream_seqs(&js).await?;
+    let varz_before = node_counters(&work, &pids).await;
     let window_start = Instant::now();
     tokio::time::sleep(Duration::from_secs(args.window_seconds)).await;
     let window = window_start.elapsed().as_secs_f64();
     let seq_after = lease_stream_seqs(&js).await?;
+    let varz_after = node_counters(&work, &pids).await;
+    // Per node and second: JetStream API requests (every leader read, listing consumer, stream
+    // info and KV write is one) and client + route messages in.
+    let nats_rates: BTreeMap<String, serde_json::Value> = varz_after
+        .iter()
+        .filter_map(|(n, a)| {
+            let b = varz_before.get(n)?;
+            let rate = |x: u64, y: u64| ((x.saturating_sub(y)) as f64 / window).round();
+            Some((
+                n.clone(),
+                serde_json::json!({
+                    "js_api_per_s": rate(a.js_api, b.js_api),
+                    "in_msgs_per_s": rate(a.in_msgs, b.in_msgs),
+                    "out_msgs_per_s": rate(a.out_msgs, b.out_msgs),
+                }),
+            ))
+        })
+        .collect();
     let writes: BTreeMap<&str, u64> = seq_after
         .iter()
         .map(|(b, a)| (*b, a - seq_before.get(b).copied().unwrap_or(0)))
@@ -514,6 +536,7 @@ async fn main() -> anyhow::Result<()> {
             "p99": secs(bucket_quantile(&lat_before, &lat_after, 0.99)),
         },
         "lease_kv_writes": writes,
+        "nats_rates": nats_rates,
         "processes": procs,
         "hub_cpu_cores": (hub_cpu * 1000.0).round() / 1000.0,
         "hub_cpu_ms_per_renewal": hub_cpu_ms_per_renewal.map(|v| (v * 100.0).round() / 100.0),
@@ -566,6 +589,67 @@ async fn lease_stream_seqs(
         out.insert(bucket, info);
     }
     Ok(out)
+}
+
+/// Counters of one nats-server's /varz.
+#[derive(Debug, Clone, Copy, Default)]
+struct NodeCounters {
+    js_api: u64,
+    in_msgs: u64,
+    out_msgs: u64,
+}
+
+/// /varz counters of every nats-server among `pids` (monitoring port from its ports file in
+/// `work`); a node that does not answer within a few seconds is left out.
+async fn node_counters(work: &Path, pids: &[(String, u32)]) -> BTreeMap<String, NodeCounters> {
+    let mut out = BTreeMap::new();
+    for (name, pid) in pids.iter().filter(|(n, _)| n.starts_with("nats-")) {
+        let r = tokio::time::timeout(Duration::from_secs(5), varz(work, *pid)).await;
+        match r {
+            Ok(Ok(v)) => {
+                let n = |p: &str| {
+                    v.pointer(p)
+                        .and_then(serde_json::Value::as_u64)
+                        .unwrap_or(0)
+                };
+                out.insert(
+                    name.clone(),
+                    NodeCounters {
+                        js_api: n("/jetstream/stats/api/total"),
+                        in_msgs: n("/in_msgs"),
+                        out_msgs: n("/out_msgs"),
+                    },
+                );
+            }
+            Ok(Err(e)) => eprintln!("varz of {name}: {e:#}"),
+            Err(_) => eprintln!("varz of {name}: timed out"),
+        }
+    }
+    out
+}
+
+/// GET /varz of the nats-server `pid` (HTTP/1.0 on its monitoring port).
+async fn varz(work: &Path, pid: u32) -> anyhow::Result<serde_json::Value> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let ports: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        work.join(format!("nats-server_{pid}.ports")),
+    )?)?;
+    let url = ports
+        .pointer("/monitoring/0")
+        .and_then(serde_json::Value::as_str)
+        .context("no monitoring port in the ports file")?;
+    let addr = url.trim_start_matches("http://").trim_end_matches('/');
+    let mut conn = tokio::net::TcpStream::connect(addr).await?;
+    conn.write_all(b"GET /varz HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await?;
+    let mut body = Vec::new();
+    conn.read_to_end(&mut body).await?;
+    let text = String::from_utf8_lossy(&body);
+    let json = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b)
+        .context("no HTTP body")?;
+    Ok(serde_json::from_str(json)?)
 }
 
 #[cfg(test)]

@@ -104,6 +104,9 @@ pub struct Registration<S: Store = HubStore> {
     pub clusters: RwLock<HashMap<String, ManagedCluster>>,
     /// Read cache of bootstrap token records (KV watch); misses fall back to KV.
     pub tokens: RwLock<HashMap<String, BootstrapTokenRecord>>,
+    /// Read caches of the add-on buckets (the add-on controller's KV watches feed them) for
+    /// add-on config requests and add-on lease renewals.
+    pub addon_cache: Arc<crate::addon_cache::AddOnCache>,
 }
 
 impl<S: Store> std::fmt::Debug for Registration<S> {
@@ -131,6 +134,7 @@ impl<S: Store> Registration<S> {
             first_seen: Mutex::new(HashMap::new()),
             clusters: RwLock::new(HashMap::new()),
             tokens: RwLock::new(HashMap::new()),
+            addon_cache: Default::default(),
         }
     }
 
