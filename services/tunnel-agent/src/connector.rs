@@ -177,6 +177,15 @@ impl EndpointStates {
     pub fn snapshot(&self) -> HashMap<String, Option<String>> {
         self.inner.lock().expect("states lock").clone()
     }
+
+    /// Id of the broker at the other end of `endpoint`'s tunnel (from its `hello`).
+    pub fn broker_of(&self, endpoint: &str) -> Option<String> {
+        self.brokers
+            .lock()
+            .expect("states lock")
+            .get(endpoint)
+            .cloned()
+    }
 }
 
 pub struct Connector {

@@ -194,6 +194,21 @@ fn build_shared(
     }))
 }
 
+/// Whether an endpoint of the new config reaches the broker a removed endpoint's tunnel is
+/// connected to (the same address, or named after the broker id its `hello` gave): then the
+/// removed endpoint's tunnel is closed, not kept — the new endpoint dials that broker (e.g. the
+/// first config's entrypoint replaced by the announced brokers), and keeping both would give
+/// the cluster two tunnels to one broker.
+fn wanted_reaches(
+    wanted: &BTreeMap<String, BrokerEndpoint>,
+    connected_to: &str,
+    broker: Option<String>,
+) -> bool {
+    wanted.iter().any(|(label, e)| {
+        broker.as_deref() == Some(label.as_str()) || e.addresses.iter().any(|a| a == connected_to)
+    })
+}
+
 fn same_endpoint(a: &BrokerEndpoint, b: &BrokerEndpoint) -> bool {
     a.addresses == b.addresses && a.server_name == b.server_name
 }
@@ -346,7 +361,12 @@ impl Running {
                     }
                 }
                 None if self.cfg.keep_removed_brokers_connected
-                    && connected.get(label).is_some_and(Option::is_some) =>
+                    && connected
+                        .get(label)
+                        .and_then(Option::as_deref)
+                        .is_some_and(|addr| {
+                            !wanted_reaches(&wanted, addr, self.states.broker_of(label))
+                        }) =>
                 {
                     if self.retired.insert(label.clone()) {
                         tracing::info!(endpoint = %label, "broker endpoint removed from the config; its working tunnel is kept until it ends");
@@ -597,5 +617,28 @@ mod tests {
             super::sha256_hex(b"abc"),
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
+    }
+
+    #[test]
+    fn a_removed_endpoint_is_kept_only_when_no_new_endpoint_reaches_its_broker() {
+        let ep = |name: &str, addr: &str| super::BrokerEndpoint {
+            name: Some(name.into()),
+            addresses: vec![addr.into()],
+            server_name: "broker".into(),
+        };
+        let wanted: super::BTreeMap<String, super::BrokerEndpoint> = [ep("b1", "10.0.0.1:8443")]
+            .into_iter()
+            .map(|e| (e.label(), e))
+            .collect();
+        // The first config's entrypoint, now replaced by the broker it reached (by id, by address).
+        assert!(super::wanted_reaches(&wanted, "lb:443", Some("b1".into())));
+        assert!(super::wanted_reaches(&wanted, "10.0.0.1:8443", None));
+        // A broker that left the list while its tunnel works: kept.
+        assert!(!super::wanted_reaches(
+            &wanted,
+            "10.0.0.2:8443",
+            Some("b2".into())
+        ));
+        assert!(!super::wanted_reaches(&wanted, "10.0.0.2:8443", None));
     }
 }
