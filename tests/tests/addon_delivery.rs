@@ -535,6 +535,31 @@ fn connected(v: &serde_json::Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// A static tunnel-agent config for cluster `c1` listing `brokers`, with `extra` lines.
+fn agent_config(
+    tls: &tether_test_support::LeafFiles,
+    apiserver: &impl std::fmt::Display,
+    extra: &str,
+    brokers: &[&tether_e2e::Broker],
+) -> String {
+    let mut s = format!(
+        "cluster: c1\nagent: agent-0\ntls:\n  cert: {}\n  key: {}\n  ca: {}\napiserver: '{apiserver}'\nadmin_listen: 127.0.0.1:0\n{extra}backoff:\n  initial: 50ms\n  max: 1s\n  reset_after: 5s\nproxy: {{}}\nbrokers:\n",
+        tls.cert.display(),
+        tls.key.display(),
+        tls.ca.display()
+    );
+    for b in brokers {
+        s.push_str(&format!(
+            "  - name: {}\n    addresses: ['{}']\n    server_name: tether-broker\n",
+            b.id, b.agent_addr
+        ));
+    }
+    if brokers.is_empty() {
+        s.push_str("  []\n");
+    }
+    s
+}
+
 /// The tunnel-agent's config reload on its own: brokers added and removed without touching
 /// the others, an invalid file refused with the field named while the old config keeps running.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -548,24 +573,7 @@ async fn tunnel_agent_reloads_brokers_and_refuses_an_invalid_config() -> anyhow:
         tether_tls::Identity::tunnel_agent("c1", "agent-0"),
         &[],
     )?;
-    let render = |brokers: &[&tether_e2e::Broker]| {
-        let mut s = format!(
-            "cluster: c1\nagent: agent-0\ntls:\n  cert: {}\n  key: {}\n  ca: {}\napiserver: '{echo}'\nadmin_listen: 127.0.0.1:0\nbackoff:\n  initial: 50ms\n  max: 1s\n  reset_after: 5s\nproxy: {{}}\nbrokers:\n",
-            tls.cert.display(),
-            tls.key.display(),
-            tls.ca.display()
-        );
-        for b in brokers {
-            s.push_str(&format!(
-                "  - name: {}\n    addresses: ['{}']\n    server_name: tether-broker\n",
-                b.id, b.agent_addr
-            ));
-        }
-        if brokers.is_empty() {
-            s.push_str("  []\n");
-        }
-        s
-    };
+    let render = |brokers: &[&tether_e2e::Broker]| agent_config(&tls, &echo, "", brokers);
     let cfg = procs.path().join("reload-agent.yaml");
     let ready = procs.path().join("reload-agent.ready");
     std::fs::write(&cfg, render(&[&b1]))?;
@@ -644,19 +652,12 @@ async fn tunnel_agent_keeps_a_working_tunnel_of_a_removed_broker() -> anyhow::Re
         &[],
     )?;
     let render = |brokers: &[&tether_e2e::Broker]| {
-        let mut s = format!(
-            "cluster: c1\nagent: agent-0\ntls:\n  cert: {}\n  key: {}\n  ca: {}\napiserver: '{echo}'\nadmin_listen: 127.0.0.1:0\nkeep_removed_brokers_connected: true\nbackoff:\n  initial: 50ms\n  max: 1s\n  reset_after: 5s\nproxy: {{}}\nbrokers:\n",
-            tls.cert.display(),
-            tls.key.display(),
-            tls.ca.display()
-        );
-        for b in brokers {
-            s.push_str(&format!(
-                "  - name: {}\n    addresses: ['{}']\n    server_name: tether-broker\n",
-                b.id, b.agent_addr
-            ));
-        }
-        s
+        agent_config(
+            &tls,
+            &echo,
+            "keep_removed_brokers_connected: true\n",
+            brokers,
+        )
     };
     let cfg = procs.path().join("keep-agent.yaml");
     let ready = procs.path().join("keep-agent.ready");
