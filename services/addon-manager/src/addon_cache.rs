@@ -12,9 +12,9 @@
 //! per config request once brokers exist).
 //!
 //! **What the cache holds: exactly what the add-on controller's KV watches delivered**
-//! ([`AddOnCache::apply`], fed by [`crate::addons::start`]), in stream order, nothing else —
-//! not this replica's own writes and not the results of read-through misses, so a delete the
-//! watch delivered can never be overwritten by an older value. A key the cache does not hold
+//! ([`AddOnCache::apply`], fed by the add-on watch task of the `addons` module), in stream
+//! order, nothing else — not this replica's own writes and not the results of read-through
+//! misses, so a delete the watch delivered can never be overwritten by an older value. A key the cache does not hold
 //! (not delivered yet, just after a start or a watch re-open) is read from the stream leader as
 //! before, without being cached.
 //!
@@ -169,7 +169,7 @@ impl AddOnCache {
             .await
     }
 
-    /// Keeps the broker watcher's latest listing (`crate::delivery`, every
+    /// Keeps the broker watcher's latest listing (the `delivery` module, every
     /// `BROKER_CHECK_INTERVAL`).
     pub fn set_brokers(&self, all: Vec<BrokerPresence>) {
         *self.brokers.write().unwrap_or_else(|e| e.into_inner()) = Some(all);

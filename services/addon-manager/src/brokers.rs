@@ -191,7 +191,7 @@ impl BrokerSet {
 /// re-evaluate a cluster's add-ons when this changes — a broker's presence renewal that first
 /// lists a new tunnel is no write the controller watches (the agent's lease may not be
 /// written again for a whole persist interval), so without this an add-on that joined waits
-/// for an unrelated write or the safety resync ([`crate::addons::RESYNC_INTERVAL`]).
+/// for an unrelated write or the safety resync (`RESYNC_INTERVAL` of the `addons` module).
 #[derive(Debug, Default)]
 pub struct TunnelHolders {
     /// The serving broker ids and, per cluster, the ids of those holding a tunnel of it.
