@@ -14,9 +14,9 @@
 //! **What the cache holds: exactly what the add-on controller's KV watches delivered**
 //! ([`AddOnCache::apply`], fed by the add-on watch task of the `addons` module), in stream
 //! order, nothing else — not this replica's own writes and not the results of read-through
-//! misses, so a delete the watch delivered can never be overwritten by an older value. A key the cache does not hold
-//! (not delivered yet, just after a start or a watch re-open) is read from the stream leader as
-//! before, without being cached.
+//! misses, so a delete the watch delivered can never be overwritten by an older value. A key
+//! the cache does not hold (not delivered yet, just after a start or a watch re-open) is
+//! read from the stream leader as before, without being cached.
 //!
 //! **What a lagging view can do** (a watch is milliseconds behind the leader; longer only while
 //! its consumer sits on a node that is being given up): an add-on lease renewal compares with
