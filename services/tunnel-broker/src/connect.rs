@@ -259,18 +259,11 @@ pub async fn serve_plain(broker: Arc<Broker>, mut tcp: TcpStream) {
             broker.finish(&stream.ticket, &Ok(Default::default()));
             return;
         }
-        // If the broker dies mid-stream the client must see a reset, not a clean EOF.
-        let crash_reset = crate::linger::CrashReset::arm(&tcp);
         let (rd, wr) = tcp.into_split();
         let rd = TcpChunkReader::new(rd, broker.settings.read_chunk_bytes);
-        let r = broker
-            .splice_paced(stream, rd, ResettableWriteHalf::new(wr))
-            .await;
-        if r.is_ok()
-            && let Some(g) = crash_reset
-        {
-            g.disarm();
-        }
+        // If the broker dies mid-stream the client must see a reset, not a clean EOF.
+        let wr = crate::linger::CrashReset::arm(ResettableWriteHalf::new(wr));
+        let _ = broker.splice_paced(stream, rd, wr).await;
     }
     .instrument(span(stream_id))
     .await
