@@ -206,7 +206,7 @@ async fn open(
     let (target, client) = checked.inspect_err(|e| broker.record_failure(FRONTEND, e))?;
     tracing::Span::current().record("client", client.name.as_str());
     broker
-        .dial_with_early(FRONTEND, &client, &target, stream_id, None, early)
+        .dial(FRONTEND, &client, &target, stream_id, None, early)
         .await
 }
 

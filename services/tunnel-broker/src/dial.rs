@@ -125,22 +125,11 @@ impl Broker {
     }
 
     /// Authorises and opens a stream to `target`. Call inside the stream's span.
+    ///
+    /// `early`: bytes the client sent behind its request (HTTP CONNECT early data; empty for
+    /// other front ends). They leave with the dial request (see `TunnelHandle::open`) and are
+    /// the stream's first bytes once the dial succeeds; a failed dial drops them.
     pub async fn dial(
-        &self,
-        frontend: &'static str,
-        client: &ClientId,
-        target: &Target,
-        stream_id: u64,
-        timeout: Option<Duration>,
-    ) -> Result<OpenStream, DialError> {
-        self.dial_with_early(frontend, client, target, stream_id, timeout, Bytes::new())
-            .await
-    }
-
-    /// [`Broker::dial`] for a client that sent `early` bytes behind its request (HTTP CONNECT
-    /// early data): they leave with the dial request (see `TunnelHandle::open`) and are the
-    /// stream's first bytes once the dial succeeds; a failed dial drops them.
-    pub async fn dial_with_early(
         &self,
         frontend: &'static str,
         client: &ClientId,

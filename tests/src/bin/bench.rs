@@ -358,17 +358,7 @@ impl Ends {
                 s.write_all(self.connect_head.as_bytes()).await?;
                 // No target mode sends before the client does, so the head is all we can read.
                 let mut buf = [0u8; 512];
-                let mut n = 0;
-                while !buf[..n].ends_with(b"\r\n\r\n") {
-                    if n == buf.len() {
-                        bail!("CONNECT response head too long");
-                    }
-                    let m = s.read(&mut buf[n..]).await?;
-                    if m == 0 {
-                        bail!("broker closed: {:?}", String::from_utf8_lossy(&buf[..n]));
-                    }
-                    n += m;
-                }
+                let n = read_until(&mut s, &mut buf, |b| b.ends_with(b"\r\n\r\n")).await?;
                 if !buf.starts_with(b"HTTP/1.1 200") {
                     let mut rest = Vec::new();
                     let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut rest))
@@ -551,17 +541,28 @@ async fn open_first_byte_pipelined(ends: &Ends) -> anyhow::Result<Duration> {
     first.push(b'P');
     s.write_all(&first).await?;
     let mut buf = [0u8; 512];
-    let mut n = 0;
     // The response head, then the target's one byte (often in the same read).
-    loop {
-        if let Some(end) = buf[..n].windows(4).position(|w| w == b"\r\n\r\n") {
-            if !buf.starts_with(b"HTTP/1.1 200") {
-                bail!("CONNECT refused: {}", String::from_utf8_lossy(&buf[..n]));
-            }
-            if n > end + 4 {
-                return Ok(t.elapsed());
-            }
-        }
+    let n = read_until(&mut s, &mut buf, |b| {
+        b.windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .is_some_and(|end| b.len() > end + 4 || !b.starts_with(b"HTTP/1.1 200"))
+    })
+    .await?;
+    if !buf.starts_with(b"HTTP/1.1 200") {
+        bail!("CONNECT refused: {}", String::from_utf8_lossy(&buf[..n]));
+    }
+    Ok(t.elapsed())
+}
+
+/// Reads from the broker into `buf` until `done(what was read)`; returns its length. Fails when
+/// `buf` fills up first or the broker closes.
+async fn read_until(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    done: impl Fn(&[u8]) -> bool,
+) -> anyhow::Result<usize> {
+    let mut n = 0;
+    while !done(&buf[..n]) {
         if n == buf.len() {
             bail!("CONNECT response head too long");
         }
@@ -571,6 +572,7 @@ async fn open_first_byte_pipelined(ends: &Ends) -> anyhow::Result<Duration> {
         }
         n += m;
     }
+    Ok(n)
 }
 
 // ---------------------------------------------------------------------------------------------
