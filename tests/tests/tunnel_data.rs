@@ -447,3 +447,71 @@ async fn bytes_pipelined_after_connect_head_arrive() -> anyhow::Result<()> {
     check(tls, &head).await.context("TLS CONNECT")?;
     Ok(())
 }
+
+/// Early data rides the stream open (issue 16): the broker forwards the bytes read with the
+/// CONNECT head right behind the dial request, the agent writes them once its dial succeeds.
+/// A client sending its head and 6,000 bytes in one write, without waiting for the `200`, gets
+/// the `200` and then the target's answer, which the target sends only once it has all 6,000
+/// bytes in order (the part read with the head and the rest); the broker counts every one of
+/// them. A dial that is refused still answers `502` with the reason and a clean end, the early
+/// bytes dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn early_data_rides_the_dial_and_a_refused_dial_still_answers() -> anyhow::Result<()> {
+    let setup = Setup::start("c1", "", "").await?;
+    let early: Vec<u8> = (0..6000u32).map(|i| (i % 251) as u8).collect();
+    let want = early.clone();
+    let target = one_connection_target(move |mut s| async move {
+        let mut got = vec![0u8; want.len()];
+        if s.read_exact(&mut got).await.is_ok() && got == want {
+            let _ = s.write_all(b"all early bytes arrived").await;
+        }
+        let _ = s.shutdown().await;
+    })
+    .await?;
+    let closed = {
+        let l = TcpListener::bind("127.0.0.1:0").await?;
+        l.local_addr()?
+    };
+    // Head and early bytes in one write; the whole answer up to the broker's close.
+    let exchange = |to: std::net::SocketAddr| {
+        let mut first = format!(
+            "CONNECT {} HTTP/1.1\r\nproxy-authorization: Bearer {}\r\n\r\n",
+            tether_e2e::qualified("c1", to),
+            tether_e2e::OPS_TOKEN
+        )
+        .into_bytes();
+        first.extend_from_slice(&early);
+        let broker = setup.broker.client_addr;
+        async move {
+            let mut s = tokio::net::TcpStream::connect(broker).await?;
+            s.set_nodelay(true)?;
+            s.write_all(&first).await?;
+            let mut answer = Vec::new();
+            tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut answer))
+                .await
+                .context("the answer never ended")??;
+            anyhow::Ok(String::from_utf8_lossy(&answer).into_owned())
+        }
+    };
+    let answer = exchange(target).await?;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+    assert!(
+        answer.ends_with("\r\n\r\nall early bytes arrived"),
+        "the target must get all early bytes in order: {answer:?}"
+    );
+    let counted = metric(
+        setup.broker.admin_addr,
+        "tether_broker_bytes_total",
+        &[("direction", "to_cluster")],
+    )
+    .await?;
+    assert!(
+        counted >= early.len() as f64,
+        "broker counted {counted} bytes to the cluster, sent {}",
+        early.len()
+    );
+    let refused = exchange(closed).await?;
+    assert!(refused.starts_with("HTTP/1.1 502"), "{refused:?}");
+    assert!(refused.contains("tether-error: refused"), "{refused:?}");
+    Ok(())
+}

@@ -177,13 +177,15 @@ fn error_response(e: &DialError) -> Vec<u8> {
 
 const ESTABLISHED: &[u8] = b"HTTP/1.1 200 Connection established\r\n\r\n";
 
-/// Authenticates and authorises a parsed head and opens the stream. Failures before the dial
-/// (bad target, missing or unknown credentials) are counted here; [`Broker::dial`] counts its own.
+/// Authenticates and authorises a parsed head and opens the stream; `early` (what the client
+/// sent behind the head) goes with the dial request. Failures before the dial (bad target,
+/// missing or unknown credentials) are counted here; [`Broker::dial`] counts its own.
 async fn open(
     broker: &Broker,
     head: Head,
     peer: Option<&crate::auth::PeerCert>,
     stream_id: u64,
+    early: Bytes,
 ) -> Result<crate::dial::OpenStream, DialError> {
     let checked = (|| {
         let target = head.target?;
@@ -204,21 +206,22 @@ async fn open(
     let (target, client) = checked.inspect_err(|e| broker.record_failure(FRONTEND, e))?;
     tracing::Span::current().record("client", client.name.as_str());
     broker
-        .dial(FRONTEND, &client, &target, stream_id, None)
+        .dial(FRONTEND, &client, &target, stream_id, None, early)
         .await
 }
 
-/// Reads the CONNECT head from `io` and opens its stream; returns it with what the client sent
-/// after the head. On failure the error is answered, `io` closed gracefully, and `None`
-/// returned.
+/// Reads the CONNECT head from `io` and opens its stream. What the client sent after the head
+/// (early data) is not held until the dial result: it leaves with the dial request, and the
+/// agent writes it to the target once connected (a refused dial drops it). On failure the error
+/// is answered, `io` closed gracefully, and `None` returned.
 async fn open_from_head<S: AsyncRead + AsyncWrite + Unpin>(
     broker: &Broker,
     io: &mut S,
     peer: Option<&crate::auth::PeerCert>,
     stream_id: u64,
-) -> Option<(crate::dial::OpenStream, Bytes)> {
+) -> Option<crate::dial::OpenStream> {
     let opened = match read_head(io).await {
-        Ok((head, rest)) => open(broker, head, peer, stream_id).await.map(|o| (o, rest)),
+        Ok((head, rest)) => open(broker, head, peer, stream_id, rest).await,
         Err(e) => {
             broker.record_failure(FRONTEND, &e);
             Err(e)
@@ -249,25 +252,18 @@ pub async fn serve_plain(broker: Arc<Broker>, mut tcp: TcpStream) {
     let _ = tcp.set_nodelay(true);
     let stream_id = broker.next_stream_id();
     async move {
-        let Some((stream, rest)) = open_from_head(&broker, &mut tcp, None, stream_id).await else {
+        let Some(stream) = open_from_head(&broker, &mut tcp, None, stream_id).await else {
             return;
         };
         if tcp.write_all(ESTABLISHED).await.is_err() {
             broker.finish(&stream.ticket, &Ok(Default::default()));
             return;
         }
-        // If the broker dies mid-stream the client must see a reset, not a clean EOF.
-        let crash_reset = crate::linger::CrashReset::arm(&tcp);
         let (rd, wr) = tcp.into_split();
-        let rd = TcpChunkReader::with_prefix(rd, broker.settings.read_chunk_bytes, rest);
-        let r = broker
-            .splice_paced(stream, rd, ResettableWriteHalf::new(wr))
-            .await;
-        if r.is_ok()
-            && let Some(g) = crash_reset
-        {
-            g.disarm();
-        }
+        let rd = TcpChunkReader::new(rd, broker.settings.read_chunk_bytes);
+        // If the broker dies mid-stream the client must see a reset, not a clean EOF.
+        let wr = crate::linger::CrashReset::arm(ResettableWriteHalf::new(wr));
+        let _ = broker.splice_paced(stream, rd, wr).await;
     }
     .instrument(span(stream_id))
     .await
@@ -281,8 +277,7 @@ pub async fn serve_tls<S: TcpBacked + AsyncRead + AsyncWrite + Unpin + Send + 's
 ) {
     let stream_id = broker.next_stream_id();
     async move {
-        let Some((stream, rest)) = open_from_head(&broker, &mut io, peer.as_ref(), stream_id).await
-        else {
+        let Some(stream) = open_from_head(&broker, &mut io, peer.as_ref(), stream_id).await else {
             return;
         };
         if io.write_all(ESTABLISHED).await.is_err() || io.flush().await.is_err() {
@@ -294,10 +289,7 @@ pub async fn serve_tls<S: TcpBacked + AsyncRead + AsyncWrite + Unpin + Send + 's
             io,
             aborted: Arc::clone(&aborted),
         });
-        let rd = tether_tunnel::pump::PrefixedReader::new(
-            rest,
-            AsyncChunkReader::new(rd, broker.settings.read_chunk_bytes),
-        );
+        let rd = AsyncChunkReader::new(rd, broker.settings.read_chunk_bytes);
         let _ = broker
             .splice_paced(stream, rd, AbortFlagWriteHalf { wr, aborted })
             .await;

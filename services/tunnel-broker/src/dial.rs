@@ -39,6 +39,19 @@ pub struct Broker {
     next_stream: AtomicU64,
 }
 
+/// How [`Broker::open`] routes one dial.
+#[derive(Default)]
+struct Route<'a> {
+    /// The client, for its budget (`None`: a trusted or relayed dial).
+    client: Option<&'a str>,
+    /// The client's dial timeout (`None`: the broker's).
+    timeout: Option<Duration>,
+    /// Whether the dial may go to a peer broker's tunnel.
+    may_relay: bool,
+    /// Bytes the client sent behind its request, sent with the dial request.
+    early: Bytes,
+}
+
 /// An open stream to a target.
 pub struct OpenStream {
     pub send: SendStream<Bytes>,
@@ -112,6 +125,10 @@ impl Broker {
     }
 
     /// Authorises and opens a stream to `target`. Call inside the stream's span.
+    ///
+    /// `early`: bytes the client sent behind its request (HTTP CONNECT early data; empty for
+    /// other front ends). They leave with the dial request (see `TunnelHandle::open`) and are
+    /// the stream's first bytes once the dial succeeds; a failed dial drops them.
     pub async fn dial(
         &self,
         frontend: &'static str,
@@ -119,20 +136,19 @@ impl Broker {
         target: &Target,
         stream_id: u64,
         timeout: Option<Duration>,
+        early: Bytes,
     ) -> Result<OpenStream, DialError> {
         if let Err(e) = self.auth.authorize(client, target) {
             self.record_failure(frontend, &e);
             return Err(e);
         }
-        self.open(
-            frontend,
-            Some(&client.name),
-            target,
-            stream_id,
+        let route = Route {
+            client: Some(&client.name),
             timeout,
-            true,
-        )
-        .await
+            may_relay: true,
+            early,
+        };
+        self.open(frontend, target, stream_id, route).await
     }
 
     /// Opens a stream a front end authorised itself (the service proxy's tunnel streams to an
@@ -143,8 +159,11 @@ impl Broker {
         target: &Target,
         stream_id: u64,
     ) -> Result<OpenStream, DialError> {
-        self.open(frontend, None, target, stream_id, None, true)
-            .await
+        let route = Route {
+            may_relay: true,
+            ..Route::default()
+        };
+        self.open(frontend, target, stream_id, route).await
     }
 
     /// Opens a stream for a peer broker's relay: local tunnels only, never relayed further.
@@ -155,22 +174,24 @@ impl Broker {
         stream_id: u64,
         timeout: Option<Duration>,
     ) -> Result<OpenStream, DialError> {
-        self.open("relay", None, target, stream_id, timeout, false)
-            .await
+        let route = Route {
+            timeout,
+            may_relay: false,
+            ..Route::default()
+        };
+        self.open("relay", target, stream_id, route).await
     }
 
     async fn open(
         &self,
         frontend: &'static str,
-        client: Option<&str>,
         target: &Target,
         stream_id: u64,
-        timeout: Option<Duration>,
-        may_relay: bool,
+        route: Route<'_>,
     ) -> Result<OpenStream, DialError> {
         let started = Instant::now();
         let known = self.routes.borrow().clusters.contains_key(&target.cluster);
-        let mut admission = match self.budgets.admit(&target.cluster, client, known) {
+        let mut admission = match self.budgets.admit(&target.cluster, route.client, known) {
             Ok(a) => a,
             Err(e) => {
                 self.record_failure(frontend, &e);
@@ -178,7 +199,7 @@ impl Broker {
                 return Err(e);
             }
         };
-        let result = self.dial_inner(target, stream_id, timeout, may_relay).await;
+        let result = self.dial_inner(target, stream_id, &route).await;
         self.metrics
             .dial_duration
             .with_label_values(&[frontend])
@@ -186,6 +207,9 @@ impl Broker {
         match result {
             Ok((send, recv, guard)) => {
                 admission.opened();
+                if let Some(c) = &self.counters.to_tunnel {
+                    c.inc_by(route.early.len() as u64);
+                }
                 self.metrics
                     .open_streams
                     .with_label_values(&[frontend])
@@ -224,24 +248,27 @@ impl Broker {
         &self,
         target: &Target,
         stream_id: u64,
-        timeout: Option<Duration>,
-        may_relay: bool,
+        route: &Route<'_>,
     ) -> Result<(SendStream<Bytes>, RecvStream, StreamGuard), DialError> {
-        let timeout = timeout
+        let timeout = route
+            .timeout
             .unwrap_or(self.dial_timeout)
             .min(Duration::from_secs(60));
         let trace = tether_telemetry::propagation::inject(&tracing::Span::current());
+        let early = &route.early;
         let local = self.routes.borrow().pick(&target.cluster);
         if let Some(tunnel) = local {
-            return tunnel.open(target, stream_id, timeout, &trace).await;
+            return tunnel.open(target, stream_id, timeout, &trace, early).await;
         }
-        let peers = if may_relay {
+        let peers = if route.may_relay {
             self.peers.borrow().clone()
         } else {
             Arc::default()
         };
         for peer in peers.iter() {
-            match peer.open(target, stream_id, timeout, &trace).await {
+            // A peer that has no tunnel drops the early bytes with its refusal; the next one
+            // gets them again.
+            match peer.open(target, stream_id, timeout, &trace, early).await {
                 Ok(s) => {
                     tracing::debug!(peer = %peer.agent, "stream relayed");
                     return Ok(s);

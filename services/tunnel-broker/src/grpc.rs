@@ -395,6 +395,13 @@ async fn dial_recorded(
     span.record("target", tracing::field::display(target));
     span.record("client", client.name.as_str());
     broker
-        .dial("grpc", client, target, stream_id, timeout)
+        .dial(
+            "grpc",
+            client,
+            target,
+            stream_id,
+            timeout,
+            Default::default(),
+        )
         .await
 }

@@ -158,12 +158,18 @@ impl TunnelHandle {
     }
 
     /// Asks the agent to dial `target`; on success returns the stream's two halves.
+    ///
+    /// `early` (bytes the client sent behind its request, bounded by the front end's head
+    /// limit) leaves right behind the request's HEADERS, before the dial result: the agent
+    /// writes it to the target once its dial succeeds and drops it when the dial fails. The
+    /// client's first byte then costs no tunnel round trip of its own.
     pub async fn open(
         self: &Arc<Self>,
         target: &Target,
         stream_id: u64,
         timeout: Duration,
         trace_headers: &std::collections::HashMap<String, String>,
+        early: &Bytes,
     ) -> Result<(SendStream<Bytes>, RecvStream, StreamGuard), DialError> {
         let _permit = self.pending.try_acquire().map_err(|_| {
             DialError::new(
@@ -214,7 +220,12 @@ impl TunnelHandle {
         let budget = timeout + Duration::from_secs(2);
         let work = async {
             let mut send = self.send.clone().ready().await.map_err(lost)?;
-            let (resp, tx) = send.send_request(req, false).map_err(lost)?;
+            let (resp, mut tx) = send.send_request(req, false).map_err(lost)?;
+            if !early.is_empty() {
+                // Within the stream's initial window (the head limit is far below it); h2
+                // queues it behind the HEADERS, both leave in one write of the connection.
+                tx.send_data(early.clone(), false).map_err(lost)?;
+            }
             let resp = resp.await.map_err(lost)?;
             Ok::<_, DialError>((resp, tx))
         };

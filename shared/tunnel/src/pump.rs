@@ -306,6 +306,11 @@ impl ResettableWriteHalf {
             shut_down: false,
         }
     }
+
+    /// The socket, until an abort forgot it.
+    pub fn socket(&self) -> Option<&tokio::net::TcpStream> {
+        self.wr.as_ref().map(|w| w.as_ref())
+    }
 }
 
 impl Drop for ResettableWriteHalf {

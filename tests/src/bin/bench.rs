@@ -358,17 +358,7 @@ impl Ends {
                 s.write_all(self.connect_head.as_bytes()).await?;
                 // No target mode sends before the client does, so the head is all we can read.
                 let mut buf = [0u8; 512];
-                let mut n = 0;
-                while !buf[..n].ends_with(b"\r\n\r\n") {
-                    if n == buf.len() {
-                        bail!("CONNECT response head too long");
-                    }
-                    let m = s.read(&mut buf[n..]).await?;
-                    if m == 0 {
-                        bail!("broker closed: {:?}", String::from_utf8_lossy(&buf[..n]));
-                    }
-                    n += m;
-                }
+                let n = read_until(&mut s, &mut buf, |b| b.ends_with(b"\r\n\r\n")).await?;
                 if !buf.starts_with(b"HTTP/1.1 200") {
                     let mut rest = Vec::new();
                     let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut rest))
@@ -537,6 +527,52 @@ async fn open_first_byte(ends: &Ends, via: Via) -> anyhow::Result<Duration> {
     let mut b = [0u8; 1];
     s.read_exact(&mut b).await?;
     Ok(t.elapsed())
+}
+
+/// Like [`open_first_byte`] through the tunnel, but a pipelining client: the CONNECT head and
+/// the first byte leave in one write, then the `200` and the target's byte are read (as the
+/// `ssh -R` client's byte waits in sshd's socket while its channel opens).
+async fn open_first_byte_pipelined(ends: &Ends) -> anyhow::Result<Duration> {
+    let t = Instant::now();
+    let mut s = TcpStream::connect(ends.broker).await?;
+    s.set_nodelay(true)?;
+    let mut first = Vec::with_capacity(ends.connect_head.len() + 1);
+    first.extend_from_slice(ends.connect_head.as_bytes());
+    first.push(b'P');
+    s.write_all(&first).await?;
+    let mut buf = [0u8; 512];
+    // The response head, then the target's one byte (often in the same read).
+    let n = read_until(&mut s, &mut buf, |b| {
+        b.windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .is_some_and(|end| b.len() > end + 4 || !b.starts_with(b"HTTP/1.1 200"))
+    })
+    .await?;
+    if !buf.starts_with(b"HTTP/1.1 200") {
+        bail!("CONNECT refused: {}", String::from_utf8_lossy(&buf[..n]));
+    }
+    Ok(t.elapsed())
+}
+
+/// Reads from the broker into `buf` until `done(what was read)`; returns its length. Fails when
+/// `buf` fills up first or the broker closes.
+async fn read_until(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    done: impl Fn(&[u8]) -> bool,
+) -> anyhow::Result<usize> {
+    let mut n = 0;
+    while !done(&buf[..n]) {
+        if n == buf.len() {
+            bail!("CONNECT response head too long");
+        }
+        let m = s.read(&mut buf[n..]).await?;
+        if m == 0 {
+            bail!("broker closed: {:?}", String::from_utf8_lossy(&buf[..n]));
+        }
+        n += m;
+    }
+    Ok(n)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1078,44 +1114,90 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         );
     }
 
-    // New stream: open to first byte.
+    // New stream: open to first byte, with a waiting tunnel client (CONNECT, wait for `200`,
+    // then the byte) and a pipelining one (head and byte in one write), both in the rotation.
     if setup.wants("open") {
         let n = if setup.quick { 300 } else { 2000 };
+        // Opens per block: each block's hop CPU is charged to its client kind (the CPU clock
+        // ticks at 10 ms, so a block spans a few ticks; blocks rotate like single opens did).
+        const BLOCK: usize = 25;
         let mut samples: [Vec<Duration>; PATHS] = per_path();
-        // CPU of each path's two hops over the whole section, per stream (each path's opens
-        // and closes; the least noisy figure of this row on a shared machine).
-        let vias = ends.vias();
-        let hop_cpu0: Vec<f64> = vias.iter().map(|v| cpu_of(&hops(*v))).collect();
-        for i in 0..n {
-            for via in Setup::order(&ends, i) {
-                samples[via as usize].push(open_first_byte(&ends, via).await?);
+        let mut piped = Vec::with_capacity(n);
+        // (path, pipelined client): the paths, plus the tunnel once more with pipelining.
+        let mut kinds: Vec<(Via, bool)> = ends.vias().into_iter().map(|v| (v, false)).collect();
+        kinds.push((Via::Tunnel, true));
+        let mut hop_cpu = vec![0.0f64; kinds.len()];
+        for block in 0..n.div_ceil(BLOCK) {
+            let mut order: Vec<usize> = (0..kinds.len()).collect();
+            order.rotate_left(block % kinds.len());
+            for k in order {
+                let (via, pipelined) = kinds[k];
+                let c0 = cpu_of(&hops(via));
+                for _ in 0..BLOCK {
+                    if pipelined {
+                        piped.push(open_first_byte_pipelined(&ends).await?);
+                    } else {
+                        samples[via as usize].push(open_first_byte(&ends, via).await?);
+                    }
+                }
+                // sshd forks per connection: its children that ended are not counted twice.
+                hop_cpu[k] += (cpu_of(&hops(via)) - c0).max(0.0);
             }
         }
-        let per_stream: Vec<String> = vias
+        let opens = (n.div_ceil(BLOCK) * BLOCK) as f64;
+        let per_open = |k: usize| hop_cpu[k] / opens * 1e6;
+        let kind_name = |(v, p): (Via, bool)| match (v, p) {
+            (Via::Tunnel, false) => "tunnel (waiting client)",
+            (Via::Tunnel, true) => "tunnel (pipelining client)",
+            _ => v.name(),
+        };
+        let per_stream: Vec<String> = kinds
             .iter()
-            .zip(&hop_cpu0)
-            .filter(|(v, _)| **v != Via::Direct)
-            .map(|(v, c0)| {
-                let us = (cpu_of(&hops(*v)) - c0) / n as f64 * 1e6;
-                format!("{} {us:.0} µs", v.name())
-            })
+            .enumerate()
+            .filter(|(_, (v, _))| *v != Via::Direct)
+            .map(|(k, kind)| format!("{} {:.0} µs", kind_name(*kind), per_open(k)))
             .collect();
+        let ssh_k = kinds.iter().position(|(v, _)| *v == Via::Ssh);
+        let waiting_k = kinds
+            .iter()
+            .position(|k| *k == (Via::Tunnel, false))
+            .expect("the tunnel is always measured");
+        let ratios = match ssh_k {
+            Some(sk) => format!(
+                " (tunnel/ssh: waiting {:.2}×, pipelining {:.2}×)",
+                per_open(waiting_k) / per_open(sk),
+                per_open(kinds.len() - 1) / per_open(sk)
+            ),
+            None => String::new(),
+        };
         println!(
-            "  new stream, CPU of the two hops per open+close: {}",
+            "  new stream, CPU of the two hops per open+close: {}{ratios}",
             per_stream.join(", ")
         );
         for s in &mut samples {
             s.sort();
         }
+        piped.sort();
+        let met = |d: Duration, t: Duration, sh: Option<Duration>| match sh {
+            Some(sh) => t.saturating_sub(d) <= sh.saturating_sub(d),
+            None => t <= Duration::from_micros(500),
+        };
+        let target = "added p50 ≤ ssh -R's (no ssh: ≤ 500 µs)";
         latency_rows(
             &mut table,
             "new stream, open → first byte",
             &samples,
-            "added p50 ≤ ssh -R's (no ssh: ≤ 500 µs)",
-            |d, t, sh| match sh {
-                Some(sh) => t.saturating_sub(d) <= sh.saturating_sub(d),
-                None => t <= Duration::from_micros(500),
-            },
+            target,
+            met,
+        );
+        // The same direct, relay and ssh samples; the tunnel column is the pipelining client.
+        samples[Via::Tunnel as usize] = piped;
+        latency_rows(
+            &mut table,
+            "new stream, pipelined CONNECT → first byte",
+            &samples,
+            target,
+            met,
         );
     }
     drop(ssh_peer);

@@ -305,7 +305,14 @@ impl Conn {
             span.record("target", tracing::field::display(&target));
             span.record("client", client.name.as_str());
             broker
-                .dial("konnectivity", client, &target, stream_id, None)
+                .dial(
+                    "konnectivity",
+                    client,
+                    &target,
+                    stream_id,
+                    None,
+                    Default::default(),
+                )
                 .await
         };
         tokio::pin!(dial);
