@@ -14,6 +14,7 @@ pub mod benchkit;
 pub mod delay;
 pub mod forward_proxy;
 pub mod live;
+pub mod netns;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
