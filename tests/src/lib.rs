@@ -9,6 +9,7 @@
 //! namespaces) — one harness in this library, used by every test file. [`live`]: streams that
 //! keep moving data and relays that can be cut, for tests that change the world underneath.
 
+pub mod addons;
 pub mod apiserver;
 pub mod benchkit;
 pub mod delay;

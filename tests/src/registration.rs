@@ -282,6 +282,18 @@ impl Hub {
         format!("tls://127.0.0.1:{}", self.nats_port)
     }
 
+    /// The ManagedClusterAddOn `addon` of `cluster` as `tetherctl get addons -o json` shows it;
+    /// `None` while it does not exist (or tetherctl fails).
+    pub fn addon_json(&self, cluster: &str, addon: &str) -> Option<serde_json::Value> {
+        let o = self
+            .tetherctl(&["get", "addons", cluster, addon, "-o", "json"])
+            .ok()?;
+        if !o.status.success() {
+            return None;
+        }
+        serde_json::from_slice(&o.stdout).ok()
+    }
+
     pub fn tetherctl(&self, args: &[&str]) -> anyhow::Result<Output> {
         let mut c = cmd_in(self.ns(), bin("tetherctl")?);
         c.args(args)

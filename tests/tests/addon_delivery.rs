@@ -23,66 +23,21 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use registration::*;
+use tether_e2e::addons::ClusterProxyAddOn;
 use tether_test_support::{Child, Pki, bin, wait_until};
 
 const WAIT: Duration = Duration::from_secs(30);
 
 fn addons_yaml(adc_proxy: &str) -> String {
-    format!(
-        r#"
-apiVersion: addon.open-cluster-management.io/v1alpha1
-kind: ClusterManagementAddOn
-metadata:
-  name: cluster-proxy
-spec:
-  installStrategy:
-    type: All
-  defaultConfigs:
-    - group: addon.open-cluster-management.io
-      resource: addondeploymentconfigs
-      namespace: default
-      name: cluster-proxy-config
-    - group: proxy.open-cluster-management.io
-      resource: managedproxyconfigurations
-      name: cluster-proxy
----
-apiVersion: addon.open-cluster-management.io/v1alpha1
-kind: AddOnDeploymentConfig
-metadata:
-  name: cluster-proxy-config
-  namespace: default
-spec:
-  proxyConfig:
-    httpsProxy: {adc_proxy}
-    noProxy: "10.0.0.0/8,.svc"
----
-apiVersion: proxy.open-cluster-management.io/v1alpha1
-kind: ManagedProxyConfiguration
-metadata:
-  name: cluster-proxy
-spec:
-  authentication:
-    signer:
-      type: SelfSigned
-  proxyServer:
-    replicas: 1
-    entrypoints:
-      - host: broker-entrypoint.invalid
-  proxyAgent:
-    replicas: 1
-    keepalive: 5s
-"#
-    )
+    ClusterProxyAddOn {
+        https_proxy: Some(adc_proxy),
+        ..Default::default()
+    }
+    .yaml()
 }
 
 fn addon(hub: &Hub, cluster: &str) -> Option<serde_json::Value> {
-    let o = hub
-        .tetherctl(&["get", "addons", cluster, "cluster-proxy", "-o", "json"])
-        .ok()?;
-    if !o.status.success() {
-        return None;
-    }
-    serde_json::from_slice(&o.stdout).ok()
+    hub.addon_json(cluster, "cluster-proxy")
 }
 
 fn cond(m: &serde_json::Value, t: &str) -> Option<(String, String, String)> {

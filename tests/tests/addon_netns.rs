@@ -167,13 +167,7 @@ fn squid(
 }
 
 fn addon(hub: &Hub, cluster: &str) -> Option<serde_json::Value> {
-    let o = hub
-        .tetherctl(&["get", "addons", cluster, "cluster-proxy", "-o", "json"])
-        .ok()?;
-    if !o.status.success() {
-        return None;
-    }
-    serde_json::from_slice(&o.stdout).ok()
+    hub.addon_json(cluster, "cluster-proxy")
 }
 
 fn cond(m: &serde_json::Value, t: &str) -> Option<(String, String)> {
