@@ -592,6 +592,19 @@ pub fn start_proxy(
     Ok(proxy)
 }
 
+/// A tinyproxy on loopback (an ephemeral port, no host aliases, this namespace).
+pub fn loopback_tinyproxy(logs: &Path, name: &str) -> anyhow::Result<Proxy> {
+    start_proxy(
+        logs,
+        name,
+        ProxyKind::Tinyproxy,
+        "127.0.0.1",
+        None,
+        &[],
+        None,
+    )
+}
+
 /// Whether we may create network namespaces (root and `ip` available).
 pub fn can_use_netns() -> Result<(), String> {
     let uid = Command::new("id")

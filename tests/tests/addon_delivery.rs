@@ -221,33 +221,9 @@ async fn addon_is_delivered_through_a_proxy_and_follows_its_config() -> anyhow::
     let api = tether_e2e::apiserver::FakeApiServer::start(&tpki).await?;
 
     // Three proxies: registration (bootstrap kubeconfig), then the ADC's first and second.
-    let reg_proxy = start_proxy(
-        &hub.logs,
-        "proxy-reg",
-        ProxyKind::Tinyproxy,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )?;
-    let p1 = start_proxy(
-        &hub.logs,
-        "proxy-1",
-        ProxyKind::Tinyproxy,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )?;
-    let p2 = start_proxy(
-        &hub.logs,
-        "proxy-2",
-        ProxyKind::Tinyproxy,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )?;
+    let reg_proxy = loopback_tinyproxy(&hub.logs, "proxy-reg")?;
+    let p1 = loopback_tinyproxy(&hub.logs, "proxy-1")?;
+    let p2 = loopback_tinyproxy(&hub.logs, "proxy-2")?;
     let f = hub.dir.join("addons.yaml");
     std::fs::write(&f, addons_yaml(&p1.url()))?;
     hub.tetherctl_ok(&["apply", "-f", &f.to_string_lossy()])?;
@@ -724,15 +700,7 @@ async fn addon_certificate_rotates_without_dropping_tunnels() -> anyhow::Result<
     let tpki = hub_pki(&hub)?;
     let broker = tpki.start_broker("b1", &control_plane_yaml(&hub))?;
     let api = tether_e2e::apiserver::FakeApiServer::start(&tpki).await?;
-    let p = start_proxy(
-        &hub.logs,
-        "proxy-1",
-        ProxyKind::Tinyproxy,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )?;
+    let p = loopback_tinyproxy(&hub.logs, "proxy-1")?;
     let f = hub.dir.join("addons.yaml");
     std::fs::write(&f, addons_yaml(&p.url()))?;
     hub.tetherctl_ok(&["apply", "-f", &f.to_string_lossy()])?;

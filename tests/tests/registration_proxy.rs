@@ -61,16 +61,7 @@ fn joins_through_tinyproxy_with_auto_accept() {
         ..Default::default()
     })
     .unwrap();
-    let proxy = start_proxy(
-        &hub.logs,
-        "tinyproxy",
-        ProxyKind::Tinyproxy,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )
-    .unwrap();
+    let proxy = loopback_tinyproxy(&hub.logs, "tinyproxy").unwrap();
     let boot = hub.dir.join("bootstrap.kubeconfig");
     hub.join(
         &boot,
@@ -497,16 +488,7 @@ fn rebootstrap_when_proxy_url_changes() {
         ..Default::default()
     })
     .unwrap();
-    let a = start_proxy(
-        &hub.logs,
-        "tinyproxy",
-        ProxyKind::Tinyproxy,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )
-    .unwrap();
+    let a = loopback_tinyproxy(&hub.logs, "tinyproxy").unwrap();
     let b = start_proxy(
         &hub.logs,
         "squid",
@@ -655,16 +637,7 @@ fn state_survives_nats_restart() {
         ..Default::default()
     })
     .unwrap();
-    let proxy = start_proxy(
-        &hub.logs,
-        "tinyproxy",
-        ProxyKind::Tinyproxy,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )
-    .unwrap();
+    let proxy = loopback_tinyproxy(&hub.logs, "tinyproxy").unwrap();
     let boot = hub.dir.join("boot");
     hub.join(
         &boot,
