@@ -592,17 +592,14 @@ pub fn start_proxy(
     Ok(proxy)
 }
 
-/// A tinyproxy on loopback (an ephemeral port, no host aliases, this namespace).
+/// A proxy of `kind` on loopback (an ephemeral port, no host aliases, this namespace).
+pub fn loopback_proxy(logs: &Path, name: &str, kind: ProxyKind) -> anyhow::Result<Proxy> {
+    start_proxy(logs, name, kind, "127.0.0.1", None, &[], None)
+}
+
+/// A tinyproxy on loopback.
 pub fn loopback_tinyproxy(logs: &Path, name: &str) -> anyhow::Result<Proxy> {
-    start_proxy(
-        logs,
-        name,
-        ProxyKind::Tinyproxy,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )
+    loopback_proxy(logs, name, ProxyKind::Tinyproxy)
 }
 
 /// Whether we may create network namespaces (root and `ip` available).

@@ -197,6 +197,18 @@ fn manual_accept_then_deny() {
     .unwrap();
 }
 
+/// The agent of case `case` of [`named_errors_then_recovery`]: `agent-<case>` of cluster
+/// `c-<case>`, bootstrapping from `boot-<case>`, credentials in `cr-<case>`.
+fn case_agent(hub: &Hub, case: &str) -> AgentProc {
+    let dir = &hub.dir;
+    let (boot, creds) = (
+        dir.join(format!("boot-{case}")),
+        dir.join(format!("cr-{case}")),
+    );
+    let (agent, cluster) = (format!("agent-{case}"), format!("c-{case}"));
+    start_agent(&hub.logs, &agent, &cluster, &boot, &creds, None).unwrap()
+}
+
 #[test]
 fn named_errors_then_recovery() {
     let mut hub = Hub::start(HubOpts {
@@ -219,30 +231,16 @@ fn named_errors_then_recovery() {
         None,
     )
     .unwrap();
-    agents.push(
-        start_agent(
-            &logs,
-            "agent-down",
-            "c-down",
-            &boot_down,
-            &hub.dir.join("cr-down"),
-            None,
-        )
-        .unwrap(),
-    );
+    agents.push(case_agent(&hub, "down"));
 
     // 407: squid requires basic auth, the proxy-url has no credentials.
-    let auth = start_proxy(
+    let auth = loopback_proxy(
         &logs,
         "squid-auth",
         ProxyKind::SquidAuth {
             user: "edge".into(),
             password: "s3cret".into(),
         },
-        "127.0.0.1",
-        None,
-        &[],
-        None,
     )
     .unwrap();
     let boot_407 = hub.dir.join("boot-407");
@@ -254,69 +252,21 @@ fn named_errors_then_recovery() {
         None,
     )
     .unwrap();
-    agents.push(
-        start_agent(
-            &logs,
-            "agent-407",
-            "c-407",
-            &boot_407,
-            &hub.dir.join("cr-407"),
-            None,
-        )
-        .unwrap(),
-    );
+    agents.push(case_agent(&hub, "407"));
 
     // 403: squid refuses every CONNECT.
-    let deny = start_proxy(
-        &logs,
-        "squid-deny",
-        ProxyKind::SquidDenyAll,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )
-    .unwrap();
+    let deny = loopback_proxy(&logs, "squid-deny", ProxyKind::SquidDenyAll).unwrap();
     let boot_403 = hub.dir.join("boot-403");
     hub.join(&boot_403, &server, &hub.token, Some(&deny.url()), None)
         .unwrap();
-    agents.push(
-        start_agent(
-            &logs,
-            "agent-403",
-            "c-403",
-            &boot_403,
-            &hub.dir.join("cr-403"),
-            None,
-        )
-        .unwrap(),
-    );
+    agents.push(case_agent(&hub, "403"));
 
     // Wrong proxy CA: https proxy whose CA is not in the bundle.
-    let https = start_proxy(
-        &logs,
-        "squid-https",
-        ProxyKind::SquidHttps,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )
-    .unwrap();
+    let https = loopback_proxy(&logs, "squid-https", ProxyKind::SquidHttps).unwrap();
     let boot_ca = hub.dir.join("boot-ca");
     hub.join(&boot_ca, &server, &hub.token, Some(&https.url()), None)
         .unwrap();
-    agents.push(
-        start_agent(
-            &logs,
-            "agent-ca",
-            "c-ca",
-            &boot_ca,
-            &hub.dir.join("cr-ca"),
-            None,
-        )
-        .unwrap(),
-    );
+    agents.push(case_agent(&hub, "ca"));
 
     // Bootstrap kubeconfig without a CA.
     let boot_noca = hub.dir.join("boot-noca");
@@ -330,17 +280,7 @@ fn named_errors_then_recovery() {
         .map(|l| format!("{l}\n"))
         .collect();
     std::fs::write(&boot_noca, text).unwrap();
-    agents.push(
-        start_agent(
-            &logs,
-            "agent-noca",
-            "c-noca",
-            &boot_noca,
-            &hub.dir.join("cr-noca"),
-            None,
-        )
-        .unwrap(),
-    );
+    agents.push(case_agent(&hub, "noca"));
 
     // Unknown and expired bootstrap tokens.
     let boot_tok = hub.dir.join("boot-tok");
@@ -352,17 +292,7 @@ fn named_errors_then_recovery() {
         None,
     )
     .unwrap();
-    agents.push(
-        start_agent(
-            &logs,
-            "agent-tok",
-            "c-tok",
-            &boot_tok,
-            &hub.dir.join("cr-tok"),
-            None,
-        )
-        .unwrap(),
-    );
+    agents.push(case_agent(&hub, "tok"));
     let expired = hub
         .tetherctl_ok(&["token", "create", "--ttl", "1s"])
         .unwrap();
@@ -374,17 +304,7 @@ fn named_errors_then_recovery() {
         (created.elapsed() > Duration::from_millis(1100)).then_some(())
     })
     .unwrap();
-    agents.push(
-        start_agent(
-            &logs,
-            "agent-exp",
-            "c-exp",
-            &boot_exp,
-            &hub.dir.join("cr-exp"),
-            None,
-        )
-        .unwrap(),
-    );
+    agents.push(case_agent(&hub, "exp"));
 
     let t = Duration::from_secs(15);
     wait_log(
@@ -456,17 +376,7 @@ fn named_errors_then_recovery() {
     let boot_nats = hub.dir.join("boot-nats");
     hub.join(&boot_nats, &server, &hub.token, None, None)
         .unwrap();
-    agents.push(
-        start_agent(
-            &logs,
-            "agent-nats",
-            "c-nats",
-            &boot_nats,
-            &hub.dir.join("cr-nats"),
-            None,
-        )
-        .unwrap(),
-    );
+    agents.push(case_agent(&hub, "nats"));
     wait_log(&logs, "agent-nats", "NATS down", t).unwrap();
     hub.start_nats().unwrap();
     wait_log(
@@ -489,16 +399,7 @@ fn rebootstrap_when_proxy_url_changes() {
     })
     .unwrap();
     let a = loopback_tinyproxy(&hub.logs, "tinyproxy").unwrap();
-    let b = start_proxy(
-        &hub.logs,
-        "squid",
-        ProxyKind::SquidHttp,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )
-    .unwrap();
+    let b = loopback_proxy(&hub.logs, "squid", ProxyKind::SquidHttp).unwrap();
     let boot = hub.dir.join("boot");
     hub.join(&boot, &hub.server_url(), &hub.token, Some(&a.url()), None)
         .unwrap();
