@@ -6,7 +6,7 @@
 
 use tether_e2e::registration;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use registration::*;
@@ -39,11 +39,23 @@ fn hub_kubeconfig(creds: &Path) -> (String, Option<String>, String) {
     )
 }
 
-fn wait_joined(hub: &Hub, agent: &AgentProc, cluster: &str) -> Duration {
-    wait_log(&hub.logs, &agent.name, "joined the hub", START_TIMEOUT).unwrap();
-    let t = agent.started.elapsed();
-    hub.wait_condition(cluster, "ManagedClusterJoined", "True", START_TIMEOUT)
-        .unwrap();
+/// Writes bootstrap kubeconfig `name` (in the hub directory) for this hub, naming `proxy`.
+fn bootstrap(hub: &Hub, name: &str, proxy: Option<&Proxy>) -> PathBuf {
+    let boot = hub.dir.join(name);
+    let proxy_url = proxy.map(Proxy::url);
+    hub.join(
+        &boot,
+        &hub.server_url(),
+        &hub.token,
+        proxy_url.as_deref(),
+        None,
+    )
+    .unwrap();
+    boot
+}
+
+/// Waits for `cluster` to be Available.
+fn wait_available(hub: &Hub, cluster: &str) {
     hub.wait_condition(
         cluster,
         "ManagedClusterConditionAvailable",
@@ -51,6 +63,14 @@ fn wait_joined(hub: &Hub, agent: &AgentProc, cluster: &str) -> Duration {
         START_TIMEOUT,
     )
     .unwrap();
+}
+
+fn wait_joined(hub: &Hub, agent: &AgentProc, cluster: &str) -> Duration {
+    wait_log(&hub.logs, &agent.name, "joined the hub", START_TIMEOUT).unwrap();
+    let t = agent.started.elapsed();
+    hub.wait_condition(cluster, "ManagedClusterJoined", "True", START_TIMEOUT)
+        .unwrap();
+    wait_available(&hub, cluster);
     t
 }
 
@@ -62,15 +82,7 @@ fn joins_through_tinyproxy_with_auto_accept() {
     })
     .unwrap();
     let proxy = loopback_tinyproxy(&hub.logs, "tinyproxy").unwrap();
-    let boot = hub.dir.join("bootstrap.kubeconfig");
-    hub.join(
-        &boot,
-        &hub.server_url(),
-        &hub.token,
-        Some(&proxy.url()),
-        None,
-    )
-    .unwrap();
+    let boot = bootstrap(&hub, "bootstrap.kubeconfig", Some(&proxy));
     let creds = hub.dir.join("creds-edge-1");
     let agent = start_agent(&hub.logs, "agent-edge-1", "edge-1", &boot, &creds, None).unwrap();
     let t = wait_joined(&hub, &agent, "edge-1");
@@ -155,9 +167,7 @@ fn joins_through_tinyproxy_with_auto_accept() {
 #[test]
 fn manual_accept_then_deny() {
     let hub = Hub::start(HubOpts::default()).unwrap();
-    let boot = hub.dir.join("bootstrap.kubeconfig");
-    hub.join(&boot, &hub.server_url(), &hub.token, None, None)
-        .unwrap();
+    let boot = bootstrap(&hub, "bootstrap.kubeconfig", None);
     let creds = hub.dir.join("creds");
     let agent = start_agent(&hub.logs, "agent", "manual-1", &boot, &creds, None).unwrap();
     wait_log(
@@ -400,9 +410,7 @@ fn rebootstrap_when_proxy_url_changes() {
     .unwrap();
     let a = loopback_tinyproxy(&hub.logs, "tinyproxy").unwrap();
     let b = loopback_proxy(&hub.logs, "squid", ProxyKind::SquidHttp).unwrap();
-    let boot = hub.dir.join("boot");
-    hub.join(&boot, &hub.server_url(), &hub.token, Some(&a.url()), None)
-        .unwrap();
+    let boot = bootstrap(&hub, "boot", Some(&a));
     let creds = hub.dir.join("creds");
     let agent = start_agent(&hub.logs, "agent", "moving", &boot, &creds, None).unwrap();
     wait_joined(&hub, &agent, "moving");
@@ -435,13 +443,7 @@ fn rebootstrap_when_proxy_url_changes() {
             .then_some(())
     })
     .unwrap();
-    hub.wait_condition(
-        "moving",
-        "ManagedClusterConditionAvailable",
-        "True",
-        START_TIMEOUT,
-    )
-    .unwrap();
+    wait_available(&hub, "moving");
 }
 
 #[test]
@@ -454,9 +456,7 @@ fn rotates_before_expiry_and_goes_unknown_after_grace() {
         ..Default::default()
     })
     .unwrap();
-    let boot = hub.dir.join("boot");
-    hub.join(&boot, &hub.server_url(), &hub.token, None, None)
-        .unwrap();
+    let boot = bootstrap(&hub, "boot", None);
     let creds = hub.dir.join("creds");
     let mut agent = start_agent(&hub.logs, "agent", "rot", &boot, &creds, None).unwrap();
     wait_joined(&hub, &agent, "rot");
@@ -483,13 +483,7 @@ fn rotates_before_expiry_and_goes_unknown_after_grace() {
     assert!(rotated.not_after > first.not_after);
     hub.wait_condition("rot", "ClusterCertificateRotated", "True", START_TIMEOUT)
         .unwrap();
-    hub.wait_condition(
-        "rot",
-        "ManagedClusterConditionAvailable",
-        "True",
-        START_TIMEOUT,
-    )
-    .unwrap();
+    wait_available(&hub, "rot");
 
     // Agent stops: Available becomes Unknown after 3 × 1 s.
     agent.child.kill();
@@ -519,13 +513,7 @@ fn rotates_before_expiry_and_goes_unknown_after_grace() {
     );
     // Back again with the stored credentials (no new CSR).
     let agent2 = start_agent(&hub.logs, "agent2", "rot", &boot, &creds, None).unwrap();
-    hub.wait_condition(
-        "rot",
-        "ManagedClusterConditionAvailable",
-        "True",
-        START_TIMEOUT,
-    )
-    .unwrap();
+    wait_available(&hub, "rot");
     assert!(!read_log(&hub.logs, "agent2").contains("certificate issued"));
     drop(agent2);
 }
@@ -539,15 +527,7 @@ fn state_survives_nats_restart() {
     })
     .unwrap();
     let proxy = loopback_tinyproxy(&hub.logs, "tinyproxy").unwrap();
-    let boot = hub.dir.join("boot");
-    hub.join(
-        &boot,
-        &hub.server_url(),
-        &hub.token,
-        Some(&proxy.url()),
-        None,
-    )
-    .unwrap();
+    let boot = bootstrap(&hub, "boot", Some(&proxy));
     let creds = hub.dir.join("creds");
     let agent = start_agent(&hub.logs, "agent", "persist", &boot, &creds, None).unwrap();
     wait_joined(&hub, &agent, "persist");
@@ -574,13 +554,7 @@ fn state_survives_nats_restart() {
         (lease_age <= 1).then_some(())
     })
     .unwrap();
-    hub.wait_condition(
-        "persist",
-        "ManagedClusterConditionAvailable",
-        "True",
-        START_TIMEOUT,
-    )
-    .unwrap();
+    wait_available(&hub, "persist");
     assert_eq!(renewals_before, 1);
     assert!(!read_log(&hub.logs, "agent").contains("bootstrapping again"));
 }
@@ -593,9 +567,7 @@ fn expired_credentials_trigger_rebootstrap() {
         ..Default::default()
     })
     .unwrap();
-    let boot = hub.dir.join("boot");
-    hub.join(&boot, &hub.server_url(), &hub.token, None, None)
-        .unwrap();
+    let boot = bootstrap(&hub, "boot", None);
     let creds = hub.dir.join("creds");
     let mut agent = start_agent(&hub.logs, "agent", "expiring", &boot, &creds, None).unwrap();
     wait_joined(&hub, &agent, "expiring");
