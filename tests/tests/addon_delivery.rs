@@ -491,6 +491,36 @@ fn agent_config(
     s
 }
 
+/// A tunnel-agent `name` run from config file `cfg` (written with `yaml` first, so a test can
+/// rewrite it to reload); the process and its admin address (from its ready file).
+fn start_agent_with_config(
+    procs: &tether_e2e::Hub,
+    name: &str,
+    cfg: &Path,
+    yaml: &str,
+) -> anyhow::Result<(Child, std::net::SocketAddr)> {
+    let ready = procs.path().join(format!("{name}.ready"));
+    std::fs::write(cfg, yaml)?;
+    let mut cmd = Command::new(bin("tunnel-agent")?);
+    cmd.arg("--config").arg(cfg).arg("--ready-file").arg(&ready);
+    let agent = Child::spawn(name, cmd, procs.path())?;
+    let r = tether_test_support::read_ready_file(&ready, START_TIMEOUT)?;
+    let admin = r["admin"].as_str().context("admin")?.parse()?;
+    Ok((agent, admin))
+}
+
+/// Waits until the agent's `/debug` state at `admin` satisfies `f`; that state.
+async fn wait_debug(
+    admin: std::net::SocketAddr,
+    what: &'static str,
+    f: fn(&serde_json::Value) -> bool,
+) -> anyhow::Result<serde_json::Value> {
+    tether_test_support::wait_until_async(WAIT, what, || async {
+        debug_agent(admin).await.filter(f)
+    })
+    .await
+}
+
 /// The tunnel-agent's config reload on its own: brokers added and removed without touching
 /// the others, an invalid file refused with the field named while the old config keeps running.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -506,22 +536,9 @@ async fn tunnel_agent_reloads_brokers_and_refuses_an_invalid_config() -> anyhow:
     )?;
     let render = |brokers: &[&tether_e2e::Broker]| agent_config(&tls, &echo, "", brokers);
     let cfg = procs.path().join("reload-agent.yaml");
-    let ready = procs.path().join("reload-agent.ready");
-    std::fs::write(&cfg, render(&[&b1]))?;
-    let mut cmd = Command::new(bin("tunnel-agent")?);
-    cmd.arg("--config")
-        .arg(&cfg)
-        .arg("--ready-file")
-        .arg(&ready);
-    let _agent = Child::spawn("reload-agent", cmd, procs.path())?;
-    let r = tether_test_support::read_ready_file(&ready, START_TIMEOUT)?;
-    let admin: std::net::SocketAddr = r["admin"].as_str().context("admin")?.parse()?;
-    let wait_for = |what: &'static str, f: fn(&serde_json::Value) -> bool| async move {
-        tether_test_support::wait_until_async(WAIT, what, || async {
-            debug_agent(admin).await.filter(f)
-        })
-        .await
-    };
+    let (_agent, admin) = start_agent_with_config(&procs, "reload-agent", &cfg, &render(&[&b1]))?;
+    let wait_for =
+        |what: &'static str, f: fn(&serde_json::Value) -> bool| wait_debug(admin, what, f);
     wait_for("tunnel to b1", |v| connected(v) == ["b1"]).await?;
     let connects = |ep: &'static str| async move {
         tether_e2e::metric(
@@ -591,22 +608,10 @@ async fn tunnel_agent_keeps_a_working_tunnel_of_a_removed_broker() -> anyhow::Re
         )
     };
     let cfg = procs.path().join("keep-agent.yaml");
-    let ready = procs.path().join("keep-agent.ready");
-    std::fs::write(&cfg, render(&[&b1, &b2]))?;
-    let mut cmd = Command::new(bin("tunnel-agent")?);
-    cmd.arg("--config")
-        .arg(&cfg)
-        .arg("--ready-file")
-        .arg(&ready);
-    let _agent = Child::spawn("keep-agent", cmd, procs.path())?;
-    let r = tether_test_support::read_ready_file(&ready, START_TIMEOUT)?;
-    let admin: std::net::SocketAddr = r["admin"].as_str().context("admin")?.parse()?;
-    let wait_for = |what: &'static str, f: fn(&serde_json::Value) -> bool| async move {
-        tether_test_support::wait_until_async(WAIT, what, || async {
-            debug_agent(admin).await.filter(f)
-        })
-        .await
-    };
+    let (_agent, admin) =
+        start_agent_with_config(&procs, "keep-agent", &cfg, &render(&[&b1, &b2]))?;
+    let wait_for =
+        |what: &'static str, f: fn(&serde_json::Value) -> bool| wait_debug(admin, what, f);
     wait_for("tunnels to b1 and b2", |v| connected(v) == ["b1", "b2"]).await?;
     let connects = |result: &'static str| async move {
         tether_e2e::metric(
