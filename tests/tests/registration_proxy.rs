@@ -70,7 +70,7 @@ fn wait_joined(hub: &Hub, agent: &AgentProc, cluster: &str) -> Duration {
     let t = agent.started.elapsed();
     hub.wait_condition(cluster, "ManagedClusterJoined", "True", START_TIMEOUT)
         .unwrap();
-    wait_available(&hub, cluster);
+    wait_available(hub, cluster);
     t
 }
 
