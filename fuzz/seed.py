@@ -101,16 +101,17 @@ df = {
 for k, v in df.items():
     write("dial_frame", k, v)
 
-for k, v in {
-    "apiserver": "c1:443\napiserver\n*:*",
-    "qualified": "10.0.0.1.c1.tether:80\n10.0.0.1:80\n10.0.0.*:80",
-    "dns": "kube-dns.kube-system.svc.prod-eu.tether:53\nkube-dns.kube-system.svc:53\n*.svc:*",
-    "ipv6": "[::1].c1.tether:443\n[::1]:443\nprod-*",
-    "bad-port": "c1:0\nhost:99999\n:80",
-    "labels": "no_tunnel\ntimeout\noverloaded",
-    "ctl": "c1:443\x00\r\n\x7f\nx",
+# tunnel_address: one input a line (address, then its forms and patterns)
+for k, lines in {
+    "apiserver": ["c1:443", "apiserver", "*:*"],
+    "qualified": ["10.0.0.1.c1.tether:80", "10.0.0.1:80", "10.0.0.*:80"],
+    "dns": ["kube-dns.kube-system.svc.prod-eu.tether:53", "kube-dns.kube-system.svc:53", "*.svc:*"],
+    "ipv6": ["[::1].c1.tether:443", "[::1]:443", "prod-*"],
+    "bad-port": ["c1:0", "host:99999", ":80"],
+    "labels": ["no_tunnel", "timeout", "overloaded"],
+    "ctl": ["c1:443\x00\r", "\x7f", "x"],
 }.items():
-    write("tunnel_address", k, v)
+    write("tunnel_address", k, "\n".join(lines))
 
 KC = """apiVersion: v1
 kind: Config
@@ -138,7 +139,7 @@ write("kubeconfig", "no-ca", "apiVersion: v1\nkind: Config\nclusters:\n- name: c
 write("kubeconfig", "server-only", "tls://hub.example:4222")
 
 # tetherctl apply input: the compose example plus policies
-for p in glob.glob(os.path.join(ROOT, "compose", "config", "cluster-proxy.yaml")):
+for p in glob.glob(os.path.join(ROOT, "compose", "config", "addons.yaml")):
     write("apply_documents", "cluster-proxy", open(p, "rb").read())
 write("apply_documents", "policy", """apiVersion: proxy.tether.io/v1alpha1
 kind: ClientAccessPolicy

@@ -1,8 +1,11 @@
 #!/bin/sh
 # One-shot `setup` service: the cluster-proxy add-on resources on the hub (tetherctl apply,
-# idempotent). ClusterManagementAddOn with Manual install; each cluster's ManagedClusterAddOn
-# names its own AddOnDeploymentConfig, i.e. its own proxy: edge-1 an HTTP proxy, edge-2 an
-# HTTPS proxy with basic auth whose CA (caBundle) is the simulated clusters' CA.
+# idempotent). The static ones are in compose/config/addons.yaml (ClusterManagementAddOn with
+# Manual install, the ManagedProxyConfiguration, edge-1's AddOnDeploymentConfig); edge-2's
+# AddOnDeploymentConfig is written here because it carries secrets read at run time. Each
+# cluster's ManagedClusterAddOn names its own AddOnDeploymentConfig, i.e. its own proxy: edge-1
+# an HTTP proxy, edge-2 an HTTPS proxy with basic auth whose CA (caBundle) is the simulated
+# clusters' CA.
 # A ManagedClusterAddOn lives in its cluster's namespace: the hub removes one whose cluster
 # does not exist (yet), so those are applied once both clusters have joined (auto-accepted).
 set -eu
@@ -10,34 +13,8 @@ hub=/etc/tether/hub sim=/etc/tether/sim
 pw=$(cat "$sim/edge-2/proxy.password")
 ca=$(sed 's/^/      /' "$sim/ca/ca.crt")
 apply() { tetherctl apply --hub-dir "$hub" -f -; }
+apply </opt/tether/addons.yaml
 apply <<YAML
-apiVersion: addon.open-cluster-management.io/v1alpha1
-kind: ClusterManagementAddOn
-metadata: {name: cluster-proxy}
-spec:
-  installStrategy: {type: Manual}
-  defaultConfigs:
-    - {group: proxy.open-cluster-management.io, resource: managedproxyconfigurations, name: cluster-proxy}
----
-apiVersion: proxy.open-cluster-management.io/v1alpha1
-kind: ManagedProxyConfiguration
-metadata: {name: cluster-proxy}
-spec:
-  authentication: {signer: {type: SelfSigned}}
-  proxyServer:
-    replicas: 2
-    entrypoints:
-      - {host: broker-b1, port: 8091}
-      - {host: broker-b2, port: 8091}
-  proxyAgent: {replicas: 1, keepalive: 10s}
----
-apiVersion: addon.open-cluster-management.io/v1alpha1
-kind: AddOnDeploymentConfig
-metadata: {name: proxy-edge-1, namespace: default}
-spec:
-  proxyConfig:
-    httpsProxy: http://squid:3128
----
 apiVersion: addon.open-cluster-management.io/v1alpha1
 kind: AddOnDeploymentConfig
 metadata: {name: proxy-edge-2, namespace: default}
@@ -59,19 +36,15 @@ until tetherctl get clusters --hub-dir "$hub" -o json >/tmp/clusters.json 2>/dev
   sleep 1
 done
 
-apply <<YAML
+# Each cluster's ManagedClusterAddOn names that cluster's proxy config.
+for c in edge-1 edge-2; do
+  apply <<YAML
 apiVersion: addon.open-cluster-management.io/v1alpha1
 kind: ManagedClusterAddOn
-metadata: {name: cluster-proxy, namespace: edge-1}
+metadata: {name: cluster-proxy, namespace: $c}
 spec:
   configs:
-    - {group: addon.open-cluster-management.io, resource: addondeploymentconfigs, namespace: default, name: proxy-edge-1}
----
-apiVersion: addon.open-cluster-management.io/v1alpha1
-kind: ManagedClusterAddOn
-metadata: {name: cluster-proxy, namespace: edge-2}
-spec:
-  configs:
-    - {group: addon.open-cluster-management.io, resource: addondeploymentconfigs, namespace: default, name: proxy-edge-2}
+    - {group: addon.open-cluster-management.io, resource: addondeploymentconfigs, namespace: default, name: proxy-$c}
 YAML
+done
 echo "setup: add-on resources applied"

@@ -34,20 +34,7 @@ impl FakeApiServer {
     }
 
     pub async fn start(hub: &Hub) -> anyhow::Result<Self> {
-        let leaf = hub.pki.issue(
-            &format!("apiserver-{:08x}", rand::random::<u32>()),
-            Identity::Hub {
-                component: "kube-apiserver".into(),
-            },
-            &["kubernetes.default.svc", "localhost"],
-        )?;
-        let tls = tether_tls::TlsMaterial::load(tether_tls::TlsFiles {
-            cert: leaf.cert,
-            key: leaf.key,
-            ca: leaf.ca,
-        })?;
-        let acceptor =
-            tokio_rustls::TlsAcceptor::from(Arc::new(tls.server_config(false, &[b"http/1.1"])?));
+        let acceptor = tls_acceptor(hub, "apiserver", &[b"http/1.1"])?;
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = l.local_addr()?;
         let accepted = Arc::new(AtomicU64::new(0));
@@ -97,6 +84,30 @@ impl FakeApiServer {
             requests,
         })
     }
+}
+
+/// The TLS acceptor of a fake API server: a leaf of the hub PKI named `<name>-<random>` for
+/// `kubernetes.default.svc` and `localhost`, offering `alpn`.
+fn tls_acceptor(
+    hub: &Hub,
+    name: &str,
+    alpn: &[&[u8]],
+) -> anyhow::Result<tokio_rustls::TlsAcceptor> {
+    let leaf = hub.pki.issue(
+        &format!("{name}-{:08x}", rand::random::<u32>()),
+        Identity::Hub {
+            component: "kube-apiserver".into(),
+        },
+        &["kubernetes.default.svc", "localhost"],
+    )?;
+    let tls = tether_tls::TlsMaterial::load(tether_tls::TlsFiles {
+        cert: leaf.cert,
+        key: leaf.key,
+        ca: leaf.ca,
+    })?;
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(
+        tls.server_config(false, alpn)?,
+    )))
 }
 
 fn answer(head: &str) -> (&'static str, String) {
@@ -182,21 +193,7 @@ impl KubeApiServer {
     }
 
     pub async fn start(hub: &Hub) -> anyhow::Result<Self> {
-        let leaf = hub.pki.issue(
-            &format!("kube-apiserver-{:08x}", rand::random::<u32>()),
-            Identity::Hub {
-                component: "kube-apiserver".into(),
-            },
-            &["kubernetes.default.svc", "localhost"],
-        )?;
-        let tls = tether_tls::TlsMaterial::load(tether_tls::TlsFiles {
-            cert: leaf.cert,
-            key: leaf.key,
-            ca: leaf.ca,
-        })?;
-        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(
-            tls.server_config(false, &[b"h2", b"http/1.1"])?,
-        ));
+        let acceptor = tls_acceptor(hub, "kube-apiserver", &[b"h2", b"http/1.1"])?;
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = l.local_addr()?;
         let state = Arc::new(KubeState::default());

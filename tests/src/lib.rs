@@ -9,11 +9,13 @@
 //! namespaces) — one harness in this library, used by every test file. [`live`]: streams that
 //! keep moving data and relays that can be cut, for tests that change the world underneath.
 
+pub mod addons;
 pub mod apiserver;
 pub mod benchkit;
 pub mod delay;
 pub mod forward_proxy;
 pub mod live;
+pub mod netns;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use tether_test_support::{Child, bin, wait_until};
 
+use crate::netns;
+
 /// How long a process may take to start (the library's one value).
 pub use crate::START_TIMEOUT;
 
@@ -278,6 +280,18 @@ impl Hub {
     /// The bootstrap server URL for loopback agents.
     pub fn server_url(&self) -> String {
         format!("tls://127.0.0.1:{}", self.nats_port)
+    }
+
+    /// The ManagedClusterAddOn `addon` of `cluster` as `tetherctl get addons -o json` shows it;
+    /// `None` while it does not exist (or tetherctl fails).
+    pub fn addon_json(&self, cluster: &str, addon: &str) -> Option<serde_json::Value> {
+        let o = self
+            .tetherctl(&["get", "addons", cluster, addon, "-o", "json"])
+            .ok()?;
+        if !o.status.success() {
+            return None;
+        }
+        serde_json::from_slice(&o.stdout).ok()
     }
 
     pub fn tetherctl(&self, args: &[&str]) -> anyhow::Result<Output> {
@@ -578,6 +592,16 @@ pub fn start_proxy(
     Ok(proxy)
 }
 
+/// A proxy of `kind` on loopback (an ephemeral port, no host aliases, this namespace).
+pub fn loopback_proxy(logs: &Path, name: &str, kind: ProxyKind) -> anyhow::Result<Proxy> {
+    start_proxy(logs, name, kind, "127.0.0.1", None, &[], None)
+}
+
+/// A tinyproxy on loopback.
+pub fn loopback_tinyproxy(logs: &Path, name: &str) -> anyhow::Result<Proxy> {
+    loopback_proxy(logs, name, ProxyKind::Tinyproxy)
+}
+
 /// Whether we may create network namespaces (root and `ip` available).
 pub fn can_use_netns() -> Result<(), String> {
     let uid = Command::new("id")
@@ -607,14 +631,6 @@ pub const PROXY_EDGE_IP: &str = "10.77.1.2";
 pub const PROXY_HUB_IP: &str = "10.77.2.1";
 pub const HUB_IP: &str = "10.77.2.2";
 
-fn ip(args: &[&str]) -> anyhow::Result<()> {
-    let o = Command::new("ip").args(args).output()?;
-    if !o.status.success() {
-        bail!("ip {args:?}: {}", String::from_utf8_lossy(&o.stderr));
-    }
-    Ok(())
-}
-
 impl Topology {
     pub fn create() -> anyhow::Result<Self> {
         let tag = format!(
@@ -627,10 +643,7 @@ impl Topology {
             proxy: format!("{tag}p"),
             hub: format!("{tag}h"),
         };
-        for ns in [&t.edge, &t.proxy, &t.hub] {
-            ip(&["netns", "add", ns])?;
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
-        }
+        netns::add(&[&t.edge, &t.proxy, &t.hub])?;
         // veth pairs are created inside the namespaces, addresses only there.
         let (ve, vp1, vp2, vh) = (
             format!("{tag}a"),
@@ -638,85 +651,12 @@ impl Topology {
             format!("{tag}c"),
             format!("{tag}d"),
         );
-        ip(&[
-            "-n", &t.edge, "link", "add", &ve, "type", "veth", "peer", "name", &vp1, "netns",
-            &t.proxy,
-        ])?;
-        ip(&[
-            "-n", &t.proxy, "link", "add", &vp2, "type", "veth", "peer", "name", &vh, "netns",
-            &t.hub,
-        ])?;
-        ip(&[
-            "-n",
-            &t.edge,
-            "addr",
-            "add",
-            &format!("{EDGE_IP}/24"),
-            "dev",
-            &ve,
-        ])?;
-        ip(&[
-            "-n",
-            &t.proxy,
-            "addr",
-            "add",
-            &format!("{PROXY_EDGE_IP}/24"),
-            "dev",
-            &vp1,
-        ])?;
-        ip(&[
-            "-n",
-            &t.proxy,
-            "addr",
-            "add",
-            &format!("{PROXY_HUB_IP}/24"),
-            "dev",
-            &vp2,
-        ])?;
-        ip(&[
-            "-n",
-            &t.hub,
-            "addr",
-            "add",
-            &format!("{HUB_IP}/24"),
-            "dev",
-            &vh,
-        ])?;
-        ip(&["-n", &t.edge, "link", "set", &ve, "up"])?;
-        ip(&["-n", &t.proxy, "link", "set", &vp1, "up"])?;
-        ip(&["-n", &t.proxy, "link", "set", &vp2, "up"])?;
-        ip(&["-n", &t.hub, "link", "set", &vh, "up"])?;
+        netns::veth((&t.edge, &ve, EDGE_IP), (&t.proxy, &vp1, PROXY_EDGE_IP))?;
+        netns::veth((&t.proxy, &vp2, PROXY_HUB_IP), (&t.hub, &vh, HUB_IP))?;
         // Routes exist towards the far side, but the proxy namespace does not forward.
-        ip(&[
-            "-n",
-            &t.edge,
-            "route",
-            "add",
-            "10.77.2.0/24",
-            "via",
-            PROXY_EDGE_IP,
-        ])?;
-        ip(&[
-            "-n",
-            &t.hub,
-            "route",
-            "add",
-            "10.77.1.0/24",
-            "via",
-            PROXY_HUB_IP,
-        ])?;
-        run_ok({
-            let mut c = Command::new("ip");
-            c.args([
-                "netns",
-                "exec",
-                &t.proxy,
-                "sysctl",
-                "-qw",
-                "net.ipv4.ip_forward=0",
-            ]);
-            c
-        })?;
+        netns::route(&t.edge, "10.77.2.0/24", PROXY_EDGE_IP)?;
+        netns::route(&t.hub, "10.77.1.0/24", PROXY_HUB_IP)?;
+        netns::no_forwarding(&t.proxy)?;
         Ok(t)
     }
 

@@ -23,66 +23,21 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use registration::*;
+use tether_e2e::addons::ClusterProxyAddOn;
 use tether_test_support::{Child, Pki, bin, wait_until};
 
 const WAIT: Duration = Duration::from_secs(30);
 
 fn addons_yaml(adc_proxy: &str) -> String {
-    format!(
-        r#"
-apiVersion: addon.open-cluster-management.io/v1alpha1
-kind: ClusterManagementAddOn
-metadata:
-  name: cluster-proxy
-spec:
-  installStrategy:
-    type: All
-  defaultConfigs:
-    - group: addon.open-cluster-management.io
-      resource: addondeploymentconfigs
-      namespace: default
-      name: cluster-proxy-config
-    - group: proxy.open-cluster-management.io
-      resource: managedproxyconfigurations
-      name: cluster-proxy
----
-apiVersion: addon.open-cluster-management.io/v1alpha1
-kind: AddOnDeploymentConfig
-metadata:
-  name: cluster-proxy-config
-  namespace: default
-spec:
-  proxyConfig:
-    httpsProxy: {adc_proxy}
-    noProxy: "10.0.0.0/8,.svc"
----
-apiVersion: proxy.open-cluster-management.io/v1alpha1
-kind: ManagedProxyConfiguration
-metadata:
-  name: cluster-proxy
-spec:
-  authentication:
-    signer:
-      type: SelfSigned
-  proxyServer:
-    replicas: 1
-    entrypoints:
-      - host: broker-entrypoint.invalid
-  proxyAgent:
-    replicas: 1
-    keepalive: 5s
-"#
-    )
+    ClusterProxyAddOn {
+        https_proxy: Some(adc_proxy),
+        ..Default::default()
+    }
+    .yaml()
 }
 
 fn addon(hub: &Hub, cluster: &str) -> Option<serde_json::Value> {
-    let o = hub
-        .tetherctl(&["get", "addons", cluster, "cluster-proxy", "-o", "json"])
-        .ok()?;
-    if !o.status.success() {
-        return None;
-    }
-    serde_json::from_slice(&o.stdout).ok()
+    hub.addon_json(cluster, "cluster-proxy")
 }
 
 fn cond(m: &serde_json::Value, t: &str) -> Option<(String, String, String)> {
@@ -266,33 +221,9 @@ async fn addon_is_delivered_through_a_proxy_and_follows_its_config() -> anyhow::
     let api = tether_e2e::apiserver::FakeApiServer::start(&tpki).await?;
 
     // Three proxies: registration (bootstrap kubeconfig), then the ADC's first and second.
-    let reg_proxy = start_proxy(
-        &hub.logs,
-        "proxy-reg",
-        ProxyKind::Tinyproxy,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )?;
-    let p1 = start_proxy(
-        &hub.logs,
-        "proxy-1",
-        ProxyKind::Tinyproxy,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )?;
-    let p2 = start_proxy(
-        &hub.logs,
-        "proxy-2",
-        ProxyKind::Tinyproxy,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )?;
+    let reg_proxy = loopback_tinyproxy(&hub.logs, "proxy-reg")?;
+    let p1 = loopback_tinyproxy(&hub.logs, "proxy-1")?;
+    let p2 = loopback_tinyproxy(&hub.logs, "proxy-2")?;
     let f = hub.dir.join("addons.yaml");
     std::fs::write(&f, addons_yaml(&p1.url()))?;
     hub.tetherctl_ok(&["apply", "-f", &f.to_string_lossy()])?;
@@ -560,6 +491,36 @@ fn agent_config(
     s
 }
 
+/// A tunnel-agent `name` run from config file `cfg` (written with `yaml` first, so a test can
+/// rewrite it to reload); the process and its admin address (from its ready file).
+fn start_agent_with_config(
+    procs: &tether_e2e::Hub,
+    name: &str,
+    cfg: &Path,
+    yaml: &str,
+) -> anyhow::Result<(Child, std::net::SocketAddr)> {
+    let ready = procs.path().join(format!("{name}.ready"));
+    std::fs::write(cfg, yaml)?;
+    let mut cmd = Command::new(bin("tunnel-agent")?);
+    cmd.arg("--config").arg(cfg).arg("--ready-file").arg(&ready);
+    let agent = Child::spawn(name, cmd, procs.path())?;
+    let r = tether_test_support::read_ready_file(&ready, START_TIMEOUT)?;
+    let admin = r["admin"].as_str().context("admin")?.parse()?;
+    Ok((agent, admin))
+}
+
+/// Waits until the agent's `/debug` state at `admin` satisfies `f`; that state.
+async fn wait_debug(
+    admin: std::net::SocketAddr,
+    what: &'static str,
+    f: fn(&serde_json::Value) -> bool,
+) -> anyhow::Result<serde_json::Value> {
+    tether_test_support::wait_until_async(WAIT, what, || async {
+        debug_agent(admin).await.filter(f)
+    })
+    .await
+}
+
 /// The tunnel-agent's config reload on its own: brokers added and removed without touching
 /// the others, an invalid file refused with the field named while the old config keeps running.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -575,22 +536,9 @@ async fn tunnel_agent_reloads_brokers_and_refuses_an_invalid_config() -> anyhow:
     )?;
     let render = |brokers: &[&tether_e2e::Broker]| agent_config(&tls, &echo, "", brokers);
     let cfg = procs.path().join("reload-agent.yaml");
-    let ready = procs.path().join("reload-agent.ready");
-    std::fs::write(&cfg, render(&[&b1]))?;
-    let mut cmd = Command::new(bin("tunnel-agent")?);
-    cmd.arg("--config")
-        .arg(&cfg)
-        .arg("--ready-file")
-        .arg(&ready);
-    let _agent = Child::spawn("reload-agent", cmd, procs.path())?;
-    let r = tether_test_support::read_ready_file(&ready, START_TIMEOUT)?;
-    let admin: std::net::SocketAddr = r["admin"].as_str().context("admin")?.parse()?;
-    let wait_for = |what: &'static str, f: fn(&serde_json::Value) -> bool| async move {
-        tether_test_support::wait_until_async(WAIT, what, || async {
-            debug_agent(admin).await.filter(f)
-        })
-        .await
-    };
+    let (_agent, admin) = start_agent_with_config(&procs, "reload-agent", &cfg, &render(&[&b1]))?;
+    let wait_for =
+        |what: &'static str, f: fn(&serde_json::Value) -> bool| wait_debug(admin, what, f);
     wait_for("tunnel to b1", |v| connected(v) == ["b1"]).await?;
     let connects = |ep: &'static str| async move {
         tether_e2e::metric(
@@ -660,22 +608,10 @@ async fn tunnel_agent_keeps_a_working_tunnel_of_a_removed_broker() -> anyhow::Re
         )
     };
     let cfg = procs.path().join("keep-agent.yaml");
-    let ready = procs.path().join("keep-agent.ready");
-    std::fs::write(&cfg, render(&[&b1, &b2]))?;
-    let mut cmd = Command::new(bin("tunnel-agent")?);
-    cmd.arg("--config")
-        .arg(&cfg)
-        .arg("--ready-file")
-        .arg(&ready);
-    let _agent = Child::spawn("keep-agent", cmd, procs.path())?;
-    let r = tether_test_support::read_ready_file(&ready, START_TIMEOUT)?;
-    let admin: std::net::SocketAddr = r["admin"].as_str().context("admin")?.parse()?;
-    let wait_for = |what: &'static str, f: fn(&serde_json::Value) -> bool| async move {
-        tether_test_support::wait_until_async(WAIT, what, || async {
-            debug_agent(admin).await.filter(f)
-        })
-        .await
-    };
+    let (_agent, admin) =
+        start_agent_with_config(&procs, "keep-agent", &cfg, &render(&[&b1, &b2]))?;
+    let wait_for =
+        |what: &'static str, f: fn(&serde_json::Value) -> bool| wait_debug(admin, what, f);
     wait_for("tunnels to b1 and b2", |v| connected(v) == ["b1", "b2"]).await?;
     let connects = |result: &'static str| async move {
         tether_e2e::metric(
@@ -769,15 +705,7 @@ async fn addon_certificate_rotates_without_dropping_tunnels() -> anyhow::Result<
     let tpki = hub_pki(&hub)?;
     let broker = tpki.start_broker("b1", &control_plane_yaml(&hub))?;
     let api = tether_e2e::apiserver::FakeApiServer::start(&tpki).await?;
-    let p = start_proxy(
-        &hub.logs,
-        "proxy-1",
-        ProxyKind::Tinyproxy,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )?;
+    let p = loopback_tinyproxy(&hub.logs, "proxy-1")?;
     let f = hub.dir.join("addons.yaml");
     std::fs::write(&f, addons_yaml(&p.url()))?;
     hub.tetherctl_ok(&["apply", "-f", &f.to_string_lossy()])?;

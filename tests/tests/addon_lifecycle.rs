@@ -21,56 +21,25 @@ use registration::*;
 use tether_control::connect::{self, ConnectConfig, Credentials};
 use tether_control::hub::{ADMIN_USER, HubDir};
 use tether_control::subjects;
+use tether_e2e::addons::ClusterProxyAddOn;
 use tether_test_support::wait_until;
 
 const WAIT: Duration = Duration::from_secs(20);
 
-const GOOD: &str = r#"
-apiVersion: addon.open-cluster-management.io/v1alpha1
-kind: ClusterManagementAddOn
-metadata:
-  name: cluster-proxy
-spec:
-  addOnMeta:
-    displayName: Cluster Proxy
-  installStrategy:
-    type: All
-  defaultConfigs:
-    - group: addon.open-cluster-management.io
-      resource: addondeploymentconfigs
-      namespace: default
-      name: cluster-proxy-config
-    - group: proxy.open-cluster-management.io
-      resource: managedproxyconfigurations
-      name: cluster-proxy
----
-apiVersion: addon.open-cluster-management.io/v1alpha1
-kind: AddOnDeploymentConfig
-metadata:
-  name: cluster-proxy-config
-  namespace: default
-spec:
-  proxyConfig:
-    noProxy: "10.0.0.0/8,.svc"
----
-apiVersion: proxy.open-cluster-management.io/v1alpha1
-kind: ManagedProxyConfiguration
-metadata:
-  name: cluster-proxy
-spec:
-  authentication:
-    signer:
-      type: SelfSigned
-  proxyServer:
-    replicas: 2
-    entrypoints:
-      - host: broker-1.hub.example
-        port: 8091
-      - host: broker-2.hub.example
-  proxyAgent:
-    replicas: 1
-    keepalive: 10s
-"#;
+/// The valid add-on: two proxy servers, a display name, keepalive 10 s.
+fn good() -> String {
+    ClusterProxyAddOn {
+        display_name: Some("Cluster Proxy"),
+        server_replicas: 2,
+        entrypoints: &[
+            ("broker-1.hub.example", Some(8091)),
+            ("broker-2.hub.example", None),
+        ],
+        keepalive: "10s",
+        ..Default::default()
+    }
+    .yaml()
+}
 
 fn write(hub: &Hub, name: &str, text: &str) -> String {
     let p = hub.dir.join(name);
@@ -84,13 +53,7 @@ fn json(hub: &Hub, args: &[&str]) -> serde_json::Value {
 }
 
 fn addon(hub: &Hub, cluster: &str) -> Option<serde_json::Value> {
-    let o = hub
-        .tetherctl(&["get", "addons", cluster, "cluster-proxy", "-o", "json"])
-        .ok()?;
-    if !o.status.success() {
-        return None;
-    }
-    serde_json::from_slice(&o.stdout).ok()
+    hub.addon_json(cluster, "cluster-proxy")
 }
 
 fn cond(mca: &serde_json::Value, t: &str) -> Option<String> {
@@ -201,7 +164,7 @@ fn apply_validates_and_addon_follows_cluster_and_config() {
     let hub = Hub::start(HubOpts::default()).unwrap();
 
     // Bad input: one bad document in a file of valid ones; the field is named, nothing stored.
-    let bad_port = GOOD.replace(
+    let bad_port = good().replace(
         "- host: broker-2.hub.example",
         "- host: broker-2.hub.example\n        port: 0",
     );
@@ -213,7 +176,7 @@ fn apply_validates_and_addon_follows_cluster_and_config() {
         err.contains("spec.proxyServer.entrypoints[1].port") && err.contains("nothing applied"),
         "{err}"
     );
-    let bad_proxy = GOOD.replace(
+    let bad_proxy = good().replace(
         "    noProxy: \"10.0.0.0/8,.svc\"",
         "    noProxy: \"10.0.0.0/8,.svc\"\n    httpsProxy: \"socks5://p:1080\"",
     );
@@ -242,7 +205,7 @@ fn apply_validates_and_addon_follows_cluster_and_config() {
 
     // An accepted cluster, then the add-on resources.
     hub.tetherctl_ok(&["accept", "c1"]).unwrap();
-    let f = write(&hub, "good.yaml", GOOD);
+    let f = write(&hub, "good.yaml", &good());
     let out = hub.tetherctl_ok(&["apply", "-f", &f]).unwrap();
     assert!(
         out.contains("clustermanagementaddon/cluster-proxy created"),
@@ -300,7 +263,7 @@ fn apply_validates_and_addon_follows_cluster_and_config() {
     });
 
     // Change the AddOnDeploymentConfig: new hash, Progressing again.
-    let changed = GOOD.replace(
+    let changed = good().replace(
         "    noProxy: \"10.0.0.0/8,.svc\"",
         "    noProxy: \"10.0.0.0/8,.svc\"\n    httpProxy: \"http://proxy.example:3128\"",
     );
@@ -342,7 +305,7 @@ fn apply_validates_and_addon_follows_cluster_and_config() {
     // A second cluster; the strategy narrows to a label neither has: both add-ons go.
     hub.tetherctl_ok(&["accept", "c2"]).unwrap();
     wait_addon(&hub, "c2", "c2 add-on", |_| true);
-    let narrowed = GOOD.replace(
+    let narrowed = good().replace(
         "    type: All",
         "    type: LabelSelector\n    selector:\n      matchLabels:\n        env: prod",
     );
@@ -379,7 +342,7 @@ fn apply_validates_and_addon_follows_cluster_and_config() {
 fn addon_state_survives_nats_restart() {
     let mut hub = Hub::start(HubOpts::default()).unwrap();
     hub.tetherctl_ok(&["accept", "c1"]).unwrap();
-    let f = write(&hub, "good.yaml", GOOD);
+    let f = write(&hub, "good.yaml", &good());
     hub.tetherctl_ok(&["apply", "-f", &f]).unwrap();
     let before = wait_addon(&hub, "c1", "c1 add-on", |m| {
         adc_hash(m).is_some_and(|h| h.len() == 64)
@@ -424,7 +387,7 @@ fn available_follows_addon_lease_and_unknown_cluster() {
     let agent = start_agent(&hub.logs, "agent", "edge-1", &boot, &creds, None).unwrap();
     hub.wait_condition("edge-1", "ManagedClusterConditionAvailable", "True", WAIT)
         .unwrap();
-    let f = write(&hub, "good.yaml", GOOD);
+    let f = write(&hub, "good.yaml", &good());
     hub.tetherctl_ok(&["apply", "-f", &f]).unwrap();
     let m = wait_addon(&hub, "edge-1", "add-on waiting for its lease", |m| {
         cond(m, "Available").as_deref() == Some("Unknown")

@@ -21,9 +21,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use registration::*;
-use tether_e2e::{OPS_TOKEN, command_in};
+use tether_e2e::{OPS_TOKEN, command_in, netns};
 use tether_test_support::{Child, Pki, bin, wait_until};
 
 const WAIT: Duration = Duration::from_secs(40);
@@ -34,14 +34,6 @@ const E2_IP: &str = "10.79.3.1";
 const P2_IP: &str = "10.79.3.2";
 const PH_IP: &str = "10.79.2.1";
 const H_IP: &str = "10.79.2.2";
-
-fn ip(args: &[&str]) -> anyhow::Result<()> {
-    let o = Command::new("ip").args(args).output()?;
-    if !o.status.success() {
-        bail!("ip {args:?}: {}", String::from_utf8_lossy(&o.stderr));
-    }
-    Ok(())
-}
 
 /// hub ↔ proxy ↔ {edge1, edge2}; the proxy namespace does not forward. Removed on drop.
 struct Topo {
@@ -64,77 +56,19 @@ impl Topo {
             e1: format!("{tag}1"),
             e2: format!("{tag}2"),
         };
-        for ns in [&t.hub, &t.proxy, &t.e1, &t.e2] {
-            ip(&["netns", "add", ns])?;
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
-        }
-        let link = |a_ns: &str, a_if: &str, a_ip: &str, b_ns: &str, b_if: &str, b_ip: &str| {
-            ip(&[
-                "-n", a_ns, "link", "add", a_if, "type", "veth", "peer", "name", b_if, "netns",
-                b_ns,
-            ])?;
-            ip(&[
-                "-n",
-                a_ns,
-                "addr",
-                "add",
-                &format!("{a_ip}/24"),
-                "dev",
-                a_if,
-            ])?;
-            ip(&[
-                "-n",
-                b_ns,
-                "addr",
-                "add",
-                &format!("{b_ip}/24"),
-                "dev",
-                b_if,
-            ])?;
-            ip(&["-n", a_ns, "link", "set", a_if, "up"])?;
-            ip(&["-n", b_ns, "link", "set", b_if, "up"])
-        };
-        link(
-            &t.e1,
-            &format!("{tag}a"),
-            E1_IP,
-            &t.proxy,
-            &format!("{tag}b"),
-            P1_IP,
-        )?;
-        link(
-            &t.e2,
-            &format!("{tag}c"),
-            E2_IP,
-            &t.proxy,
-            &format!("{tag}d"),
-            P2_IP,
-        )?;
-        link(
-            &t.proxy,
-            &format!("{tag}e"),
-            PH_IP,
-            &t.hub,
-            &format!("{tag}f"),
-            H_IP,
-        )?;
-        ip(&["-n", &t.e1, "route", "add", "10.79.2.0/24", "via", P1_IP])?;
-        ip(&["-n", &t.e2, "route", "add", "10.79.2.0/24", "via", P2_IP])?;
-        ip(&["-n", &t.hub, "route", "add", "10.79.1.0/24", "via", PH_IP])?;
-        ip(&["-n", &t.hub, "route", "add", "10.79.3.0/24", "via", PH_IP])?;
-        let st = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &t.proxy,
-                "sysctl",
-                "-qw",
-                "net.ipv4.ip_forward=0",
-            ])
-            .status()?;
-        if !st.success() {
-            bail!("sysctl ip_forward=0 failed");
-        }
+        netns::add(&[&t.hub, &t.proxy, &t.e1, &t.e2])?;
+        let ifs: Vec<String> = ["a", "b", "c", "d", "e", "f"]
+            .iter()
+            .map(|i| format!("{tag}{i}"))
+            .collect();
+        netns::veth((&t.e1, &ifs[0], E1_IP), (&t.proxy, &ifs[1], P1_IP))?;
+        netns::veth((&t.e2, &ifs[2], E2_IP), (&t.proxy, &ifs[3], P2_IP))?;
+        netns::veth((&t.proxy, &ifs[4], PH_IP), (&t.hub, &ifs[5], H_IP))?;
+        netns::route(&t.e1, "10.79.2.0/24", P1_IP)?;
+        netns::route(&t.e2, "10.79.2.0/24", P2_IP)?;
+        netns::route(&t.hub, "10.79.1.0/24", PH_IP)?;
+        netns::route(&t.hub, "10.79.3.0/24", PH_IP)?;
+        netns::no_forwarding(&t.proxy)?;
         Ok(t)
     }
 
@@ -233,13 +167,7 @@ fn squid(
 }
 
 fn addon(hub: &Hub, cluster: &str) -> Option<serde_json::Value> {
-    let o = hub
-        .tetherctl(&["get", "addons", cluster, "cluster-proxy", "-o", "json"])
-        .ok()?;
-    if !o.status.success() {
-        return None;
-    }
-    serde_json::from_slice(&o.stdout).ok()
+    hub.addon_json(cluster, "cluster-proxy")
 }
 
 fn cond(m: &serde_json::Value, t: &str) -> Option<(String, String)> {

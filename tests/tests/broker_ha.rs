@@ -791,48 +791,14 @@ async fn data_plane_survives_a_nats_outage_and_presence_comes_back() -> anyhow::
 
 // ---- the whole add-on: kill a broker, the add-on stays or returns Available ----
 
-const ADDONS_YAML: &str = r#"
-apiVersion: addon.open-cluster-management.io/v1alpha1
-kind: ClusterManagementAddOn
-metadata:
-  name: cluster-proxy
-spec:
-  installStrategy:
-    type: All
-  defaultConfigs:
-    - group: addon.open-cluster-management.io
-      resource: addondeploymentconfigs
-      namespace: default
-      name: cluster-proxy-config
-    - group: proxy.open-cluster-management.io
-      resource: managedproxyconfigurations
-      name: cluster-proxy
----
-apiVersion: addon.open-cluster-management.io/v1alpha1
-kind: AddOnDeploymentConfig
-metadata:
-  name: cluster-proxy-config
-  namespace: default
-spec:
-  proxyConfig:
-    noProxy: "10.0.0.0/8,.svc"
----
-apiVersion: proxy.open-cluster-management.io/v1alpha1
-kind: ManagedProxyConfiguration
-metadata:
-  name: cluster-proxy
-spec:
-  authentication:
-    signer:
-      type: SelfSigned
-  proxyServer:
-    replicas: 2
-    entrypoints:
-      - host: broker-entrypoint.invalid
-  proxyAgent:
-    replicas: 1
-    keepalive: 5s
-"#;
+/// The add-on with two proxy servers.
+fn addons_yaml() -> String {
+    tether_e2e::addons::ClusterProxyAddOn {
+        server_replicas: 2,
+        ..Default::default()
+    }
+    .yaml()
+}
 
 /// The add-on of `cluster` as JSON.
 fn addon(hub: &ControlHub, cluster: &str) -> Option<serde_json::Value> {
@@ -937,7 +903,7 @@ async fn killing_a_broker_keeps_the_addon_available() -> anyhow::Result<()> {
     let b2 = ha.broker("b2")?;
     let api = tether_e2e::apiserver::FakeApiServer::start(&ha.procs).await?;
     let f = ha.hub.dir.join("addons.yaml");
-    std::fs::write(&f, ADDONS_YAML)?;
+    std::fs::write(&f, addons_yaml())?;
     ha.hub
         .tetherctl_ok(&["apply", "-f", &f.to_string_lossy()])?;
 

@@ -132,6 +132,29 @@ fn compose_service_configs_load_with_the_real_config_types() {
             );
             assert_eq!(cfg.broker.endpoint, "https://broker-b1:8443");
             assert!(cfg.broker.cert.is_some() && cfg.broker.key.is_some());
+        } else if name == "addons.yaml" {
+            // Applied by compose/scripts/setup.sh with `tetherctl apply`: its parser.
+            let text = std::fs::read_to_string(&p).unwrap();
+            let docs = tether_control::resources::parse_documents(&text)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let kinds: Vec<String> = docs
+                .into_iter()
+                .map(|d| {
+                    let kind = d["kind"].as_str().unwrap_or_default().to_string();
+                    tether_control::addons::parse_resource(d)
+                        .unwrap_or_else(|e| panic!("{name}: {kind}: {e}"));
+                    kind
+                })
+                .collect();
+            assert_eq!(
+                kinds,
+                [
+                    "ClusterManagementAddOn",
+                    "ManagedProxyConfiguration",
+                    "AddOnDeploymentConfig"
+                ],
+                "{name}"
+            );
         } else {
             panic!(
                 "{}: a config file this test does not know; load it with its service's config type here",
@@ -140,7 +163,7 @@ fn compose_service_configs_load_with_the_real_config_types() {
         }
         checked += 1;
     }
-    assert_eq!(checked, 3, "files checked in {}", dir.display());
+    assert_eq!(checked, 4, "files checked in {}", dir.display());
     assert_eq!(
         brokers.keys().map(String::as_str).collect::<Vec<_>>(),
         ["b1", "b2"]

@@ -6,7 +6,7 @@
 
 use tether_e2e::registration;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use registration::*;
@@ -39,11 +39,23 @@ fn hub_kubeconfig(creds: &Path) -> (String, Option<String>, String) {
     )
 }
 
-fn wait_joined(hub: &Hub, agent: &AgentProc, cluster: &str) -> Duration {
-    wait_log(&hub.logs, &agent.name, "joined the hub", START_TIMEOUT).unwrap();
-    let t = agent.started.elapsed();
-    hub.wait_condition(cluster, "ManagedClusterJoined", "True", START_TIMEOUT)
-        .unwrap();
+/// Writes bootstrap kubeconfig `name` (in the hub directory) for this hub, naming `proxy`.
+fn bootstrap(hub: &Hub, name: &str, proxy: Option<&Proxy>) -> PathBuf {
+    let boot = hub.dir.join(name);
+    let proxy_url = proxy.map(Proxy::url);
+    hub.join(
+        &boot,
+        &hub.server_url(),
+        &hub.token,
+        proxy_url.as_deref(),
+        None,
+    )
+    .unwrap();
+    boot
+}
+
+/// Waits for `cluster` to be Available.
+fn wait_available(hub: &Hub, cluster: &str) {
     hub.wait_condition(
         cluster,
         "ManagedClusterConditionAvailable",
@@ -51,6 +63,14 @@ fn wait_joined(hub: &Hub, agent: &AgentProc, cluster: &str) -> Duration {
         START_TIMEOUT,
     )
     .unwrap();
+}
+
+fn wait_joined(hub: &Hub, agent: &AgentProc, cluster: &str) -> Duration {
+    wait_log(&hub.logs, &agent.name, "joined the hub", START_TIMEOUT).unwrap();
+    let t = agent.started.elapsed();
+    hub.wait_condition(cluster, "ManagedClusterJoined", "True", START_TIMEOUT)
+        .unwrap();
+    wait_available(hub, cluster);
     t
 }
 
@@ -61,25 +81,8 @@ fn joins_through_tinyproxy_with_auto_accept() {
         ..Default::default()
     })
     .unwrap();
-    let proxy = start_proxy(
-        &hub.logs,
-        "tinyproxy",
-        ProxyKind::Tinyproxy,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )
-    .unwrap();
-    let boot = hub.dir.join("bootstrap.kubeconfig");
-    hub.join(
-        &boot,
-        &hub.server_url(),
-        &hub.token,
-        Some(&proxy.url()),
-        None,
-    )
-    .unwrap();
+    let proxy = loopback_tinyproxy(&hub.logs, "tinyproxy").unwrap();
+    let boot = bootstrap(&hub, "bootstrap.kubeconfig", Some(&proxy));
     let creds = hub.dir.join("creds-edge-1");
     let agent = start_agent(&hub.logs, "agent-edge-1", "edge-1", &boot, &creds, None).unwrap();
     let t = wait_joined(&hub, &agent, "edge-1");
@@ -164,9 +167,7 @@ fn joins_through_tinyproxy_with_auto_accept() {
 #[test]
 fn manual_accept_then_deny() {
     let hub = Hub::start(HubOpts::default()).unwrap();
-    let boot = hub.dir.join("bootstrap.kubeconfig");
-    hub.join(&boot, &hub.server_url(), &hub.token, None, None)
-        .unwrap();
+    let boot = bootstrap(&hub, "bootstrap.kubeconfig", None);
     let creds = hub.dir.join("creds");
     let agent = start_agent(&hub.logs, "agent", "manual-1", &boot, &creds, None).unwrap();
     wait_log(
@@ -206,6 +207,18 @@ fn manual_accept_then_deny() {
     .unwrap();
 }
 
+/// The agent of case `case` of [`named_errors_then_recovery`]: `agent-<case>` of cluster
+/// `c-<case>`, bootstrapping from `boot-<case>`, credentials in `cr-<case>`.
+fn case_agent(hub: &Hub, case: &str) -> AgentProc {
+    let dir = &hub.dir;
+    let (boot, creds) = (
+        dir.join(format!("boot-{case}")),
+        dir.join(format!("cr-{case}")),
+    );
+    let (agent, cluster) = (format!("agent-{case}"), format!("c-{case}"));
+    start_agent(&hub.logs, &agent, &cluster, &boot, &creds, None).unwrap()
+}
+
 #[test]
 fn named_errors_then_recovery() {
     let mut hub = Hub::start(HubOpts {
@@ -228,30 +241,16 @@ fn named_errors_then_recovery() {
         None,
     )
     .unwrap();
-    agents.push(
-        start_agent(
-            &logs,
-            "agent-down",
-            "c-down",
-            &boot_down,
-            &hub.dir.join("cr-down"),
-            None,
-        )
-        .unwrap(),
-    );
+    agents.push(case_agent(&hub, "down"));
 
     // 407: squid requires basic auth, the proxy-url has no credentials.
-    let auth = start_proxy(
+    let auth = loopback_proxy(
         &logs,
         "squid-auth",
         ProxyKind::SquidAuth {
             user: "edge".into(),
             password: "s3cret".into(),
         },
-        "127.0.0.1",
-        None,
-        &[],
-        None,
     )
     .unwrap();
     let boot_407 = hub.dir.join("boot-407");
@@ -263,69 +262,21 @@ fn named_errors_then_recovery() {
         None,
     )
     .unwrap();
-    agents.push(
-        start_agent(
-            &logs,
-            "agent-407",
-            "c-407",
-            &boot_407,
-            &hub.dir.join("cr-407"),
-            None,
-        )
-        .unwrap(),
-    );
+    agents.push(case_agent(&hub, "407"));
 
     // 403: squid refuses every CONNECT.
-    let deny = start_proxy(
-        &logs,
-        "squid-deny",
-        ProxyKind::SquidDenyAll,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )
-    .unwrap();
+    let deny = loopback_proxy(&logs, "squid-deny", ProxyKind::SquidDenyAll).unwrap();
     let boot_403 = hub.dir.join("boot-403");
     hub.join(&boot_403, &server, &hub.token, Some(&deny.url()), None)
         .unwrap();
-    agents.push(
-        start_agent(
-            &logs,
-            "agent-403",
-            "c-403",
-            &boot_403,
-            &hub.dir.join("cr-403"),
-            None,
-        )
-        .unwrap(),
-    );
+    agents.push(case_agent(&hub, "403"));
 
     // Wrong proxy CA: https proxy whose CA is not in the bundle.
-    let https = start_proxy(
-        &logs,
-        "squid-https",
-        ProxyKind::SquidHttps,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )
-    .unwrap();
+    let https = loopback_proxy(&logs, "squid-https", ProxyKind::SquidHttps).unwrap();
     let boot_ca = hub.dir.join("boot-ca");
     hub.join(&boot_ca, &server, &hub.token, Some(&https.url()), None)
         .unwrap();
-    agents.push(
-        start_agent(
-            &logs,
-            "agent-ca",
-            "c-ca",
-            &boot_ca,
-            &hub.dir.join("cr-ca"),
-            None,
-        )
-        .unwrap(),
-    );
+    agents.push(case_agent(&hub, "ca"));
 
     // Bootstrap kubeconfig without a CA.
     let boot_noca = hub.dir.join("boot-noca");
@@ -339,17 +290,7 @@ fn named_errors_then_recovery() {
         .map(|l| format!("{l}\n"))
         .collect();
     std::fs::write(&boot_noca, text).unwrap();
-    agents.push(
-        start_agent(
-            &logs,
-            "agent-noca",
-            "c-noca",
-            &boot_noca,
-            &hub.dir.join("cr-noca"),
-            None,
-        )
-        .unwrap(),
-    );
+    agents.push(case_agent(&hub, "noca"));
 
     // Unknown and expired bootstrap tokens.
     let boot_tok = hub.dir.join("boot-tok");
@@ -361,17 +302,7 @@ fn named_errors_then_recovery() {
         None,
     )
     .unwrap();
-    agents.push(
-        start_agent(
-            &logs,
-            "agent-tok",
-            "c-tok",
-            &boot_tok,
-            &hub.dir.join("cr-tok"),
-            None,
-        )
-        .unwrap(),
-    );
+    agents.push(case_agent(&hub, "tok"));
     let expired = hub
         .tetherctl_ok(&["token", "create", "--ttl", "1s"])
         .unwrap();
@@ -383,17 +314,7 @@ fn named_errors_then_recovery() {
         (created.elapsed() > Duration::from_millis(1100)).then_some(())
     })
     .unwrap();
-    agents.push(
-        start_agent(
-            &logs,
-            "agent-exp",
-            "c-exp",
-            &boot_exp,
-            &hub.dir.join("cr-exp"),
-            None,
-        )
-        .unwrap(),
-    );
+    agents.push(case_agent(&hub, "exp"));
 
     let t = Duration::from_secs(15);
     wait_log(
@@ -465,17 +386,7 @@ fn named_errors_then_recovery() {
     let boot_nats = hub.dir.join("boot-nats");
     hub.join(&boot_nats, &server, &hub.token, None, None)
         .unwrap();
-    agents.push(
-        start_agent(
-            &logs,
-            "agent-nats",
-            "c-nats",
-            &boot_nats,
-            &hub.dir.join("cr-nats"),
-            None,
-        )
-        .unwrap(),
-    );
+    agents.push(case_agent(&hub, "nats"));
     wait_log(&logs, "agent-nats", "NATS down", t).unwrap();
     hub.start_nats().unwrap();
     wait_log(
@@ -497,29 +408,9 @@ fn rebootstrap_when_proxy_url_changes() {
         ..Default::default()
     })
     .unwrap();
-    let a = start_proxy(
-        &hub.logs,
-        "tinyproxy",
-        ProxyKind::Tinyproxy,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )
-    .unwrap();
-    let b = start_proxy(
-        &hub.logs,
-        "squid",
-        ProxyKind::SquidHttp,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )
-    .unwrap();
-    let boot = hub.dir.join("boot");
-    hub.join(&boot, &hub.server_url(), &hub.token, Some(&a.url()), None)
-        .unwrap();
+    let a = loopback_tinyproxy(&hub.logs, "tinyproxy").unwrap();
+    let b = loopback_proxy(&hub.logs, "squid", ProxyKind::SquidHttp).unwrap();
+    let boot = bootstrap(&hub, "boot", Some(&a));
     let creds = hub.dir.join("creds");
     let agent = start_agent(&hub.logs, "agent", "moving", &boot, &creds, None).unwrap();
     wait_joined(&hub, &agent, "moving");
@@ -552,13 +443,7 @@ fn rebootstrap_when_proxy_url_changes() {
             .then_some(())
     })
     .unwrap();
-    hub.wait_condition(
-        "moving",
-        "ManagedClusterConditionAvailable",
-        "True",
-        START_TIMEOUT,
-    )
-    .unwrap();
+    wait_available(&hub, "moving");
 }
 
 #[test]
@@ -571,9 +456,7 @@ fn rotates_before_expiry_and_goes_unknown_after_grace() {
         ..Default::default()
     })
     .unwrap();
-    let boot = hub.dir.join("boot");
-    hub.join(&boot, &hub.server_url(), &hub.token, None, None)
-        .unwrap();
+    let boot = bootstrap(&hub, "boot", None);
     let creds = hub.dir.join("creds");
     let mut agent = start_agent(&hub.logs, "agent", "rot", &boot, &creds, None).unwrap();
     wait_joined(&hub, &agent, "rot");
@@ -600,13 +483,7 @@ fn rotates_before_expiry_and_goes_unknown_after_grace() {
     assert!(rotated.not_after > first.not_after);
     hub.wait_condition("rot", "ClusterCertificateRotated", "True", START_TIMEOUT)
         .unwrap();
-    hub.wait_condition(
-        "rot",
-        "ManagedClusterConditionAvailable",
-        "True",
-        START_TIMEOUT,
-    )
-    .unwrap();
+    wait_available(&hub, "rot");
 
     // Agent stops: Available becomes Unknown after 3 × 1 s.
     agent.child.kill();
@@ -636,13 +513,7 @@ fn rotates_before_expiry_and_goes_unknown_after_grace() {
     );
     // Back again with the stored credentials (no new CSR).
     let agent2 = start_agent(&hub.logs, "agent2", "rot", &boot, &creds, None).unwrap();
-    hub.wait_condition(
-        "rot",
-        "ManagedClusterConditionAvailable",
-        "True",
-        START_TIMEOUT,
-    )
-    .unwrap();
+    wait_available(&hub, "rot");
     assert!(!read_log(&hub.logs, "agent2").contains("certificate issued"));
     drop(agent2);
 }
@@ -655,25 +526,8 @@ fn state_survives_nats_restart() {
         ..Default::default()
     })
     .unwrap();
-    let proxy = start_proxy(
-        &hub.logs,
-        "tinyproxy",
-        ProxyKind::Tinyproxy,
-        "127.0.0.1",
-        None,
-        &[],
-        None,
-    )
-    .unwrap();
-    let boot = hub.dir.join("boot");
-    hub.join(
-        &boot,
-        &hub.server_url(),
-        &hub.token,
-        Some(&proxy.url()),
-        None,
-    )
-    .unwrap();
+    let proxy = loopback_tinyproxy(&hub.logs, "tinyproxy").unwrap();
+    let boot = bootstrap(&hub, "boot", Some(&proxy));
     let creds = hub.dir.join("creds");
     let agent = start_agent(&hub.logs, "agent", "persist", &boot, &creds, None).unwrap();
     wait_joined(&hub, &agent, "persist");
@@ -700,13 +554,7 @@ fn state_survives_nats_restart() {
         (lease_age <= 1).then_some(())
     })
     .unwrap();
-    hub.wait_condition(
-        "persist",
-        "ManagedClusterConditionAvailable",
-        "True",
-        START_TIMEOUT,
-    )
-    .unwrap();
+    wait_available(&hub, "persist");
     assert_eq!(renewals_before, 1);
     assert!(!read_log(&hub.logs, "agent").contains("bootstrapping again"));
 }
@@ -719,9 +567,7 @@ fn expired_credentials_trigger_rebootstrap() {
         ..Default::default()
     })
     .unwrap();
-    let boot = hub.dir.join("boot");
-    hub.join(&boot, &hub.server_url(), &hub.token, None, None)
-        .unwrap();
+    let boot = bootstrap(&hub, "boot", None);
     let creds = hub.dir.join("creds");
     let mut agent = start_agent(&hub.logs, "agent", "expiring", &boot, &creds, None).unwrap();
     wait_joined(&hub, &agent, "expiring");

@@ -31,6 +31,7 @@
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv, stream};
+use bytes::Bytes;
 use futures::StreamExt;
 use serde::{Serialize, de::DeserializeOwned};
 
@@ -50,8 +51,38 @@ const LIST_ATTEMPTS: usize = 3;
 /// The last entry of one key.
 struct LastValue {
     key: String,
-    value: bytes::Bytes,
+    value: Bytes,
     revision: u64,
+}
+
+/// The last live entry of each key, folded from a bucket's messages in stream order.
+#[derive(Default)]
+struct Live(std::collections::BTreeMap<String, LastValue>);
+
+impl Live {
+    /// One message on `subject` (the bucket's `prefix` and the key): a removal marker forgets the
+    /// key, anything else is its last value.
+    fn apply(&mut self, prefix: &str, subject: &str, removal: bool, value: Bytes, revision: u64) {
+        let Some(key) = subject.strip_prefix(prefix) else {
+            return;
+        };
+        if removal {
+            self.0.remove(key);
+            return;
+        }
+        let key = key.to_string();
+        let last = LastValue {
+            key: key.clone(),
+            value,
+            revision,
+        };
+        self.0.insert(key, last);
+    }
+
+    /// The live entries in key order.
+    fn into_values(self) -> Vec<LastValue> {
+        self.0.into_values().collect()
+    }
 }
 
 /// How often a [`HubStore::watch`] checks that it keeps up with the stream leader.
@@ -63,7 +94,7 @@ const WATCH_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 /// stream leader had at the last check.
 struct WatchState {
     kv: kv::Store,
-    name: &'static str,
+    bucket: Bucket,
     /// `None` while it has to be (re-)opened.
     inner: Option<std::pin::Pin<Box<kv::Watch>>>,
     /// Highest revision delivered.
@@ -86,7 +117,7 @@ impl WatchState {
                         self.leader_at_check = None;
                     }
                     Err(e) => {
-                        tracing::warn!(bucket = self.name, error = %e, "cannot re-open watch");
+                        tracing::warn!(bucket = self.bucket.name(), error = %e, "cannot re-open watch");
                         self.check.tick().await;
                         continue;
                     }
@@ -98,23 +129,20 @@ impl WatchState {
             tokio::select! {
                 e = w.next() => match e {
                     None => {
-                        tracing::warn!(bucket = self.name, "watch ended; re-opening");
+                        tracing::warn!(bucket = self.bucket.name(), "watch ended; re-opening");
                         self.inner = None;
                         self.check.tick().await;
                     }
                     Some(Err(err)) => {
-                        tracing::warn!(bucket = self.name, error = %err, "watch error");
+                        tracing::warn!(bucket = self.bucket.name(), error = %err, "watch error");
                     }
                     Some(Ok(e)) => {
                         self.delivered = self.delivered.max(e.revision);
-                        match e.operation {
-                            kv::Operation::Put => match serde_json::from_slice::<T>(&e.value) {
-                                Ok(v) => return (e.key, Some(v)),
-                                Err(err) => {
-                                    tracing::warn!(bucket = self.name, key = %e.key, error = %err, "undecodable entry");
-                                }
-                            },
-                            _ => return (e.key, None),
+                        if e.operation != kv::Operation::Put {
+                            return (e.key, None);
+                        }
+                        if let Some(v) = decode_or_skip(self.bucket, &e.key, &e.value) {
+                            return (e.key, Some(v));
                         }
                     }
                 },
@@ -130,7 +158,7 @@ impl WatchState {
             .is_some_and(|l| self.delivered < l && self.delivered == self.delivered_at_check);
         if stalled {
             tracing::warn!(
-                bucket = self.name,
+                bucket = self.bucket.name(),
                 delivered = self.delivered,
                 leader = ?self.leader_at_check,
                 "watch stalled behind the stream leader; re-opening"
@@ -304,13 +332,23 @@ impl std::fmt::Debug for HubStore {
 pub type StoreResult<T> = Result<T, ControlError>;
 
 /// A value as stored (JSON); the error names the bucket and key.
-fn encode<T: Serialize>(b: Bucket, key: &str, v: &T) -> StoreResult<Vec<u8>> {
-    serde_json::to_vec(v).map_err(|e| ControlError::Codec(format!("{}/{key}: {e}", b.name())))
+fn encode<T: Serialize>(b: Bucket, key: &str, v: &T) -> StoreResult<Bytes> {
+    serde_json::to_vec(v)
+        .map(Bytes::from)
+        .map_err(|e| ControlError::Codec(format!("{}/{key}: {e}", b.name())))
 }
 
 /// A stored value; the error names the bucket and key.
 fn decode<T: DeserializeOwned>(b: Bucket, key: &str, v: &[u8]) -> StoreResult<T> {
     serde_json::from_slice(v).map_err(|e| ControlError::Codec(format!("{}/{key}: {e}", b.name())))
+}
+
+/// A stored value, or `None` with a warning when it does not decode (listings and watches skip
+/// such an entry rather than fail).
+fn decode_or_skip<T: DeserializeOwned>(b: Bucket, key: &str, v: &[u8]) -> Option<T> {
+    decode(b, key, v)
+        .inspect_err(|e| tracing::warn!(error = %e, "skipping undecodable entry"))
+        .ok()
 }
 
 fn js_err(e: impl std::fmt::Display) -> ControlError {
@@ -369,24 +407,6 @@ impl HubStore {
         &self.js
     }
 
-    /// The values of the keys that match the NATS subject `filter` (see [`Self::keys_matching`]).
-    pub async fn list_matching<T: DeserializeOwned>(
-        &self,
-        b: Bucket,
-        filter: &str,
-    ) -> StoreResult<Vec<(String, T, u64)>> {
-        let mut out = Vec::new();
-        for e in self.last_values(b, filter, false).await? {
-            match serde_json::from_slice::<T>(&e.value) {
-                Ok(v) => out.push((e.key, v, e.revision)),
-                Err(err) => {
-                    tracing::warn!(bucket = b.name(), key = %e.key, error = %err, "skipping entry")
-                }
-            }
-        }
-        Ok(out)
-    }
-
     /// The last live (not deleted) entry of every key matching `filter`, read with one ordered
     /// push consumer (deliver policy last-per-subject) until the server reports nothing
     /// pending.
@@ -432,7 +452,7 @@ impl HubStore {
             bucket = b.name(),
             "list: the consumer lagged the stream leader; reading from the leader"
         );
-        self.last_values_from_leader(b, filter, headers_only).await
+        Self::last_values_from_leader(self.kv(b), filter, headers_only).await
     }
 
     /// One consumer pass; `None` when it stalled or delivered less than `leader_last`.
@@ -461,7 +481,7 @@ impl HubStore {
             return Ok(leader_last.is_none().then(Vec::new));
         }
         let mut messages = consumer.messages().await.map_err(js_err)?;
-        let mut live: std::collections::BTreeMap<String, LastValue> = Default::default();
+        let mut live = Live::default();
         let mut max_seq = 0;
         loop {
             let m = match tokio::time::timeout(LIST_IDLE_TIMEOUT, messages.next()).await {
@@ -472,22 +492,13 @@ impl HubStore {
             let info = m.info().map_err(js_err)?;
             let (revision, pending) = (info.stream_sequence, info.pending);
             max_seq = max_seq.max(revision);
-            let Some(key) = m.subject.strip_prefix(kv.prefix.as_str()) else {
-                continue;
-            };
-            let key = key.to_string();
-            if is_removal(m.headers.as_ref()) {
-                live.remove(&key);
-            } else {
-                live.insert(
-                    key.clone(),
-                    LastValue {
-                        key,
-                        value: m.payload.clone(),
-                        revision,
-                    },
-                );
-            }
+            live.apply(
+                &kv.prefix,
+                &m.subject,
+                is_removal(m.headers.as_ref()),
+                m.payload.clone(),
+                revision,
+            );
             if pending == 0 {
                 break;
             }
@@ -495,20 +506,18 @@ impl HubStore {
         if leader_last.is_some_and(|l| max_seq < l) {
             return Ok(None);
         }
-        Ok(Some(live.into_values().collect()))
+        Ok(Some(live.into_values()))
     }
 
     /// Every message of the keys matching `filter`, read one by one from the stream leader
     /// (`STREAM.MSG.GET` next-by-subject): the last one of each key wins.
     async fn last_values_from_leader(
-        &self,
-        b: Bucket,
+        kv: &kv::Store,
         filter: &str,
         headers_only: bool,
     ) -> StoreResult<Vec<LastValue>> {
-        let kv = self.kv(b);
         let subject = format!("{}{filter}", kv.prefix);
-        let mut live: std::collections::BTreeMap<String, LastValue> = Default::default();
+        let mut live = Live::default();
         let mut seq = 1u64;
         loop {
             let m = match kv
@@ -531,28 +540,15 @@ impl HubStore {
                 Err(e) => return Err(js_err(e)),
             };
             seq = m.sequence + 1;
-            let Some(key) = m.subject.strip_prefix(kv.prefix.as_str()) else {
-                continue;
-            };
-            let key = key.to_string();
-            if is_removal(Some(&m.headers)) {
-                live.remove(&key);
+            let value = if headers_only {
+                Bytes::new()
             } else {
-                live.insert(
-                    key.clone(),
-                    LastValue {
-                        key,
-                        value: if headers_only {
-                            Default::default()
-                        } else {
-                            m.payload
-                        },
-                        revision: m.sequence,
-                    },
-                );
-            }
+                m.payload
+            };
+            let removal = is_removal(Some(&m.headers));
+            live.apply(&kv.prefix, &m.subject, removal, value, m.sequence);
         }
-        Ok(live.into_values().collect())
+        Ok(live.into_values())
     }
 
     /// Current values of a bucket, then every change (None = deleted), as a stream. Decoding
@@ -580,7 +576,7 @@ impl HubStore {
         check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let state = WatchState {
             kv,
-            name: b.name(),
+            bucket: b,
             inner: Some(Box::pin(w)),
             delivered: 0,
             delivered_at_check: 0,
@@ -629,42 +625,30 @@ pub use memory::MemoryStore;
 /// semantics (per-bucket revisions, CAS conflicts, current-then-changes watches) in memory for
 /// unit tests that run without NATS.
 ///
+/// An implementation moves bytes: [`get_raw`](Self::get_raw), [`write_raw`](Self::write_raw),
+/// [`list_raw`](Self::list_raw), [`delete`](Self::delete), [`keys_matching`](Self::keys_matching),
+/// [`watch`](Self::watch) and [`publish_event`](Self::publish_event). The typed methods are
+/// provided once here, so key validation, JSON encoding and the skipping of undecodable entries
+/// are the same in every store.
+///
 /// Conflicts are values, not errors: [`create`](Self::create) answers `Ok(None)` when the key
 /// exists and [`update`](Self::update) when the revision moved (re-read and retry). Errors are
 /// [`ControlError::JetStream`] (the backend failed) and [`ControlError::Codec`] (a value does not
 /// encode or decode).
 pub trait Store: Clone + Send + Sync + 'static {
-    /// The value and its revision; `None` when absent or deleted.
-    fn get<T: DeserializeOwned>(
+    /// The stored bytes of `key` (a valid key) and their revision; `None` when absent or
+    /// deleted.
+    fn get_raw(&self, b: Bucket, key: &str) -> impl Future<Output = StoreResult<Raw>> + Send;
+    /// Writes `v` as `how` says; the new revision, `None` on a create or compare-and-swap
+    /// conflict.
+    fn write_raw(
         &self,
         b: Bucket,
         key: &str,
-    ) -> impl Future<Output = StoreResult<Option<(T, u64)>>> + Send;
-    /// Writes unconditionally; returns the new revision.
-    fn put<T: Serialize + Sync>(
-        &self,
-        b: Bucket,
-        key: &str,
-        v: &T,
-    ) -> impl Future<Output = StoreResult<u64>> + Send;
-    /// Creates; `Ok(None)` when the key already exists.
-    fn create<T: Serialize + Sync>(
-        &self,
-        b: Bucket,
-        key: &str,
-        v: &T,
-    ) -> impl Future<Output = StoreResult<Option<u64>>> + Send;
-    /// Compare-and-swap on `revision`; `Ok(None)` when the revision moved.
-    fn update<T: Serialize + Sync>(
-        &self,
-        b: Bucket,
-        key: &str,
-        v: &T,
-        revision: u64,
-    ) -> impl Future<Output = StoreResult<Option<u64>>> + Send;
+        v: Bytes,
+        how: Write,
+    ) -> impl Future<Output = Written> + Send;
     fn delete(&self, b: Bucket, key: &str) -> impl Future<Output = StoreResult<()>> + Send;
-    /// All keys of a bucket.
-    fn keys(&self, b: Bucket) -> impl Future<Output = StoreResult<Vec<String>>> + Send;
     /// The keys that match the NATS subject `filter` (`c1.>`: every key under `c1.`; `*` one
     /// token; `>` the rest).
     fn keys_matching(
@@ -672,11 +656,12 @@ pub trait Store: Clone + Send + Sync + 'static {
         b: Bucket,
         filter: &str,
     ) -> impl Future<Output = StoreResult<Vec<String>>> + Send;
-    /// All values of a bucket with their keys and revisions (undecodable entries skipped).
-    fn list<T: DeserializeOwned + Send>(
+    /// The stored bytes, key and revision of every live key that matches `filter`, in key order.
+    fn list_raw(
         &self,
         b: Bucket,
-    ) -> impl Future<Output = StoreResult<Vec<(String, T, u64)>>> + Send;
+        filter: &str,
+    ) -> impl Future<Output = StoreResult<Vec<RawEntry>>> + Send;
     /// Current values of a bucket, then every change (`None` = deleted).
     fn watch<T: DeserializeOwned + Send + 'static>(
         &self,
@@ -684,6 +669,114 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = StoreResult<futures::stream::BoxStream<'static, (String, Option<T>)>>> + Send;
     /// Appends an event to the events stream.
     fn publish_event(&self, ev: &Event) -> impl Future<Output = StoreResult<()>> + Send;
+
+    /// The value and its revision; `None` when absent or deleted. An invalid key is an error.
+    fn get<T: DeserializeOwned>(
+        &self,
+        b: Bucket,
+        key: &str,
+    ) -> impl Future<Output = StoreResult<Option<(T, u64)>>> + Send {
+        async move {
+            if !valid_key(key) {
+                return Err(ControlError::JetStream(format!(
+                    "{}: invalid key {key:?}",
+                    b.name()
+                )));
+            }
+            match self.get_raw(b, key).await? {
+                Some((v, rev)) => Ok(Some((decode(b, key, &v)?, rev))),
+                None => Ok(None),
+            }
+        }
+    }
+    /// Writes unconditionally; returns the new revision.
+    fn put<T: Serialize>(
+        &self,
+        b: Bucket,
+        key: &str,
+        v: &T,
+    ) -> impl Future<Output = StoreResult<u64>> + Send {
+        let written = self.write(b, key, v, Write::Put);
+        async move {
+            written.await?.ok_or_else(|| {
+                ControlError::JetStream(format!("{}: a put answered a conflict", b.name()))
+            })
+        }
+    }
+    /// Creates; `Ok(None)` when the key already exists.
+    fn create<T: Serialize>(
+        &self,
+        b: Bucket,
+        key: &str,
+        v: &T,
+    ) -> impl Future<Output = Written> + Send {
+        self.write(b, key, v, Write::Create)
+    }
+    /// Compare-and-swap on `revision`; `Ok(None)` when the revision moved (re-read and retry).
+    fn update<T: Serialize>(
+        &self,
+        b: Bucket,
+        key: &str,
+        v: &T,
+        revision: u64,
+    ) -> impl Future<Output = Written> + Send {
+        self.write(b, key, v, Write::Update(revision))
+    }
+    /// Encodes `v` and writes it as `how` says.
+    fn write<T: Serialize>(
+        &self,
+        b: Bucket,
+        key: &str,
+        v: &T,
+        how: Write,
+    ) -> impl Future<Output = Written> + Send {
+        let bytes = encode(b, key, v);
+        async move { self.write_raw(b, key, bytes?, how).await }
+    }
+    /// All keys of a bucket.
+    fn keys(&self, b: Bucket) -> impl Future<Output = StoreResult<Vec<String>>> + Send {
+        self.keys_matching(b, ">")
+    }
+    /// All values of a bucket with their keys and revisions (undecodable entries skipped).
+    fn list<T: DeserializeOwned + Send>(
+        &self,
+        b: Bucket,
+    ) -> impl Future<Output = StoreResult<Vec<(String, T, u64)>>> + Send {
+        self.list_matching(b, ">")
+    }
+    /// The values of the keys that match `filter` (see [`Self::keys_matching`]), undecodable
+    /// entries skipped.
+    fn list_matching<T: DeserializeOwned + Send>(
+        &self,
+        b: Bucket,
+        filter: &str,
+    ) -> impl Future<Output = StoreResult<Vec<(String, T, u64)>>> + Send {
+        async move {
+            let raw = self.list_raw(b, filter).await?;
+            Ok(raw
+                .into_iter()
+                .filter_map(|(k, v, rev)| decode_or_skip(b, &k, &v).map(|t| (k, t, rev)))
+                .collect())
+        }
+    }
+}
+
+/// What [`Store::get_raw`] answers: the stored bytes and their revision.
+pub type Raw = Option<(Bytes, u64)>;
+/// A listed entry: key, stored bytes, revision.
+pub type RawEntry = (String, Bytes, u64);
+/// What a write answers: the new revision, `None` on a conflict.
+pub type Written = StoreResult<Option<u64>>;
+
+/// How [`Store::write_raw`] treats the current value of the key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Write {
+    /// Unconditionally.
+    Put,
+    /// Only when the key does not exist.
+    Create,
+    /// Only when the key's revision is still this one (compare-and-swap).
+    Update(u64),
 }
 
 impl Store for HubStore {
@@ -695,17 +788,7 @@ impl Store for HubStore {
     /// away. The controllers act on these reads (an add-on of a "missing" cluster is removed,
     /// a lease that "stopped" turns its add-on Unavailable), so every read goes to the leader,
     /// which orders it after every acknowledged write. Seen in `tests/tests/hub_chaos_tunnels.rs`.
-    async fn get<T: DeserializeOwned>(
-        &self,
-        b: Bucket,
-        key: &str,
-    ) -> StoreResult<Option<(T, u64)>> {
-        if !valid_key(key) {
-            return Err(ControlError::JetStream(format!(
-                "{}: invalid key {key:?}",
-                b.name()
-            )));
-        }
+    async fn get_raw(&self, b: Bucket, key: &str) -> StoreResult<Raw> {
         let kv = self.kv(b);
         let subject = format!("{}{key}", kv.prefix);
         let m = match kv.stream.get_last_raw_message_by_subject(&subject).await {
@@ -723,52 +806,28 @@ impl Store for HubStore {
         if is_removal(Some(&m.headers)) {
             return Ok(None);
         }
-        Ok(Some((decode(b, key, &m.payload)?, m.sequence)))
+        Ok(Some((m.payload, m.sequence)))
     }
 
-    async fn put<T: Serialize + Sync>(&self, b: Bucket, key: &str, v: &T) -> StoreResult<u64> {
-        let bytes = encode(b, key, v)?;
-        self.kv(b).put(key, bytes.into()).await.map_err(js_err)
-    }
-
-    /// Creates; `Ok(None)` when the key already exists.
-    async fn create<T: Serialize + Sync>(
-        &self,
-        b: Bucket,
-        key: &str,
-        v: &T,
-    ) -> StoreResult<Option<u64>> {
-        let bytes = encode(b, key, v)?;
-        match self.kv(b).create(key, bytes.into()).await {
-            Ok(r) => Ok(Some(r)),
-            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
-            Err(e) => Err(js_err(e)),
-        }
-    }
-
-    /// Compare-and-swap; `Ok(None)` when the revision moved (re-read and retry).
-    async fn update<T: Serialize + Sync>(
-        &self,
-        b: Bucket,
-        key: &str,
-        v: &T,
-        revision: u64,
-    ) -> StoreResult<Option<u64>> {
-        let bytes = encode(b, key, v)?;
-        match self.kv(b).update(key, bytes.into(), revision).await {
-            Ok(r) => Ok(Some(r)),
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(None),
-            Err(e) => Err(js_err(e)),
+    async fn write_raw(&self, b: Bucket, key: &str, v: Bytes, how: Write) -> Written {
+        let kv = self.kv(b);
+        match how {
+            Write::Put => kv.put(key, v).await.map(Some).map_err(js_err),
+            Write::Create => match kv.create(key, v).await {
+                Ok(r) => Ok(Some(r)),
+                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
+                Err(e) => Err(js_err(e)),
+            },
+            Write::Update(rev) => match kv.update(key, v, rev).await {
+                Ok(r) => Ok(Some(r)),
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(None),
+                Err(e) => Err(js_err(e)),
+            },
         }
     }
 
     async fn delete(&self, b: Bucket, key: &str) -> StoreResult<()> {
         self.kv(b).delete(key).await.map_err(js_err)
-    }
-
-    /// All keys of a bucket.
-    async fn keys(&self, b: Bucket) -> StoreResult<Vec<String>> {
-        self.keys_matching(b, ">").await
     }
 
     /// The keys of a bucket that match the NATS subject `filter` (`>` for all, `c1.>` for
@@ -783,17 +842,17 @@ impl Store for HubStore {
             .collect())
     }
 
-    /// All values of a bucket (skips undecodable entries with a warning).
-    ///
     /// One ordered consumer delivers the last value of every key in one stream of messages (the
     /// KV "watch with history" without the watch): one round trip to set up and then a flow of
     /// messages, instead of a get per key (65 s for 10,000 clusters through three nodes before,
     /// see docs/scale.md).
-    async fn list<T: DeserializeOwned + Send>(
-        &self,
-        b: Bucket,
-    ) -> StoreResult<Vec<(String, T, u64)>> {
-        self.list_matching(b, ">").await
+    async fn list_raw(&self, b: Bucket, filter: &str) -> StoreResult<Vec<RawEntry>> {
+        Ok(self
+            .last_values(b, filter, false)
+            .await?
+            .into_iter()
+            .map(|e| (e.key, e.value, e.revision))
+            .collect())
     }
 
     async fn watch<T: DeserializeOwned + Send + 'static>(

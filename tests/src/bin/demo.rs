@@ -41,6 +41,7 @@ use tether_e2e::control_plane::{
     join, tunnel_hub_from_ca,
 };
 use tether_e2e::forward_proxy::Tinyproxy;
+use tether_e2e::netns;
 use tether_e2e::{Hub, OPS_TOKEN, admin_get, connect, wait_tunnel};
 use tether_test_support::wait_until_async;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -120,84 +121,19 @@ impl Netns {
     }
 }
 
-fn ip(args: &[&str]) -> anyhow::Result<()> {
-    let o = std::process::Command::new("ip").args(args).output()?;
-    anyhow::ensure!(
-        o.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    Ok(())
-}
-
 /// Creates the namespaces and links (addresses only inside them).
 fn create_netns(n: &Netns, tag: &str) -> anyhow::Result<()> {
-    for ns in n.all() {
-        ip(&["netns", "add", ns])?;
-        ip(&["-n", ns, "link", "set", "lo", "up"])?;
-    }
-    let link = |a_ns: &str, a_if: &str, a_ip: &str, b_ns: &str, b_if: &str, b_ip: &str| {
-        ip(&[
-            "-n", a_ns, "link", "add", a_if, "type", "veth", "peer", "name", b_if, "netns", b_ns,
-        ])?;
-        ip(&[
-            "-n",
-            a_ns,
-            "addr",
-            "add",
-            &format!("{a_ip}/24"),
-            "dev",
-            a_if,
-        ])?;
-        ip(&[
-            "-n",
-            b_ns,
-            "addr",
-            "add",
-            &format!("{b_ip}/24"),
-            "dev",
-            b_if,
-        ])?;
-        ip(&["-n", a_ns, "link", "set", a_if, "up"])?;
-        ip(&["-n", b_ns, "link", "set", b_if, "up"])
-    };
-    link(
-        &n.proxy,
-        &format!("{tag}ph"),
-        PROXY_IP,
-        &n.hub,
-        &format!("{tag}hp"),
-        HUB_IP,
-    )?;
+    netns::add(&n.all())?;
+    let (ph, hp) = (format!("{tag}ph"), format!("{tag}hp"));
+    netns::veth((&n.proxy, &ph, PROXY_IP), (&n.hub, &hp, HUB_IP))?;
     for (i, (_, edge_ip, proxy_ip, subnet)) in EDGES.iter().enumerate() {
-        link(
-            &n.edges[i],
-            &format!("{tag}e{i}"),
-            edge_ip,
-            &n.proxy,
-            &format!("{tag}p{i}"),
-            proxy_ip,
-        )?;
+        let (e, p) = (format!("{tag}e{i}"), format!("{tag}p{i}"));
+        netns::veth((&n.edges[i], &e, edge_ip), (&n.proxy, &p, proxy_ip))?;
         // Routes towards the hub exist, but the proxy namespace does not forward.
-        ip(&[
-            "-n",
-            &n.edges[i],
-            "route",
-            "add",
-            "10.78.2.0/24",
-            "via",
-            proxy_ip,
-        ])?;
-        ip(&["-n", &n.hub, "route", "add", subnet, "via", PROXY_IP])?;
+        netns::route(&n.edges[i], "10.78.2.0/24", proxy_ip)?;
+        netns::route(&n.hub, subnet, PROXY_IP)?;
     }
-    ip(&[
-        "netns",
-        "exec",
-        &n.proxy,
-        "sysctl",
-        "-qw",
-        "net.ipv4.ip_forward=0",
-    ])
+    netns::no_forwarding(&n.proxy)
 }
 
 fn delete_netns(n: &Netns) {

@@ -87,6 +87,39 @@ fn cond(m: &ManagedClusterAddOn, t: &str) -> (String, String) {
         .unwrap_or_default()
 }
 
+/// Accepted cluster c1 and add-on `a` installed on every cluster, after one pass.
+async fn one_addon() -> (MemoryStore, TokioClock) {
+    let store = MemoryStore::new();
+    let clock = TokioClock::new();
+    cluster(&store, "c1", true, &[]).await;
+    cma(&store, "a", json!({"type": "All"}), json!([])).await;
+    pass(&store, &clock).await;
+    (store, clock)
+}
+
+/// agent-1's add-on lease renewal naming the brokers it is connected to.
+fn lease_renew(lease_seconds: u32, brokers: &[&str]) -> AddOnLeaseRenew {
+    AddOnLeaseRenew {
+        holder_identity: "agent-1".into(),
+        lease_duration_seconds: lease_seconds,
+        connected_brokers: brokers.iter().map(|b| b.to_string()).collect(),
+    }
+}
+
+/// One reconcile pass, then c1's add-on `a`.
+async fn reconciled(store: &MemoryStore, clock: &TokioClock) -> ManagedClusterAddOn {
+    pass(store, clock).await;
+    mca(store, "c1", "a").await.expect("c1/a exists")
+}
+
+/// The spec hash of the first config the add-on should apply.
+fn desired_hash(m: &ManagedClusterAddOn) -> String {
+    m.status.config_references[0]
+        .desired_config
+        .spec_hash
+        .clone()
+}
+
 async fn installed(store: &MemoryStore) -> Vec<String> {
     store.keys(Bucket::ManagedClusterAddOns).await.unwrap()
 }
@@ -160,21 +193,16 @@ async fn config_hash_change_is_progressing_until_applied_and_missing_config_degr
     cma(&store, "a", json!({"type": "All"}), defaults).await;
 
     // The referenced config does not exist yet.
-    pass(&store, &clock).await;
-    let m = mca(&store, "c1", "a").await.unwrap();
+    let m = reconciled(&store, &clock).await;
     assert_eq!(
         cond(&m, condition::DEGRADED),
         ("True".into(), "ConfigurationNotFound".into())
     );
 
     adc(&store, "proxy", "http://proxy-1:3128").await;
-    pass(&store, &clock).await;
-    let m = mca(&store, "c1", "a").await.unwrap();
+    let m = reconciled(&store, &clock).await;
     assert_eq!(cond(&m, condition::DEGRADED).0, "False");
-    let h1 = m.status.config_references[0]
-        .desired_config
-        .spec_hash
-        .clone();
+    let h1 = desired_hash(&m);
     assert!(!h1.is_empty());
     assert_eq!(
         cond(&m, condition::PROGRESSING),
@@ -204,12 +232,8 @@ async fn config_hash_change_is_progressing_until_applied_and_missing_config_degr
 
     // The config changes: a new desired hash, Progressing again until the agent catches up.
     adc(&store, "proxy", "http://proxy-2:3128").await;
-    pass(&store, &clock).await;
-    let m = mca(&store, "c1", "a").await.unwrap();
-    let h2 = m.status.config_references[0]
-        .desired_config
-        .spec_hash
-        .clone();
+    let m = reconciled(&store, &clock).await;
+    let h2 = desired_hash(&m);
     assert_ne!(h1, h2, "the spec hash follows the spec");
     assert_eq!(cond(&m, condition::PROGRESSING).0, "True");
     assert!(
@@ -241,22 +265,14 @@ async fn config_hash_change_is_progressing_until_applied_and_missing_config_degr
 #[tokio::test(start_paused = true)]
 async fn available_follows_the_addon_lease_and_every_live_broker() {
     const LEASE_S: u32 = 10;
-    let store = MemoryStore::new();
-    let clock = TokioClock::new();
-    cluster(&store, "c1", true, &[]).await;
-    cma(&store, "a", json!({"type": "All"}), json!([])).await;
-    pass(&store, &clock).await;
+    let (store, clock) = one_addon().await;
     let available = |m: ManagedClusterAddOn| cond(&m, condition::AVAILABLE);
     assert_eq!(
         available(mca(&store, "c1", "a").await.unwrap()),
         ("Unknown".into(), "WaitingForLease".into())
     );
 
-    let renew = |brokers: &[&str]| AddOnLeaseRenew {
-        holder_identity: "agent-1".into(),
-        lease_duration_seconds: LEASE_S,
-        connected_brokers: brokers.iter().map(|b| b.to_string()).collect(),
-    };
+    let renew = |brokers: &[&str]| lease_renew(LEASE_S, brokers);
     // A lease for an add-on that is not installed is refused.
     let r = renew_lease(&store, "c9", "a", renew(&[]), clock.now())
         .await
@@ -298,8 +314,7 @@ async fn available_follows_the_addon_lease_and_every_live_broker() {
     renew_lease(&store, "c1", "a", renew(&["b1", "b2"]), clock.now())
         .await
         .unwrap();
-    pass(&store, &clock).await;
-    let m = mca(&store, "c1", "a").await.unwrap();
+    let m = reconciled(&store, &clock).await;
     assert_eq!(
         available(m.clone()),
         ("False".into(), "ProxyAgentNotConnected".into())
@@ -377,16 +392,8 @@ async fn available_follows_the_addon_lease_and_every_live_broker() {
 #[tokio::test(start_paused = true)]
 async fn addon_lease_renewals_are_written_coarsely() {
     const LEASE_S: u32 = 10;
-    let store = MemoryStore::new();
-    let clock = TokioClock::new();
-    cluster(&store, "c1", true, &[]).await;
-    cma(&store, "a", json!({"type": "All"}), json!([])).await;
-    pass(&store, &clock).await;
-    let renew = |brokers: &[&str]| AddOnLeaseRenew {
-        holder_identity: "agent-1".into(),
-        lease_duration_seconds: LEASE_S,
-        connected_brokers: brokers.iter().map(|b| b.to_string()).collect(),
-    };
+    let (store, clock) = one_addon().await;
+    let renew = |brokers: &[&str]| lease_renew(LEASE_S, brokers);
     let stored = || async {
         store
             .get::<Lease>(Bucket::AddOnLeases, "c1.a")

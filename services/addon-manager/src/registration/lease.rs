@@ -232,21 +232,7 @@ impl<S: Store> Registration<S> {
         let was_joined = mc.condition(condition::JOINED) == Some("True");
         let claims = req.cluster_claims.clone();
         let apply = |mc: &mut ManagedCluster| {
-            let mut changed = set_condition(
-                &mut mc.status.conditions,
-                condition::JOINED,
-                "True",
-                "ManagedClusterJoined",
-                "Managed cluster joined",
-            );
-            changed |= set_condition(
-                &mut mc.status.conditions,
-                condition::AVAILABLE,
-                "True",
-                "ManagedClusterAvailable",
-                "Managed cluster is available",
-            );
-            let (st, reason, msg) = if skew <= MAX_CLOCK_SKEW {
+            let (clock, clock_reason, clock_msg) = if skew <= MAX_CLOCK_SKEW {
                 (
                     "True",
                     "ManagedClusterClockSynced",
@@ -259,13 +245,29 @@ impl<S: Store> Registration<S> {
                     format!("The clock of hub and agent differ by {}s", skew.as_secs()),
                 )
             };
-            changed |= set_condition(
-                &mut mc.status.conditions,
-                condition::CLOCK_SYNCED,
-                st,
-                reason,
-                &msg,
-            );
+            let mut changed = false;
+            for (ty, status, reason, msg) in [
+                (
+                    condition::JOINED,
+                    "True",
+                    "ManagedClusterJoined",
+                    "Managed cluster joined",
+                ),
+                (
+                    condition::AVAILABLE,
+                    "True",
+                    "ManagedClusterAvailable",
+                    "Managed cluster is available",
+                ),
+                (
+                    condition::CLOCK_SYNCED,
+                    clock,
+                    clock_reason,
+                    clock_msg.as_str(),
+                ),
+            ] {
+                changed |= set_condition(&mut mc.status.conditions, ty, status, reason, msg);
+            }
             if !claims.is_empty() && mc.status.cluster_claims != claims {
                 mc.status.cluster_claims = claims.clone();
                 changed = true;

@@ -117,13 +117,31 @@ fn signed(reg: &Registration<MemoryStore>, kind: &str) -> u64 {
         .get()
 }
 
+/// Lets `d` pass, applies the watched changes and runs the lease check.
+async fn expire_after(reg: &Registration<MemoryStore>, w: &mut Watches, d: Duration) {
+    tokio::time::advance(d).await;
+    settle(reg, w);
+    reg.check_leases().await.expect("check leases");
+}
+
+/// Submits a CSR of `agent` of `cluster` with `key` (`renewal`: by the cluster's client
+/// certificate); the reply.
+async fn csr(
+    reg: &Registration<MemoryStore>,
+    cluster: &str,
+    agent: &str,
+    key: &AgentKey,
+    renewal: bool,
+) -> CsrReply {
+    reg.submit_csr(cluster, submit(cluster, agent, key), renewal, None)
+        .await
+        .expect("submit")
+}
+
 /// Joins `cluster` through auto-accept and a first lease renewal; returns the certificate.
 async fn join(reg: &Registration<MemoryStore>, cluster: &str, agent: &str) -> String {
     let key = AgentKey::generate().expect("key");
-    let reply = reg
-        .submit_csr(cluster, submit(cluster, agent, &key), false, None)
-        .await
-        .expect("submit");
+    let reply = csr(reg, cluster, agent, &key, false).await;
     assert_eq!(reply.phase, CsrPhase::Issued, "{reply:?}");
     let r = reg
         .renew_lease(cluster, renew(reg, agent))
@@ -137,10 +155,7 @@ async fn join(reg: &Registration<MemoryStore>, cluster: &str, agent: &str) -> St
 async fn auto_accept_pattern_signs_at_once_and_others_wait() {
     let (store, reg) = hub(&["edge-*"]);
     let key = AgentKey::generate().unwrap();
-    let reply = reg
-        .submit_csr("edge-1", submit("edge-1", "a1", &key), false, None)
-        .await
-        .unwrap();
+    let reply = csr(&reg, "edge-1", "a1", &key, false).await;
     assert_eq!(reply.phase, CsrPhase::Issued);
     let info = CertInfo::from_pem(&reply.certificate).unwrap();
     assert_eq!(
@@ -158,10 +173,7 @@ async fn auto_accept_pattern_signs_at_once_and_others_wait() {
     assert_eq!(signed(&reg, "bootstrap"), 1);
 
     // A name outside the pattern waits for an admin.
-    let reply = reg
-        .submit_csr("core-1", submit("core-1", "a1", &key), false, None)
-        .await
-        .unwrap();
+    let reply = csr(&reg, "core-1", "a1", &key, false).await;
     assert_eq!(reply.phase, CsrPhase::Pending);
     assert!(reply.certificate.is_empty());
     assert!(
@@ -177,16 +189,10 @@ async fn auto_accept_pattern_signs_at_once_and_others_wait() {
 async fn manual_accept_signs_the_pending_csr() {
     let (store, reg) = hub(&[]);
     let key = AgentKey::generate().unwrap();
-    let pending = reg
-        .submit_csr("c1", submit("c1", "a1", &key), false, None)
-        .await
-        .unwrap();
+    let pending = csr(&reg, "c1", "a1", &key, false).await;
     assert_eq!(pending.phase, CsrPhase::Pending);
     // The same CSR again is the same pending object, not a second one.
-    let again = reg
-        .submit_csr("c1", submit("c1", "a1", &key), false, None)
-        .await
-        .unwrap();
+    let again = csr(&reg, "c1", "a1", &key, false).await;
     assert_eq!(again.csr_name, pending.csr_name);
     assert_eq!(store.keys(Bucket::Csrs).await.unwrap().len(), 1);
 
@@ -274,10 +280,7 @@ async fn refusals_name_what_is_wrong() {
     let r = reg.renew_lease("c1", renew(&reg, "a1")).await.unwrap();
     assert!(!r.accepted && r.message.contains("not accepted"), "{r:?}");
     let other = AgentKey::generate().unwrap();
-    let reply = reg
-        .submit_csr("c1", submit("c1", "a1", &other), false, None)
-        .await
-        .unwrap();
+    let reply = csr(&reg, "c1", "a1", &other, false).await;
     assert_eq!(reply.phase, CsrPhase::Pending);
 }
 
@@ -290,10 +293,7 @@ async fn pending_csrs_are_capped_per_cluster() {
     let reg = replica(&store, &ca, p);
     for _ in 0..2 {
         let key = AgentKey::generate().unwrap();
-        let r = reg
-            .submit_csr("c1", submit("c1", "a1", &key), false, None)
-            .await
-            .unwrap();
+        let r = csr(&reg, "c1", "a1", &key, false).await;
         assert_eq!(r.phase, CsrPhase::Pending);
     }
     let key = AgentKey::generate().unwrap();
@@ -327,10 +327,7 @@ async fn two_replicas_never_sign_one_csr_twice() {
     let a = replica(&store, &ca, policy(&[]));
     let b = replica(&store, &ca, policy(&[]));
     let key = AgentKey::generate().unwrap();
-    let pending = a
-        .submit_csr("c1", submit("c1", "a1", &key), false, None)
-        .await
-        .unwrap();
+    let pending = csr(&a, "c1", "a1", &key, false).await;
     assert_eq!(pending.phase, CsrPhase::Pending);
     // Accepted behind both replicas' backs (another admin path), CSR still pending.
     a.update_cluster("c1", |mc| {
@@ -397,10 +394,7 @@ async fn rotation_renews_at_the_configured_fraction() {
     assert!(!info.is_expired(reg.clock.now()));
 
     let key = AgentKey::generate().unwrap();
-    let reply = reg
-        .submit_csr("c1", submit("c1", "a1", &key), true, None)
-        .await
-        .unwrap();
+    let reply = csr(&reg, "c1", "a1", &key, true).await;
     assert_eq!(reply.phase, CsrPhase::Issued, "{reply:?}");
     let next = CertInfo::from_pem(&reply.certificate).unwrap();
     // (Validity is stamped by tether_pki from the system clock, not the paused one.)
@@ -425,17 +419,13 @@ async fn lease_expiry_marks_unknown_and_renewal_recovers() {
     assert_eq!(available(&mc).as_deref(), Some("True"));
 
     let grace = Duration::from_secs(u64::from(LEASE_S * GRACE));
-    tokio::time::advance(grace - Duration::from_secs(1)).await;
-    settle(&reg, &mut w);
-    reg.check_leases().await.unwrap();
+    expire_after(&reg, &mut w, grace - Duration::from_secs(1)).await;
     assert_eq!(
         available(&cluster(&store, "c1").await).as_deref(),
         Some("True")
     );
 
-    tokio::time::advance(Duration::from_secs(2)).await;
-    settle(&reg, &mut w);
-    reg.check_leases().await.unwrap();
+    expire_after(&reg, &mut w, Duration::from_secs(2)).await;
     let mc = cluster(&store, "c1").await;
     assert_eq!(available(&mc).as_deref(), Some("Unknown"));
     let cond = mc
@@ -477,9 +467,7 @@ async fn lease_expiry_marks_unknown_and_renewal_recovers() {
             .event_reasons("c1")
             .contains(&"ManagedClusterAvailable".to_string())
     );
-    tokio::time::advance(grace - Duration::from_secs(1)).await;
-    settle(&reg, &mut w);
-    reg.check_leases().await.unwrap();
+    expire_after(&reg, &mut w, grace - Duration::from_secs(1)).await;
     assert_eq!(
         available(&cluster(&store, "c1").await).as_deref(),
         Some("True")
@@ -580,16 +568,12 @@ async fn unwritten_renewals_count_exactly_on_the_serving_replica() {
     assert_eq!(reg.metrics.lease_renewals_total.get(), 2);
 
     let grace = Duration::from_secs(u64::from(LEASE_S * GRACE));
-    tokio::time::advance(grace - Duration::from_secs(1)).await;
-    settle(&reg, &mut w);
-    reg.check_leases().await.unwrap();
+    expire_after(&reg, &mut w, grace - Duration::from_secs(1)).await;
     assert_eq!(
         cluster(&store, "c1").await.condition(condition::AVAILABLE),
         Some("True")
     );
-    tokio::time::advance(Duration::from_secs(2)).await;
-    settle(&reg, &mut w);
-    reg.check_leases().await.unwrap();
+    expire_after(&reg, &mut w, Duration::from_secs(2)).await;
     assert_eq!(
         cluster(&store, "c1").await.condition(condition::AVAILABLE),
         Some("Unknown")

@@ -20,10 +20,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use futures::StreamExt;
-use serde::{Serialize, de::DeserializeOwned};
+use serde::de::DeserializeOwned;
 use tokio::sync::broadcast;
 
-use super::{Bucket, Store, StoreResult, decode, encode};
+use bytes::Bytes;
+
+use super::{Bucket, Raw, RawEntry, Store, StoreResult, Write, Written, decode_or_skip};
 use crate::resources::Event;
 
 /// Changes buffered per bucket for watchers.
@@ -31,9 +33,9 @@ pub const WATCH_BUFFER: usize = 4096;
 /// Events kept (oldest dropped).
 pub const MAX_EVENTS: usize = 10_000;
 
-type Change = (String, Option<Arc<Vec<u8>>>);
+type Change = (String, Option<Bytes>);
 /// A stored value: JSON and revision.
-type Stored = (Arc<Vec<u8>>, u64);
+type Stored = (Bytes, u64);
 
 #[derive(Default)]
 struct BucketState {
@@ -44,7 +46,7 @@ struct BucketState {
 }
 
 impl BucketState {
-    fn write(&mut self, key: &str, value: Option<Arc<Vec<u8>>>) -> u64 {
+    fn write(&mut self, key: &str, value: Option<Bytes>) -> u64 {
         self.last_revision += 1;
         let rev = self.last_revision;
         match &value {
@@ -118,50 +120,21 @@ impl MemoryStore {
 }
 
 impl Store for MemoryStore {
-    async fn get<T: DeserializeOwned>(
-        &self,
-        b: Bucket,
-        key: &str,
-    ) -> StoreResult<Option<(T, u64)>> {
+    async fn get_raw(&self, b: Bucket, key: &str) -> StoreResult<Raw> {
         tokio::task::yield_now().await;
-        let found = self.with_bucket(b, |s| s.entries.get(key).cloned());
-        match found {
-            Some((v, rev)) => Ok(Some((decode(b, key, &v)?, rev))),
-            None => Ok(None),
-        }
+        Ok(self.with_bucket(b, |s| s.entries.get(key).cloned()))
     }
 
-    async fn put<T: Serialize + Sync>(&self, b: Bucket, key: &str, v: &T) -> StoreResult<u64> {
-        let bytes = Arc::new(encode(b, key, v)?);
-        tokio::task::yield_now().await;
-        Ok(self.with_bucket(b, |s| s.write(key, Some(bytes))))
-    }
-
-    async fn create<T: Serialize + Sync>(
-        &self,
-        b: Bucket,
-        key: &str,
-        v: &T,
-    ) -> StoreResult<Option<u64>> {
-        let bytes = Arc::new(encode(b, key, v)?);
+    async fn write_raw(&self, b: Bucket, key: &str, v: Bytes, how: Write) -> Written {
         tokio::task::yield_now().await;
         Ok(self.with_bucket(b, |s| {
-            (!s.entries.contains_key(key)).then(|| s.write(key, Some(bytes)))
-        }))
-    }
-
-    async fn update<T: Serialize + Sync>(
-        &self,
-        b: Bucket,
-        key: &str,
-        v: &T,
-        revision: u64,
-    ) -> StoreResult<Option<u64>> {
-        let bytes = Arc::new(encode(b, key, v)?);
-        tokio::task::yield_now().await;
-        Ok(self.with_bucket(b, |s| {
-            let current = s.entries.get(key).map_or(0, |(_, r)| *r);
-            (current == revision).then(|| s.write(key, Some(bytes)))
+            let current = s.entries.get(key).map(|(_, r)| *r);
+            let allowed = match how {
+                Write::Put => true,
+                Write::Create => current.is_none(),
+                Write::Update(rev) => current.unwrap_or(0) == rev,
+            };
+            allowed.then(|| s.write(key, Some(v)))
         }))
     }
 
@@ -175,11 +148,6 @@ impl Store for MemoryStore {
         Ok(())
     }
 
-    async fn keys(&self, b: Bucket) -> StoreResult<Vec<String>> {
-        tokio::task::yield_now().await;
-        Ok(self.with_bucket(b, |s| s.entries.keys().cloned().collect()))
-    }
-
     async fn keys_matching(&self, b: Bucket, filter: &str) -> StoreResult<Vec<String>> {
         tokio::task::yield_now().await;
         Ok(self.with_bucket(b, |s| {
@@ -191,27 +159,15 @@ impl Store for MemoryStore {
         }))
     }
 
-    async fn list<T: DeserializeOwned + Send>(
-        &self,
-        b: Bucket,
-    ) -> StoreResult<Vec<(String, T, u64)>> {
+    async fn list_raw(&self, b: Bucket, filter: &str) -> StoreResult<Vec<RawEntry>> {
         tokio::task::yield_now().await;
-        let all: Vec<(String, Stored)> = self.with_bucket(b, |s| {
+        Ok(self.with_bucket(b, |s| {
             s.entries
                 .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
+                .filter(|(k, _)| subject_matches(filter, k))
+                .map(|(k, (v, rev))| (k.clone(), v.clone(), *rev))
                 .collect()
-        });
-        Ok(all
-            .into_iter()
-            .filter_map(|(k, (v, rev))| match decode(b, &k, &v) {
-                Ok(t) => Some((k, t, rev)),
-                Err(e) => {
-                    tracing::warn!(bucket = b.name(), key = %k, error = %e, "skipping entry");
-                    None
-                }
-            })
-            .collect())
+        }))
     }
 
     async fn watch<T: DeserializeOwned + Send + 'static>(
@@ -247,13 +203,7 @@ impl Store for MemoryStore {
             .filter_map(move |(k, v)| async move {
                 match v {
                     None => Some((k, None)),
-                    Some(bytes) => match decode::<T>(b, &k, &bytes) {
-                        Ok(t) => Some((k, Some(t))),
-                        Err(e) => {
-                            tracing::warn!(bucket = b.name(), key = %k, error = %e, "undecodable entry");
-                            None
-                        }
-                    },
+                    Some(bytes) => decode_or_skip::<T>(b, &k, &bytes).map(|t| (k, Some(t))),
                 }
             })
             .boxed())
