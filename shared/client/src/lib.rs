@@ -613,56 +613,30 @@ fn code_of_label(label: &str) -> pb::DialErrorCode {
 /// last `Bytes` cut from it is dropped (h2 wrote it), so a busy stream reuses a few buffers
 /// instead of allocating (and, with glibc's allocator, page-faulting) 256 KiB per chunk. At
 /// most [`POOLED_CHUNKS`] are kept; the rest are freed.
-#[derive(Clone, Default)]
-pub struct ChunkPool(Arc<std::sync::Mutex<Vec<Vec<u8>>>>);
+#[derive(Clone)]
+pub struct ChunkPool(tether_bufpool::BufPool);
 
-/// A pooled buffer lent out as `Bytes`; returns to its pool on drop.
-struct Lent {
-    buf: Vec<u8>,
-    pool: std::sync::Weak<std::sync::Mutex<Vec<Vec<u8>>>>,
-}
-
-impl AsRef<[u8]> for Lent {
-    fn as_ref(&self) -> &[u8] {
-        &self.buf
-    }
-}
-
-impl Drop for Lent {
-    fn drop(&mut self) {
-        if let Some(pool) = self.pool.upgrade()
-            && let Ok(mut free) = pool.lock()
-            && free.len() < POOLED_CHUNKS
-        {
-            let mut buf = std::mem::take(&mut self.buf);
-            buf.clear();
-            free.push(buf);
-        }
+impl Default for ChunkPool {
+    fn default() -> Self {
+        Self(tether_bufpool::BufPool::new(POOLED_CHUNKS))
     }
 }
 
 impl ChunkPool {
     /// An empty buffer with [`MAX_FRAME_BYTES`] of capacity, recycled when one is free.
     pub fn take(&self) -> Vec<u8> {
-        self.0
-            .lock()
-            .ok()
-            .and_then(|mut free| free.pop())
-            .unwrap_or_else(|| Vec::with_capacity(MAX_FRAME_BYTES))
+        self.0.take(MAX_FRAME_BYTES)
     }
 
     /// `buf`'s bytes as `Bytes` without a copy; the buffer returns to this pool when the last
     /// `Bytes` cut from it is dropped.
     pub fn lend(&self, buf: Vec<u8>) -> Bytes {
-        Bytes::from_owner(Lent {
-            buf,
-            pool: Arc::downgrade(&self.0),
-        })
+        self.0.lend(buf)
     }
 
     /// Buffers waiting for reuse.
     pub fn free(&self) -> usize {
-        self.0.lock().map_or(0, |f| f.len())
+        self.0.free()
     }
 }
 
@@ -856,24 +830,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn chunk_pool_recycles_lent_buffers() {
+    fn chunk_pool_lends_frame_sized_buffers_and_keeps_pooled_chunks() {
         let pool = ChunkPool::default();
-        let mut a = pool.take();
+        let a = pool.take();
         assert!(a.capacity() >= MAX_FRAME_BYTES && a.is_empty());
-        a.extend_from_slice(&[7u8; 100_000]);
-        let ptr = a.as_ptr();
-        let lent = pool.lend(a);
-        assert_eq!(lent.len(), 100_000);
-        let part = lent.slice(10..20);
-        drop(lent);
-        assert_eq!(pool.free(), 0, "a slice still holds the buffer");
-        assert_eq!(&part[..], &[7u8; 10]);
-        drop(part);
-        assert_eq!(pool.free(), 1, "returned once the last slice dropped");
-        let again = pool.take();
-        assert_eq!(again.as_ptr(), ptr, "the same allocation is reused");
-        assert!(again.is_empty());
-        // At most POOLED_CHUNKS are kept.
         let bufs: Vec<Bytes> = (0..POOLED_CHUNKS + 3)
             .map(|_| {
                 let mut b = pool.take();
@@ -881,15 +841,8 @@ mod tests {
                 pool.lend(b)
             })
             .collect();
+        assert_eq!(pool.free(), 0);
         drop(bufs);
         assert_eq!(pool.free(), POOLED_CHUNKS);
-        // Buffers lent by a pool that is gone are simply freed.
-        let orphan = {
-            let p = ChunkPool::default();
-            let mut b = p.take();
-            b.push(1);
-            p.lend(b)
-        };
-        drop(orphan);
     }
 }

@@ -19,13 +19,13 @@
 use std::future::poll_fn;
 use std::io;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use h2::{Reason, RecvStream, SendStream};
 use prometheus::IntCounter;
+use tether_bufpool::BufPool;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
@@ -58,7 +58,7 @@ pub struct TcpChunkReader {
     rd: OwnedReadHalf,
     chunk: usize,
     current: Option<Vec<u8>>,
-    pool: Arc<Mutex<Pool>>,
+    pool: BufPool,
     /// When the last chunk was read (the idle release counts from here).
     last_data: Instant,
     /// The idle-release timer, armed while buffers are held. It is not re-armed per read: when
@@ -73,46 +73,13 @@ const COPY_BELOW: usize = 16 << 10;
 /// Buffers a reader keeps for reuse (the send buffer holds at most a few chunks).
 const POOLED_BUFFERS: usize = 4;
 
-#[derive(Default)]
-struct Pool {
-    free: Vec<Vec<u8>>,
-    /// False while the reader is idle: returning buffers are freed, not kept.
-    active: bool,
-}
-
-/// A read buffer lent to h2; returns to its reader's pool when the last chunk cut from it drops.
-struct Lent {
-    buf: Vec<u8>,
-    pool: Weak<Mutex<Pool>>,
-}
-
-impl AsRef<[u8]> for Lent {
-    fn as_ref(&self) -> &[u8] {
-        &self.buf
-    }
-}
-
-impl Drop for Lent {
-    fn drop(&mut self) {
-        if let Some(pool) = self.pool.upgrade()
-            && let Ok(mut p) = pool.lock()
-            && p.active
-            && p.free.len() < POOLED_BUFFERS
-        {
-            let mut buf = std::mem::take(&mut self.buf);
-            buf.clear();
-            p.free.push(buf);
-        }
-    }
-}
-
 impl TcpChunkReader {
     pub fn new(rd: OwnedReadHalf, chunk: usize) -> Self {
         Self {
             rd,
             chunk,
             current: None,
-            pool: Arc::default(),
+            pool: BufPool::new(POOLED_BUFFERS),
             last_data: Instant::now(),
             idle: None,
         }
@@ -128,34 +95,23 @@ impl TcpChunkReader {
 
     /// Whether this reader holds no buffer (none allocated yet, or released when idle).
     pub fn is_unbuffered(&self) -> bool {
-        self.current.is_none()
-            && self
-                .pool
-                .lock()
-                .is_ok_and(|p| p.free.is_empty() && !p.active)
+        self.current.is_none() && !self.pool.is_active() && self.pool.free() == 0
     }
 
     fn take_buffer(&mut self) -> Vec<u8> {
         if let Some(b) = self.current.take() {
             return b;
         }
-        let pooled = self.pool.lock().ok().and_then(|mut p| {
-            p.active = true;
-            p.free.pop()
-        });
         // Not zeroed: reads fill the spare capacity, and a small first read touches one page of
         // it instead of clearing (and faulting in) the whole chunk — a new stream's first byte
         // no longer waits for a 256 KiB memset.
-        pooled.unwrap_or_else(|| Vec::with_capacity(self.chunk))
+        self.pool.take(self.chunk)
     }
 
     fn release_buffers(&mut self) {
         self.current = None;
         self.idle = None;
-        if let Ok(mut p) = self.pool.lock() {
-            p.active = false;
-            p.free = Vec::new();
-        }
+        self.pool.release();
     }
 }
 
@@ -163,7 +119,7 @@ impl TcpChunkReader {
     /// Waits until the socket is readable; frees the buffers when nothing came for
     /// [`IDLE_BUFFER_RELEASE`] since the last chunk.
     async fn wait_readable(&mut self) -> io::Result<()> {
-        let holding = self.current.is_some() || self.pool.lock().is_ok_and(|p| p.active);
+        let holding = self.current.is_some() || self.pool.is_active();
         if !holding {
             self.idle = None;
             return self.rd.readable().await;
@@ -223,11 +179,7 @@ impl ChunkReader for TcpChunkReader {
                 self.current = Some(buf);
                 return Ok(Some(out));
             }
-            let lent = Lent {
-                buf,
-                pool: Arc::downgrade(&self.pool),
-            };
-            return Ok(Some(Bytes::from_owner(lent)));
+            return Ok(Some(self.pool.lend(buf)));
         }
     }
 }
