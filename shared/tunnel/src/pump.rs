@@ -85,14 +85,6 @@ impl TcpChunkReader {
         }
     }
 
-    /// Starts with bytes already read from the socket (e.g. after an HTTP CONNECT head).
-    pub fn with_prefix(rd: OwnedReadHalf, chunk: usize, prefix: Bytes) -> PrefixedReader<Self> {
-        PrefixedReader {
-            prefix: (!prefix.is_empty()).then_some(prefix),
-            inner: Self::new(rd, chunk),
-        }
-    }
-
     /// Whether this reader holds no buffer (none allocated yet, or released when idle).
     pub fn is_unbuffered(&self) -> bool {
         self.current.is_none() && !self.pool.is_active() && self.pool.free() == 0
@@ -210,30 +202,6 @@ impl<R: AsyncRead + Unpin + Send> ChunkReader for AsyncChunkReader<R> {
             0 => Ok(None),
             _ => Ok(Some(self.buf.split().freeze())),
         }
-    }
-}
-
-/// A reader that first yields bytes already consumed from the socket.
-pub struct PrefixedReader<R> {
-    prefix: Option<Bytes>,
-    inner: R,
-}
-
-impl<R: ChunkReader> PrefixedReader<R> {
-    pub fn new(prefix: Bytes, inner: R) -> Self {
-        Self {
-            prefix: (!prefix.is_empty()).then_some(prefix),
-            inner,
-        }
-    }
-}
-
-impl<R: ChunkReader> ChunkReader for PrefixedReader<R> {
-    async fn next_chunk(&mut self) -> io::Result<Option<Bytes>> {
-        if let Some(p) = self.prefix.take() {
-            return Ok(Some(p));
-        }
-        self.inner.next_chunk().await
     }
 }
 
