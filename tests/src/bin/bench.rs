@@ -1294,7 +1294,13 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
                 "  skipping idle streams: the fd limit {nofile} is below {needed}; run `ulimit -n 65536` first"
             );
         } else {
-            let broker2 = hub.start_broker("b2", &tunnel_yaml)?;
+            // The per-cluster and per-client stream budgets (4,096 by default) would refuse most
+            // of the idle streams, which all come from one client to one cluster.
+            let budgets = format!(
+                "budgets:\n  max_streams_per_cluster: {n}\n  max_streams_per_client: {n}\n",
+                n = setup.idle + 256
+            );
+            let broker2 = hub.start_broker("b2", &format!("{tunnel_yaml}{budgets}"))?;
             let agent2 = hub.start_agent(
                 "c2",
                 "c2",
