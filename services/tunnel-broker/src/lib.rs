@@ -488,23 +488,20 @@ async fn accept_loop<F, Fut>(
 /// block keeps a captured future and the one it awaits in separate fields (rust-lang/rust#62958),
 /// so a future built outside would be stored twice in every connection's task (~2 KiB more per
 /// idle CONNECT stream; `tests::connection_task_holds_the_handler_future_once`).
-fn connection_task<F, Fut>(
+async fn connection_task<F, Fut>(
     handle: Arc<F>,
     tcp: tokio::net::TcpStream,
     close: CancellationToken,
     slot: tokio::sync::OwnedSemaphorePermit,
-) -> impl std::future::Future<Output = ()> + Send + 'static
-where
+) where
     F: Fn(tokio::net::TcpStream) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    async move {
-        tokio::select! {
-            _ = handle(tcp) => {}
-            _ = close.cancelled() => {}
-        }
-        drop(slot);
+    tokio::select! {
+        _ = handle(tcp) => {}
+        _ = close.cancelled() => {}
     }
+    drop(slot);
 }
 
 #[cfg(test)]

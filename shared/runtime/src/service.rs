@@ -180,7 +180,7 @@ mod tests {
         let big = async {
             let buf = [7u8; 4096];
             std::future::pending::<()>().await;
-            drop(buf);
+            std::hint::black_box(&buf);
         };
         let size = std::mem::size_of_val(&big);
         assert!(size >= 4096);
