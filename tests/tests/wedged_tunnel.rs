@@ -29,6 +29,8 @@ const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Slack for process scheduling on a loaded CI machine.
 const SLACK: Duration = Duration::from_millis(1500);
+/// How long the broker's wedge counter may trail the stream's reset.
+const METRIC_SETTLE: Duration = Duration::from_secs(1);
 
 fn tunnel_yaml() -> String {
     format!(
@@ -96,12 +98,21 @@ async fn a_blackholed_tunnel_is_torn_down_and_replaced() -> anyhow::Result<()> {
         "stream ended {stream_ended:?} after the wedge; bound {:?} + slack",
         STALL + TICK
     );
-    let broker_wedged = metric(
-        broker.admin_addr,
-        "tether_broker_tunnel_wedged_total",
-        &[("detector", "watchdog")],
-    )
-    .await?;
+    // The watchdog tears the socket down first and counts the wedge right after, so the client
+    // can see its reset a moment before the counter moves: wait for it (bounded).
+    let counted_by = Instant::now() + METRIC_SETTLE;
+    let broker_wedged = loop {
+        let n = metric(
+            broker.admin_addr,
+            "tether_broker_tunnel_wedged_total",
+            &[("detector", "watchdog")],
+        )
+        .await?;
+        if n >= 1.0 || Instant::now() >= counted_by {
+            break n;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert_eq!(broker_wedged, 1.0, "broker wedged count");
 
     // New streams meanwhile are answered at once, never parked on the wedged tunnel; one
