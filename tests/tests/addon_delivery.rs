@@ -473,6 +473,31 @@ fn agent_config(
     extra: &str,
     brokers: &[&tether_e2e::Broker],
 ) -> String {
+    let endpoints: Vec<Endpoint> = brokers
+        .iter()
+        .map(|b| Endpoint {
+            name: b.id.clone(),
+            address: b.agent_addr.to_string(),
+            server_name: "tether-broker",
+        })
+        .collect();
+    agent_config_endpoints(tls, apiserver, extra, &endpoints)
+}
+
+/// One `brokers[]` entry of a tunnel-agent config.
+struct Endpoint {
+    name: String,
+    address: String,
+    server_name: &'static str,
+}
+
+/// [`agent_config`] with the endpoints spelled out.
+fn agent_config_endpoints(
+    tls: &tether_test_support::LeafFiles,
+    apiserver: &impl std::fmt::Display,
+    extra: &str,
+    brokers: &[Endpoint],
+) -> String {
     let mut s = format!(
         "cluster: c1\nagent: agent-0\ntls:\n  cert: {}\n  key: {}\n  ca: {}\napiserver: '{apiserver}'\nadmin_listen: 127.0.0.1:0\n{extra}backoff:\n  initial: 50ms\n  max: 1s\n  reset_after: 5s\nproxy: {{}}\nbrokers:\n",
         tls.cert.display(),
@@ -481,8 +506,8 @@ fn agent_config(
     );
     for b in brokers {
         s.push_str(&format!(
-            "  - name: {}\n    addresses: ['{}']\n    server_name: tether-broker\n",
-            b.id, b.agent_addr
+            "  - name: {}\n    addresses: ['{}']\n    server_name: {}\n",
+            b.name, b.address, b.server_name
         ));
     }
     if brokers.is_empty() {
@@ -688,6 +713,137 @@ async fn tunnel_agent_keeps_a_working_tunnel_of_a_removed_broker() -> anyhow::Re
     );
     assert_eq!(connects("ok").await?, 1.0);
     wait_for("still only b2", |v| connected(v) == ["b2"]).await?;
+    Ok(())
+}
+
+/// The hub renames a broker endpoint when its broker list falls back to the entrypoints
+/// (broker presence lapsed during a NATS failover) and back. Such a reload keeps the working
+/// tunnel: the endpoint that reaches the same broker (same address, or named by the broker's
+/// hello id) takes it over when the broker's certificate is valid for its `server_name`. A
+/// stream open across both renames keeps flowing, the broker holds the same tunnel, nothing is
+/// redialled. An endpoint whose `server_name` the broker's certificate does not cover is not
+/// given the tunnel: the old endpoint is stopped and the new one dials (and fails) on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnel_agent_keeps_its_tunnel_when_the_endpoint_is_renamed() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let procs = tether_e2e::Hub::new()?;
+    let b1 = procs.start_broker("b1", "")?;
+    let echo = tether_e2e::echo_server().await?;
+    let tls = procs.pki.issue(
+        "rename-agent",
+        tether_tls::Identity::tunnel_agent("c1", "agent-0"),
+        &[],
+    )?;
+    let endpoint = |name: &str, server_name: &'static str| Endpoint {
+        name: name.into(),
+        address: b1.agent_addr.to_string(),
+        server_name,
+    };
+    let render = |e: Endpoint| {
+        agent_config_endpoints(
+            &tls,
+            &echo,
+            "keep_removed_brokers_connected: true\nshutdown_grace: 1s\n",
+            &[e],
+        )
+    };
+    let cfg = procs.path().join("rename-agent.yaml");
+    let (_agent, admin) = start_agent_with_config(
+        &procs,
+        "rename-agent",
+        &cfg,
+        &render(endpoint("b1", "tether-broker")),
+    )?;
+    wait_debug(admin, "a tunnel to b1", |v| connected(v) == ["b1"]).await?;
+    let tunnel_ids = || async {
+        let (code, body) = tether_e2e::admin_get(b1.admin_addr, "/debug/tunnels").await?;
+        anyhow::ensure!(code == 200, "/debug/tunnels answered {code}");
+        let v: serde_json::Value = serde_json::from_str(&body)?;
+        Ok(v.as_array()
+            .context("/debug/tunnels is not a list")?
+            .iter()
+            .map(|t| t["id"].to_string())
+            .collect::<Vec<_>>())
+    };
+    let before = tunnel_ids().await?;
+    assert_eq!(before.len(), 1, "one tunnel: {before:?}");
+    let ok_connects = |label: &'static str| async move {
+        tether_e2e::metric(
+            admin,
+            "tether_agent_tunnel_connects_total",
+            &[("endpoint", label), ("result", "ok")],
+        )
+        .await
+    };
+    let mut stream = tether_e2e::connect_ok(b1.client_addr, "c1:443").await?;
+    async fn round(s: &mut tokio::net::TcpStream, msg: &[u8]) -> anyhow::Result<()> {
+        s.write_all(msg).await?;
+        let mut back = vec![0; msg.len()];
+        tokio::time::timeout(WAIT, s.read_exact(&mut back)).await??;
+        anyhow::ensure!(back == msg, "echo differs");
+        Ok(())
+    }
+    round(&mut stream, b"before the rename").await?;
+
+    // The entrypoint: b1's address under the name of its IP (in b1's certificate).
+    std::fs::write(&cfg, render(endpoint("entrypoint-0", "127.0.0.1")))?;
+    let v = wait_debug(admin, "b1's tunnel under entrypoint-0", |v| {
+        v["configGeneration"] == 2 && v["endpoints"]["entrypoint-0"]["broker"] == "b1"
+    })
+    .await?;
+    assert!(v["endpoints"].get("b1").is_none(), "b1 still listed: {v}");
+    round(&mut stream, b"renamed to the entrypoint").await?;
+
+    // Back to the broker's own name.
+    std::fs::write(&cfg, render(endpoint("b1", "tether-broker")))?;
+    wait_debug(admin, "the tunnel under b1 again", |v| {
+        v["configGeneration"] == 3
+            && v["endpoints"]["b1"]["broker"] == "b1"
+            && v["endpoints"].get("entrypoint-0").is_none()
+    })
+    .await?;
+    round(&mut stream, b"and back").await?;
+    assert_eq!(
+        tunnel_ids().await?,
+        before,
+        "the broker holds the same tunnel"
+    );
+    assert_eq!(ok_connects("b1").await?, 1.0, "b1 was redialled");
+    assert_eq!(
+        ok_connects("entrypoint-0").await?,
+        0.0,
+        "entrypoint-0 dialled a tunnel of its own"
+    );
+    assert_eq!(
+        tether_e2e::metric(admin, "tether_agent_tunnels", &[("endpoint", "b1")]).await?,
+        1.0,
+        "the tunnel gauge follows the label"
+    );
+
+    // A name b1's certificate does not cover: no takeover; b1 is stopped (the new endpoint
+    // reaches its address) and the new endpoint's own handshake fails.
+    std::fs::write(
+        &cfg,
+        render(endpoint("elsewhere", "not-the-broker.tether.test")),
+    )?;
+    wait_debug(
+        admin,
+        "no tunnel under a name the broker cannot prove",
+        |v| {
+            v["configGeneration"] == 4
+                && v["endpoints"].get("b1").is_none()
+                && v["endpoints"]["elsewhere"]["address"].is_null()
+                && connected(v).is_empty()
+        },
+    )
+    .await?;
+    let mut rest = Vec::new();
+    let ended = tokio::time::timeout(WAIT, stream.read_to_end(&mut rest)).await?;
+    assert!(
+        ended.is_err() || rest.is_empty(),
+        "the stopped tunnel's stream ends: {ended:?}"
+    );
+    assert_eq!(ok_connects("elsewhere").await?, 0.0);
     Ok(())
 }
 

@@ -534,6 +534,23 @@ async fn get_map<T: serde::de::DeserializeOwned>(
     Ok(out)
 }
 
+/// How long an add-on lease may go unrenewed before its add-on is no longer Available.
+fn lease_grace(lease: &Lease) -> Duration {
+    Duration::from_secs(
+        u64::from(lease.spec.lease_duration_seconds) * u64::from(ADDON_LEASE_GRACE_MULTIPLIER),
+    )
+}
+
+/// How long `lease` keeps its add-on Available from `now`; `None` once it lapsed (or its renew
+/// time does not parse). The stored renew time may be up to the persist interval older than the
+/// agent's last renewal (renewals that change nothing else are not written).
+fn lease_time_left(lease: &Lease, now: SystemTime) -> Option<Duration> {
+    let deadline = lease_grace(lease) + lease_persist_interval(lease.spec.lease_duration_seconds);
+    parse_rfc3339(&lease.spec.renew_time)
+        .and_then(|r| (r + deadline).duration_since(now).ok())
+        .filter(|left| !left.is_zero())
+}
+
 /// One pass over the add-ons in `scope` at the current time ([`reconcile_at`]).
 pub async fn reconcile(
     store: &impl Store,
@@ -798,7 +815,22 @@ pub async fn reconcile_at(
                 &format!("managed cluster {cluster} is Unknown (its lease expired)"),
             );
         } else {
-            match leases.get(&key) {
+            // Taking Available away from True on the lease's word (missing, or expired) is
+            // confirmed with a read of the stream leader first: the listing may come from a
+            // replica still catching up after a partition, which misses the leases written
+            // during the outage (tests/tests/hub_chaos_tunnels.rs saw add-ons of clusters that
+            // joined then go Unknown/WaitingForLease on a new leader's first pass).
+            let was_available = existing
+                .as_ref()
+                .is_some_and(|(m, _)| m.condition(addons::condition::AVAILABLE) == Some("True"));
+            let listed = leases.get(&key);
+            let lease =
+                if was_available && listed.is_none_or(|(l, _)| lease_time_left(l, now).is_none()) {
+                    store.get::<Lease>(Bucket::AddOnLeases, &key).await?
+                } else {
+                    listed.cloned()
+                };
+            match &lease {
                 None => set_condition(
                     conds,
                     addons::condition::AVAILABLE,
@@ -807,18 +839,8 @@ pub async fn reconcile_at(
                     "the add-on agent has not renewed its lease yet",
                 ),
                 Some((lease, _)) => {
-                    let renew = parse_rfc3339(&lease.spec.renew_time);
-                    let grace = Duration::from_secs(
-                        u64::from(lease.spec.lease_duration_seconds)
-                            * u64::from(ADDON_LEASE_GRACE_MULTIPLIER),
-                    );
-                    // The stored renew time may be up to the persist interval older than the
-                    // agent's last renewal (renewals that change nothing else are not written).
-                    let deadline =
-                        grace + lease_persist_interval(lease.spec.lease_duration_seconds);
-                    if let Some(left) = renew.and_then(|r| (r + deadline).duration_since(now).ok())
-                        && !left.is_zero()
-                    {
+                    let grace = lease_grace(lease);
+                    if let Some(left) = lease_time_left(lease, now) {
                         next_deadline = Some(next_deadline.map_or(left, |d| d.min(left)));
                         // What the data plane says, not what the agent says: the live
                         // brokers that report holding a tunnel of this cluster.

@@ -20,6 +20,9 @@
 //! connector whose endpoint left the config is stopped with [`StopConnector`] (its tunnels
 //! drain) without touching the others — or, with `keep_removed_brokers_connected` and a
 //! tunnel established, [`Retire`]d: the tunnel is kept until it ends and is not redialled.
+//! A connector whose working tunnel reaches an endpoint of the new config (the same broker
+//! under another name or address list) is told to [`Adopt`] that endpoint: it keeps its tunnel
+//! and streams, and only its label and addresses change.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,6 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use rustls::pki_types::{CertificateDer, ServerName};
 use tether_runtime::Backoff;
 use tether_runtime::test_hooks::{self, TestHooks};
 use tether_telemetry::Readiness;
@@ -70,9 +74,31 @@ impl ExitSignal {
 #[derive(Clone)]
 pub struct EndpointStates {
     inner: Arc<Mutex<HashMap<String, Option<String>>>>,
-    /// Endpoint → id of the broker at the other end of its current tunnel (from `hello`).
-    brokers: Arc<Mutex<HashMap<String, String>>>,
+    /// Endpoint → the broker at the other end of its current tunnel.
+    brokers: Arc<Mutex<HashMap<String, Peer>>>,
     readiness: Readiness,
+}
+
+/// The broker at the other end of an established tunnel.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// Its id, from its `hello`.
+    pub broker: String,
+    /// The certificate it presented (its chain was checked against the hub CA at the handshake).
+    pub certificate: Option<CertificateDer<'static>>,
+}
+
+impl Peer {
+    /// Whether the certificate this broker presented is valid for `server_name` too: then an
+    /// endpoint naming it so may take over the tunnel without a new handshake.
+    pub fn valid_for(&self, server_name: &str) -> bool {
+        let (Some(cert), Ok(name)) = (&self.certificate, ServerName::try_from(server_name)) else {
+            return false;
+        };
+        rustls::server::ParsedCertificate::try_from(cert)
+            .and_then(|parsed| rustls::client::verify_server_name(&parsed, &name))
+            .is_ok()
+    }
 }
 
 /// One endpoint in `/debug/agent`.
@@ -105,11 +131,27 @@ impl EndpointStates {
         self.publish();
     }
 
-    fn set_broker(&self, endpoint: &str, broker: String) {
+    fn set_broker(&self, endpoint: &str, peer: Peer) {
         self.brokers
             .lock()
             .expect("states lock")
-            .insert(endpoint.to_owned(), broker);
+            .insert(endpoint.to_owned(), peer);
+    }
+
+    /// `old` is called `new` now (its connector [`Adopt`]ed a renamed endpoint).
+    fn rename(&self, old: &str, new: &str) {
+        {
+            let mut brokers = self.brokers.lock().expect("states lock");
+            if let Some(p) = brokers.remove(old) {
+                brokers.insert(new.to_owned(), p);
+            }
+        }
+        {
+            let mut inner = self.inner.lock().expect("states lock");
+            let state = inner.remove(old).flatten();
+            inner.insert(new.to_owned(), state);
+        }
+        self.publish();
     }
 
     /// A new endpoint (config reload): not connected yet.
@@ -131,7 +173,7 @@ impl EndpointStates {
         let mut v: Vec<String> = brokers
             .iter()
             .filter(|(e, _)| inner.get(*e).is_some_and(Option::is_some))
-            .map(|(_, b)| b.clone())
+            .map(|(_, p)| p.broker.clone())
             .collect();
         v.sort();
         v.dedup();
@@ -149,7 +191,7 @@ impl EndpointStates {
                     e.clone(),
                     EndpointState {
                         address: a.clone(),
-                        broker: a.as_ref().and(brokers.get(e).cloned()),
+                        broker: a.as_ref().and(brokers.get(e).map(|p| p.broker.clone())),
                     },
                 )
             })
@@ -180,6 +222,11 @@ impl EndpointStates {
 
     /// Id of the broker at the other end of `endpoint`'s tunnel (from its `hello`).
     pub fn broker_of(&self, endpoint: &str) -> Option<String> {
+        self.peer_of(endpoint).map(|p| p.broker)
+    }
+
+    /// The broker at the other end of `endpoint`'s tunnel.
+    pub fn peer_of(&self, endpoint: &str) -> Option<Peer> {
         self.brokers
             .lock()
             .expect("states lock")
@@ -202,6 +249,8 @@ pub struct Connector {
     pub generation: u64,
     pub avoid: HashMap<usize, Instant>,
     pub established: HashMap<u64, String>,
+    /// The certificate each live tunnel generation's broker presented.
+    pub certificates: HashMap<u64, CertificateDer<'static>>,
     /// Cancellation of each live tunnel generation (cancelled = GOAWAY and drain).
     pub tunnel_tokens: HashMap<u64, CancellationToken>,
     /// The endpoint left the config while its tunnel worked ([`Retire`]): the tunnel is kept
@@ -256,6 +305,13 @@ pub struct Reconfigure {
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct StopConnector;
+
+/// Config reload: the endpoint is renamed or its addresses changed, and the connector's
+/// established tunnel reaches it (same broker id or address; the broker's certificate valid
+/// for the new `server_name`): keep the tunnel and its streams, take the new endpoint.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Adopt(pub BrokerEndpoint);
 
 /// Config reload: `Retire(true)` — the endpoint left the config while its tunnel works (kept
 /// until it ends, not redialled); `Retire(false)` — it is back (redialled if its tunnel ended).
@@ -377,10 +433,17 @@ impl Handler<Event> for Connector {
     fn handle(&mut self, msg: Event, ctx: &mut Context<Self>) {
         let label = self.label();
         match msg.event {
+            TunnelEvent::Authenticated { certificate } => {
+                self.certificates.insert(msg.generation, certificate);
+            }
             TunnelEvent::Established { broker } => {
                 let addr = self.endpoint.addresses[self.index].clone();
                 if msg.generation == self.generation {
-                    self.states.set_broker(&label, broker.clone());
+                    let peer = Peer {
+                        broker: broker.clone(),
+                        certificate: self.certificates.get(&msg.generation).cloned(),
+                    };
+                    self.states.set_broker(&label, peer);
                 }
                 tracing::info!(endpoint = %label, %addr, %broker, "tunnel established");
                 self.backoff.succeeded();
@@ -425,6 +488,7 @@ impl Handler<Ended> for Connector {
     fn handle(&mut self, msg: Ended, ctx: &mut Context<Self>) {
         let label = self.label();
         self.tunnel_tokens.remove(&msg.generation);
+        self.certificates.remove(&msg.generation);
         if let (Some(hooks), Some(id)) = (&self.hooks, self.hooked.remove(&msg.generation)) {
             hooks.remove(id);
         }
@@ -503,6 +567,43 @@ impl Handler<Retire> for Connector {
         if !self.retired && self.idle && !self.shutdown.is_cancelled() {
             self.idle = false;
             self.states.add(&self.label());
+            self.backoff.reset();
+            self.connect(ctx);
+        }
+    }
+}
+
+impl Handler<Adopt> for Connector {
+    type Result = ();
+
+    fn handle(&mut self, Adopt(endpoint): Adopt, ctx: &mut Context<Self>) {
+        let old = self.label();
+        let new = endpoint.label();
+        let addr = self.established.get(&self.generation).cloned();
+        tracing::info!(endpoint = %new, previously = %old, address = ?addr, "endpoint renamed or re-addressed in the config: it keeps its tunnel");
+        // Later redials go through the new address list, starting from the connected address.
+        self.index = addr
+            .and_then(|a| endpoint.addresses.iter().position(|e| *e == a))
+            .unwrap_or(0);
+        self.avoid.clear();
+        self.endpoint = endpoint;
+        self.retired = false;
+        if old != new {
+            self.states.rename(&old, &new);
+            let gauge = &self.shared.metrics.tunnels;
+            for _ in 0..self.established.len() {
+                gauge.with_label_values(&[&old]).dec();
+                gauge.with_label_values(&[&new]).inc();
+            }
+            if let Some(hooks) = &self.hooks {
+                for id in self.hooked.values() {
+                    hooks.rename(*id, &new);
+                }
+            }
+        }
+        if self.idle && !self.shutdown.is_cancelled() {
+            // A retired tunnel that ended just before: the endpoint is wanted again.
+            self.idle = false;
             self.backoff.reset();
             self.connect(ctx);
         }

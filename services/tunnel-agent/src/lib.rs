@@ -52,7 +52,9 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{AgentConfig, BrokerEndpoint};
-use crate::connector::{Connector, EndpointStates, ExitSignal, Reconfigure, Retire, StopConnector};
+use crate::connector::{
+    Adopt, Connector, EndpointStates, ExitSignal, Reconfigure, Retire, StopConnector,
+};
 use crate::metrics::AgentMetrics;
 use crate::tunnel::AgentShared;
 
@@ -236,8 +238,8 @@ struct Running {
     metrics: AgentMetrics,
     counters: ByteCounters,
     tunnels: tether_runtime::Drain,
-    /// Resolves with `(endpoint label, incarnation)` when that connector is dropped.
-    exits: FuturesUnordered<BoxFuture<'static, (String, u64)>>,
+    /// Resolves with the incarnation of a connector when it is dropped.
+    exits: FuturesUnordered<BoxFuture<'static, u64>>,
     incarnations: u64,
     hooks: Option<Arc<tether_runtime::test_hooks::TestHooks>>,
 }
@@ -249,10 +251,9 @@ impl Running {
         self.incarnations += 1;
         let incarnation = self.incarnations;
         let (exit, exited) = ExitSignal::new();
-        let exit_label = label.clone();
         self.exits.push(Box::pin(async move {
             let _ = exited.await;
-            (exit_label, incarnation)
+            incarnation
         }));
         let c = Connector {
             endpoint: endpoint.clone(),
@@ -266,6 +267,7 @@ impl Running {
             generation: 0,
             avoid: Default::default(),
             established: Default::default(),
+            certificates: Default::default(),
             tunnel_tokens: Default::default(),
             retired: false,
             idle: false,
@@ -287,23 +289,77 @@ impl Running {
 
     /// A connector was dropped: when it is the endpoint's current one and the agent is not
     /// stopping, its actor's task died (a panic) — start a new one, which redials.
-    fn connector_exited(&mut self, label: &str, incarnation: u64, restarts: &IntCounterVec) {
-        let Some(c) = self.connectors.get(label) else {
-            return; // the endpoint left the config
+    /// (The connector is found by incarnation: it may have adopted another label since.)
+    fn connector_exited(&mut self, incarnation: u64, restarts: &IntCounterVec) {
+        let Some((label, c)) = self
+            .connectors
+            .iter()
+            .find(|(_, c)| c.incarnation == incarnation)
+        else {
+            return; // the endpoint left the config, or a newer connector runs it
         };
-        if c.incarnation != incarnation || self.shutdown.is_cancelled() {
+        let label = label.clone();
+        if self.shutdown.is_cancelled() {
             return;
         }
-        if self.retired.remove(label) {
+        if self.retired.remove(&label) {
             // Its endpoint left the config; its tunnel ended with it: not redialled.
             tracing::warn!(endpoint = %label, "connector of a removed broker died; not restarted");
-            self.connectors.remove(label);
+            self.connectors.remove(&label);
             return;
         }
         tracing::error!(endpoint = %label, "connector died; starting a new one");
-        restarts.with_label_values(&[label]).inc();
+        restarts.with_label_values(&[&label]).inc();
         let endpoint = c.endpoint.clone();
         self.start_connector(&endpoint);
+    }
+
+    /// Config reload, before anything is stopped or started: a connector whose endpoint left or
+    /// changed, and whose established tunnel reaches an endpoint of the new config that no other
+    /// connector runs — the broker's `hello` id is that endpoint's name, or the connected address
+    /// is one of its addresses — takes that endpoint over, tunnel and streams included, when the
+    /// certificate the broker presented is valid for the endpoint's `server_name` too. The hub
+    /// renames endpoints when its broker list falls back to the entrypoints (presence lapsed
+    /// during a NATS failover) and back; without this, each rename would cut every stream.
+    fn adopt(&mut self, wanted: &BTreeMap<String, BrokerEndpoint>) {
+        let connected = self.states.snapshot();
+        let mut moves: Vec<(String, String)> = Vec::new();
+        for (label, c) in &self.connectors {
+            if wanted
+                .get(label)
+                .is_some_and(|w| same_endpoint(w, &c.endpoint))
+            {
+                continue;
+            }
+            let (Some(addr), Some(peer)) = (
+                connected.get(label).and_then(Option::as_deref),
+                self.states.peer_of(label),
+            ) else {
+                continue;
+            };
+            let free = |l: &String| {
+                (l == label || !self.connectors.contains_key(l))
+                    && !moves.iter().any(|(_, to)| to == l)
+            };
+            let target = wanted.iter().find(|(l, w)| {
+                free(l)
+                    && (peer.broker == **l || w.addresses.iter().any(|a| a == addr))
+                    && (w.server_name == c.endpoint.server_name || peer.valid_for(&w.server_name))
+            });
+            if let Some((to, _)) = target {
+                moves.push((label.clone(), to.clone()));
+            }
+        }
+        for (from, to) in moves {
+            let Some(mut c) = self.connectors.remove(&from) else {
+                continue;
+            };
+            self.retired.remove(&from);
+            let endpoint = wanted[&to].clone();
+            c.addr.do_send(Adopt(endpoint.clone()));
+            c.endpoint = endpoint;
+            self.connectors.insert(to, c);
+        }
     }
 
     /// Applies a validated new config; returns the fields that need a restart.
@@ -350,6 +406,7 @@ impl Running {
             .iter()
             .map(|b| (b.label(), b.clone()))
             .collect();
+        self.adopt(&wanted);
         let connected = self.states.snapshot();
         let mut stale = Vec::new();
         for (label, c) in &self.connectors {
@@ -517,8 +574,8 @@ pub async fn run_with_reload(
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            Some((label, incarnation)) = running.exits.next(), if !running.exits.is_empty() => {
-                running.connector_exited(&label, incarnation, &reload_metrics.connector_restarts);
+            Some(incarnation) = running.exits.next(), if !running.exits.is_empty() => {
+                running.connector_exited(incarnation, &reload_metrics.connector_restarts);
                 continue;
             }
             _ = tick.tick() => {}

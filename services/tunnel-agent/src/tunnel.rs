@@ -72,6 +72,11 @@ impl AgentShared {
 /// Events a tunnel reports to its connector.
 #[derive(Debug)]
 pub enum TunnelEvent {
+    /// TLS is up: the broker's certificate (chain checked against the hub CA, name checked
+    /// against the endpoint's `server_name`). Sent before `Established`.
+    Authenticated {
+        certificate: rustls::pki_types::CertificateDer<'static>,
+    },
     /// The broker checked our identity: the tunnel carries traffic now.
     Established { broker: String },
     /// The broker asked agents to move elsewhere.
@@ -163,6 +168,13 @@ pub async fn run_tunnel(
         }
     })
     .await?;
+    if let Some(certificate) = tls.get_ref().1.peer_certificates().and_then(|c| c.first()) {
+        let _ = events
+            .send(TunnelEvent::Authenticated {
+                certificate: certificate.clone().into_owned(),
+            })
+            .await;
+    }
     let handshake = shared.settings.server_builder().handshake::<_, Bytes>(tls);
     let mut conn = within(hs, handshake, |reason| TunnelError::H2 {
         addr: addr.clone(),
@@ -410,6 +422,13 @@ async fn handle_dial(
                 return;
             }
         };
+        let mut body = req.into_body();
+        if let Err(e) = write_early_data(&tcp, &mut body, &shared.counters, timeout).await {
+            tracing::info!(error = %e, "target refused the early data");
+            let e = DialError::new(DialErrorKind::Refused, format!("writing to {target}: {e}"));
+            let _ = respond.send_response(wire::error_response(&e), true);
+            return;
+        }
         let send = match respond.send_response(Response::new(()), false) {
             Ok(s) => s,
             Err(e) => {
@@ -423,7 +442,7 @@ async fn handle_dial(
                 TcpChunkReader::new(rd, shared.settings.read_chunk_bytes),
                 tether_tunnel::pump::ResettableWriteHalf::new(wr),
                 send,
-                req.into_body(),
+                body,
             )
             .await;
         let label = match &result {
@@ -446,6 +465,52 @@ async fn handle_dial(
     }
     .instrument(span)
     .await
+}
+
+/// Early data (bytes the client sent behind its request; they arrive with the dial request) is
+/// written to the target right after the dial, before the answer goes back: straight to the
+/// just-connected socket, whose send buffer is empty, without waiting for the reactor's first
+/// writable event — the target can answer while the `200` travels. Bytes not there yet are left
+/// to the splice; what does not fit the send buffer waits for the reactor, within `timeout`.
+async fn write_early_data(
+    tcp: &TcpStream,
+    body: &mut h2::RecvStream,
+    counters: &ByteCounters,
+    timeout: Duration,
+) -> std::io::Result<()> {
+    use futures::FutureExt as _;
+    let Some(Some(Ok(early))) = body.data().now_or_never() else {
+        return Ok(());
+    };
+    use std::io::ErrorKind::{Interrupted, WouldBlock};
+    let mut sent = match socket2::SockRef::from(tcp).send(&early) {
+        Ok(n) => n,
+        Err(e) if matches!(e.kind(), WouldBlock | Interrupted) => 0,
+        Err(e) => return Err(e),
+    };
+    // The rest (a full send buffer): through the reactor, which tracks readiness.
+    let rest = async {
+        while sent < early.len() {
+            tcp.writable().await?;
+            match tcp.try_write(&early[sent..]) {
+                Ok(n) => sent += n,
+                Err(e) if matches!(e.kind(), WouldBlock | Interrupted) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    };
+    tokio::time::timeout(timeout, rest).await.map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("the target took no early data within {timeout:?}"),
+        )
+    })??;
+    let _ = body.flow_control().release_capacity(early.len());
+    if let Some(c) = &counters.from_tunnel {
+        c.inc_by(early.len() as u64);
+    }
+    Ok(())
 }
 
 /// Bytes buffered between a service-proxy tunnel stream and its HTTP server.

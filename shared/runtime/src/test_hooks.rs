@@ -81,6 +81,15 @@ impl TestHooks {
         }
     }
 
+    /// Tunnel `id` is now named `name` (its agent endpoint was renamed by a config reload).
+    pub fn rename(&self, id: u64, name: &str) {
+        if let Ok(mut t) = self.tunnels.lock()
+            && let Some(h) = t.get_mut(&id)
+        {
+            name.clone_into(&mut h.name);
+        }
+    }
+
     /// Removes tunnel `id`.
     pub fn remove(&self, id: u64) {
         if let Ok(mut t) = self.tunnels.lock() {
