@@ -460,3 +460,67 @@ async fn agent_sigterm_lets_open_stream_finish() -> anyhow::Result<()> {
     assert!(status.success(), "agent exited with {status}");
     Ok(())
 }
+
+/// Two agents of one cluster (replicas) on one broker; one is stopped (SIGTERM: GOAWAY, its
+/// open stream keeps its grace). Every new CONNECT still succeeds: the broker learns of the
+/// GOAWAY, picks the closing tunnel no more, and sends each stream the closing agent did not
+/// take (opened after the GOAWAY arrived, or above its last-stream id: h2 writes the PING ack
+/// of the graceful shutdown ahead of queued HEADERS) to the other tunnel — no client sees the
+/// replica go (before, a CONNECT routed to it got 502 until the tunnel closed). The closing
+/// agent's open stream keeps moving data meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closing_replica_takes_no_new_streams_and_loses_none() -> anyhow::Result<()> {
+    let setup = Setup::start("c1", "", "shutdown_grace: 30s").await?;
+    let second =
+        setup
+            .hub
+            .start_agent("c1", "c1", &[vec![setup.broker.agent_addr]], setup.echo, "")?;
+    wait_agent_ready(&second).await?;
+    let tunnels = || async {
+        let (_, body) = tether_e2e::admin_get(setup.broker.admin_addr, "/debug/tunnels").await?;
+        let v: serde_json::Value = serde_json::from_str(&body)?;
+        anyhow::Ok(v.as_array().map_or(0, Vec::len))
+    };
+    wait_until_async(Duration::from_secs(10), "two tunnels of c1", || async {
+        (tunnels().await.ok()? == 2).then_some(())
+    })
+    .await?;
+    // Streams go to the least-loaded tunnel: with one held on each, the first agent keeps one.
+    let live = ContinuousEcho::start(setup.connect_echo().await?, 16 << 10, false);
+    let other = ContinuousEcho::start(setup.connect_echo().await?, 16 << 10, false);
+    live.wait_progress(1 << 20, "data flowing on the first stream")
+        .await?;
+    other
+        .wait_progress(1 << 20, "data flowing on the second stream")
+        .await?;
+    setup.agent.child.terminate();
+    let b = setup.broker.client_addr;
+    let authority = setup.echo_authority();
+    for i in 0..40 {
+        let mut s = tether_e2e::connect(b, &authority, Some(OPS_TOKEN))
+            .await?
+            .map_err(|(code, body)| {
+                anyhow::anyhow!("CONNECT {i} after the SIGTERM refused: {code} {body}")
+            })?;
+        s.write_all(b"ping").await?;
+        let mut back = [0u8; 4];
+        tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut back)).await??;
+        assert_eq!(&back, b"ping", "CONNECT {i}");
+    }
+    let failed = metric(
+        setup.broker.admin_addr,
+        "tether_broker_dial_failures_total",
+        &[("frontend", "connect")],
+    )
+    .await?;
+    assert_eq!(failed, 0.0, "CONNECT dials failed after the SIGTERM");
+    // Both held streams still move data: the closing agent's within its grace.
+    live.wait_progress(2 << 20, "the closing agent's stream still flowing")
+        .await?;
+    other
+        .wait_progress(2 << 20, "the other stream still flowing")
+        .await?;
+    live.finish().await?;
+    other.finish().await?;
+    Ok(())
+}

@@ -52,6 +52,10 @@ struct Route<'a> {
     early: Bytes,
 }
 
+/// Local tunnels of one cluster a stream tries, when each refuses it unprocessed (its agent is
+/// closing it: GOAWAY, or REFUSED_STREAM), before the stream goes to the peer brokers.
+pub const MAX_LOCAL_TUNNELS_TRIED: usize = 4;
+
 /// An open stream to a target.
 pub struct OpenStream {
     pub send: SendStream<Bytes>,
@@ -256,9 +260,21 @@ impl Broker {
             .min(Duration::from_secs(60));
         let trace = tether_telemetry::propagation::inject(&tracing::Span::current());
         let early = &route.early;
-        let local = self.routes.borrow().pick(&target.cluster);
-        if let Some(tunnel) = local {
-            return tunnel.open(target, stream_id, timeout, &trace, early).await;
+        // A tunnel whose agent did not take the stream (GOAWAY: the tunnel is no longer picked;
+        // or REFUSED_STREAM) fails it as NoTunnel, nothing dialled: the stream goes to the next
+        // local tunnel, then the peers.
+        let mut closing = None;
+        for _ in 0..MAX_LOCAL_TUNNELS_TRIED {
+            let Some(tunnel) = self.routes.borrow().pick(&target.cluster) else {
+                break;
+            };
+            match tunnel.open(target, stream_id, timeout, &trace, early).await {
+                Err(e) if e.kind == DialErrorKind::NoTunnel => {
+                    tracing::debug!(tunnel = tunnel.id, reason = %e, "stream not taken: trying another tunnel");
+                    closing = Some(e);
+                }
+                r => return r,
+            }
         }
         let peers = if route.may_relay {
             self.peers.borrow().clone()
@@ -266,18 +282,24 @@ impl Broker {
             Arc::default()
         };
         for peer in peers.iter() {
-            // A peer that has no tunnel drops the early bytes with its refusal; the next one
-            // gets them again.
+            // A peer that has no tunnel (or did not take the stream) drops the early bytes with
+            // its refusal; the next one gets them again. A stream a peer took and then lost
+            // (`TunnelLost`: its agent, or the link to the peer, failed under it) may have been
+            // dialled already, and its early data written: it is not sent again (at most one
+            // dial per stream).
             match peer.open(target, stream_id, timeout, &trace, early).await {
                 Ok(s) => {
                     tracing::debug!(peer = %peer.agent, "stream relayed");
                     return Ok(s);
                 }
-                Err(e) if matches!(e.kind, DialErrorKind::NoTunnel | DialErrorKind::TunnelLost) => {
+                Err(e) if e.kind == DialErrorKind::NoTunnel => {
                     continue;
                 }
                 Err(e) => return Err(e),
             }
+        }
+        if let Some(e) = closing {
+            return Err(e);
         }
         if let Some(waited) = self.routes.borrow().suspect(&target.cluster) {
             return Err(DialError::new(

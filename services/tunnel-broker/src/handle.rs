@@ -28,6 +28,8 @@ pub struct TunnelHandle {
     open: AtomicUsize,
     pending: Semaphore,
     max_pending: usize,
+    /// No new streams go here: this broker is draining ([`TunnelHandle::send_drain`]), or the
+    /// agent sent GOAWAY (it is closing this tunnel: shutting down, or replacing it).
     draining: AtomicBool,
     /// Last HTTP/2 PING round trip on this connection, µs (0 = not measured yet).
     rtt_micros: std::sync::atomic::AtomicU64,
@@ -210,23 +212,63 @@ impl TunnelHandle {
         let req = req
             .body(())
             .map_err(|e| DialError::new(DialErrorKind::BadRequest, e.to_string()))?;
-        let lost = |e: h2::Error| {
-            DialError::new(
-                DialErrorKind::TunnelLost,
-                format!("tunnel to cluster {} failed: {e}", self.cluster),
-            )
+        // RFC 9113 §8.7: a stream the agent did not process — refused by its GOAWAY (the stream
+        // is above the GOAWAY's last-stream id, or was opened after the GOAWAY arrived) or reset
+        // with REFUSED_STREAM — was never seen by the agent's application: nothing was dialled
+        // and no early data was delivered. It fails as `NoTunnel`, which Broker::dial sends on
+        // to another tunnel. h2 reports a remote GOAWAY on a stream only in those cases; a stream
+        // the agent did process ends with its answer or, if the tunnel dies, an I/O error or a
+        // reset — `TunnelLost`, never retried (the agent may have dialled and written already).
+        let refused = |e: h2::Error| {
+            if e.is_go_away() && e.is_remote() {
+                // The agent is closing this tunnel (its open streams finish): no new streams
+                // are picked for it any more.
+                if !self.draining.swap(true, Ordering::Relaxed) {
+                    tracing::info!(cluster = %self.cluster, agent = %self.agent, tunnel = self.id, "agent sent GOAWAY: no new streams on this tunnel");
+                }
+                DialError::new(
+                    DialErrorKind::NoTunnel,
+                    format!(
+                        "the agent of cluster {} is closing this tunnel (GOAWAY) and did not take the stream",
+                        self.cluster
+                    ),
+                )
+            } else if e.is_reset()
+                && e.is_remote()
+                && e.reason() == Some(h2::Reason::REFUSED_STREAM)
+            {
+                DialError::new(
+                    DialErrorKind::NoTunnel,
+                    format!(
+                        "the agent of cluster {} refused the stream (REFUSED_STREAM)",
+                        self.cluster
+                    ),
+                )
+            } else {
+                DialError::new(
+                    DialErrorKind::TunnelLost,
+                    format!("tunnel to cluster {} failed: {e}", self.cluster),
+                )
+            }
         };
         // The agent enforces the dial timeout and answers 504; the margin covers the round trip.
         let budget = timeout + Duration::from_secs(2);
         let work = async {
-            let mut send = self.send.clone().ready().await.map_err(lost)?;
-            let (resp, mut tx) = send.send_request(req, false).map_err(lost)?;
+            let mut send = self.send.clone().ready().await.map_err(refused)?;
+            let (resp, mut tx) = send.send_request(req, false).map_err(refused)?;
             if !early.is_empty() {
                 // Within the stream's initial window (the head limit is far below it); h2
                 // queues it behind the HEADERS, both leave in one write of the connection.
-                tx.send_data(early.clone(), false).map_err(lost)?;
+                if let Err(e) = tx.send_data(early.clone(), false) {
+                    // The stream already ended (e.g. a GOAWAY that did not take it arrived since
+                    // send_request): its response says why.
+                    return Err(match resp.await {
+                        Err(cause) => refused(cause),
+                        Ok(_) => refused(e),
+                    });
+                }
             }
-            let resp = resp.await.map_err(lost)?;
+            let resp = resp.await.map_err(refused)?;
             Ok::<_, DialError>((resp, tx))
         };
         let (resp, tx) = tokio::time::timeout(budget, work).await.map_err(|_| {
@@ -294,4 +336,115 @@ pub(crate) async fn tell_refused(send: &SendRequest<Bytes>, reason: &str) {
         resp.await
     };
     let _ = tokio::time::timeout(HELLO_TIMEOUT, work).await;
+}
+
+#[cfg(test)]
+mod tests {
+    //! `open` against a hand-written HTTP/2 peer that writes exactly the frames a closing agent
+    //! can send, so the race behind them (the agent's last GOAWAY landing after a stream's
+    //! HEADERS left) is reproduced every time.
+    use super::*;
+    use tether_tunnel::address::Target;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    const HEADERS: u8 = 0x1;
+    const SETTINGS: u8 = 0x4;
+    const GOAWAY: u8 = 0x7;
+
+    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let len = payload.len() as u32;
+        let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    /// The peer's side up to the first HEADERS: reads the preface, sends its SETTINGS, acks the
+    /// broker's; returns the HEADERS' stream id.
+    async fn serve_until_headers(io: &mut DuplexStream) -> u32 {
+        let mut preface = [0u8; PREFACE.len()];
+        io.read_exact(&mut preface).await.expect("preface");
+        assert_eq!(preface, PREFACE);
+        io.write_all(&frame(SETTINGS, 0, 0, &[])).await.unwrap();
+        loop {
+            let mut head = [0u8; 9];
+            io.read_exact(&mut head).await.expect("frame header");
+            let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            let mut payload = vec![0u8; len];
+            io.read_exact(&mut payload).await.expect("frame payload");
+            let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+            match head[3] {
+                SETTINGS if head[4] & 0x1 == 0 => {
+                    io.write_all(&frame(SETTINGS, 0x1, 0, &[])).await.unwrap()
+                }
+                HEADERS => return stream,
+                _ => {}
+            }
+        }
+    }
+
+    async fn handle_to(io: DuplexStream) -> Arc<TunnelHandle> {
+        let (send, conn) = h2::client::handshake(io).await.expect("h2 handshake");
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Arc::new(TunnelHandle::new(1, "c1".into(), "agent".into(), send, 8))
+    }
+
+    async fn open(handle: &Arc<TunnelHandle>) -> Result<(), DialError> {
+        let target = Target::parse("c1:443").expect("target");
+        let trace = std::collections::HashMap::new();
+        let early = Bytes::from_static(b"GET / HTTP/1.1\r\n\r\n");
+        handle
+            .open(&target, 7, Duration::from_secs(5), &trace, &early)
+            .await
+            .map(|_| ())
+    }
+
+    /// A stream above the GOAWAY's last-stream id was not processed (RFC 9113 §6.8): it is
+    /// `NoTunnel` (Broker::dial tries the next tunnel) and the tunnel is picked no more.
+    #[tokio::test]
+    async fn a_stream_the_agents_goaway_did_not_take_is_no_tunnel_and_the_tunnel_drains() {
+        let (broker_io, mut agent_io) = tokio::io::duplex(64 << 10);
+        let agent = tokio::spawn(async move {
+            let stream = serve_until_headers(&mut agent_io).await;
+            assert_eq!(stream, 1);
+            // GOAWAY: last processed stream 0, NO_ERROR — stream 1 arrived after it was decided.
+            let mut payload = 0u32.to_be_bytes().to_vec();
+            payload.extend_from_slice(&0u32.to_be_bytes());
+            agent_io
+                .write_all(&frame(GOAWAY, 0, 0, &payload))
+                .await
+                .unwrap();
+            agent_io
+        });
+        let handle = handle_to(broker_io).await;
+        let err = open(&handle)
+            .await
+            .expect_err("the agent did not take the stream");
+        assert_eq!(err.kind, DialErrorKind::NoTunnel, "{err}");
+        assert!(err.message.contains("GOAWAY"), "{err}");
+        assert!(
+            handle.is_draining(),
+            "a GOAWAY stops new streams on the tunnel"
+        );
+        drop(agent.await.unwrap());
+    }
+
+    /// A stream the agent took and then lost with the connection may have been dialled: it is
+    /// `TunnelLost`, never retried elsewhere.
+    #[tokio::test]
+    async fn a_stream_lost_after_the_agent_took_it_is_tunnel_lost() {
+        let (broker_io, mut agent_io) = tokio::io::duplex(64 << 10);
+        let agent = tokio::spawn(async move {
+            serve_until_headers(&mut agent_io).await;
+            // The connection ends with the stream taken and unanswered.
+        });
+        let handle = handle_to(broker_io).await;
+        let err = open(&handle).await.expect_err("the tunnel went away");
+        assert_eq!(err.kind, DialErrorKind::TunnelLost, "{err}");
+        assert!(!handle.is_draining());
+        agent.await.unwrap();
+    }
 }
