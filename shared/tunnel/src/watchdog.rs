@@ -9,8 +9,13 @@
 //! - once bytes go unanswered for [`Watchdog::tick`] (a quarter of `stall_timeout`), the
 //!   watchdog asks the keepalive loop for an immediate PING ([`Progress::probe`]), which a live
 //!   peer must ack;
-//! - after half of `stall_timeout` unanswered the tunnel is *suspect*: the broker sends new
-//!   streams elsewhere ([`Progress::is_suspect`]);
+//! - after half of `stall_timeout` unanswered, *and* once that PING has gone unanswered for
+//!   half a tick or more (in practice: at the next tick), the tunnel is *suspect*: the broker sends new streams elsewhere
+//!   ([`Progress::is_suspect`]). Not on the clock alone: some writes need no answer (a PING
+//!   ack, a WINDOW_UPDATE), and the tick that first sees one unanswered can come almost two
+//!   ticks after it — a live, idle peer would then be marked suspect at the very tick the
+//!   probe goes out (seen in the 1,000-agent bench: one cluster refused as "looks wedged"
+//!   while its agent was fine);
 //! - after `stall_timeout` unanswered it is *wedged*: [`Watchdog::run`] returns, and the owner
 //!   tears the connection down (its streams end with an error) and the agent redials.
 //!
@@ -148,9 +153,13 @@ impl Watchdog {
         let tick = self.tick();
         let mut interval = tokio::time::interval(tick);
         interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The unanswered period (its start, as stored) the first probe went out in, and when.
+        let mut probed: Option<(u64, Instant)> = None;
         loop {
             interval.tick().await;
+            let since = self.progress.unanswered_since.load(Ordering::Relaxed);
             let Some(waited) = self.progress.unanswered() else {
+                probed = None;
                 continue;
             };
             if waited >= self.stall_timeout {
@@ -159,11 +168,16 @@ impl Watchdog {
                     stall_timeout: self.stall_timeout,
                 };
             }
-            if waited >= self.stall_timeout / 2 {
+            if probed.is_some_and(|(period, _)| period != since) {
+                probed = None;
+            }
+            let probe_overdue = probed.is_some_and(|(_, at)| at.elapsed() >= tick / 2);
+            if waited >= self.stall_timeout / 2 && probe_overdue {
                 self.progress.suspect.store(true, Ordering::Relaxed);
             }
             if waited >= tick {
                 self.progress.probe.notify_one();
+                probed.get_or_insert((since, Instant::now()));
             }
         }
     }
@@ -282,6 +296,51 @@ mod tests {
             "{took:?}"
         );
         assert!(w.to_string().contains("stall timeout 200ms"), "{w}");
+    }
+
+    /// A write that needs no answer (a PING ack) followed by silence is not suspect at the tick
+    /// that first probes, however late that tick comes: only a probe left unanswered is.
+    #[tokio::test]
+    async fn suspect_only_once_a_probe_went_unanswered() {
+        let progress = Progress::new();
+        let stall = Duration::from_millis(400);
+        let dog = Watchdog::new(Arc::clone(&progress), stall);
+        let tick = dog.tick();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // A write 210 ms ago that needed no answer: past half the stall timeout by the time the
+        // first tick sees it (ticks come late on a loaded machine).
+        let ago = |ms| progress.now_ms() - ms;
+        progress.unanswered_since.store(ago(210), Ordering::Relaxed);
+        let run = dog.run();
+        tokio::pin!(run);
+        tokio::select! {
+            _ = &mut run => panic!("wedged before probing"),
+            _ = progress.probe() => {}
+        }
+        assert!(
+            !progress.is_suspect(),
+            "suspect before any probe went unanswered"
+        );
+        // The probe is answered (a live peer); a new silent period starts the same way.
+        progress.on_read();
+        progress.unanswered_since.store(ago(110), Ordering::Relaxed);
+        tokio::select! {
+            _ = &mut run => panic!("wedged before probing"),
+            _ = progress.probe() => {}
+        }
+        assert!(
+            !progress.is_suspect(),
+            "a new period's first probe is not overdue"
+        );
+        // This probe is not answered: suspect at a following tick, then wedged.
+        let started = Instant::now();
+        let w = run.await;
+        assert!(
+            progress.is_suspect(),
+            "an unanswered probe makes the tunnel suspect"
+        );
+        assert!(w.unanswered >= stall, "{w}");
+        assert!(started.elapsed() <= stall + tick, "{:?}", started.elapsed());
     }
 
     #[tokio::test]
