@@ -211,6 +211,10 @@ enum ProxyCmd {
         /// Local address to listen on.
         #[arg(long, default_value = "127.0.0.1")]
         address: String,
+        /// Threads of the forward, and HTTP/2 connections to the broker (default: half the
+        /// CPUs, at least 1, at most 4 — like the broker and the agent).
+        #[arg(long, env = "TETHER_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=64))]
+        worker_threads: Option<u16>,
         #[command(flatten)]
         broker: proxy::BrokerArgs,
     },
@@ -366,8 +370,20 @@ async fn main() {
                 target,
                 local_port,
                 address,
+                worker_threads,
                 broker,
-            } => proxy::connect(&broker, &cluster, target.as_deref(), &address, local_port).await,
+            } => {
+                let workers = worker_threads.map(usize::from);
+                proxy::connect(
+                    &broker,
+                    &cluster,
+                    target.as_deref(),
+                    &address,
+                    local_port,
+                    workers,
+                )
+                .await
+            }
             ProxyCmd::Kubectl { args, broker } => match proxy::kubectl(&broker, &args).await {
                 Ok(code) => std::process::exit(code),
                 Err(e) => Err(e),

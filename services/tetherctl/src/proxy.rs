@@ -33,8 +33,8 @@ pub const PROGRESS_AFTER: Duration = Duration::from_secs(1);
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(15);
 /// Budget of connecting to the broker.
 pub const BROKER_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Most worker threads of the forward's runtime, and HTTP/2 connections to the broker (at
-/// least 2; one per CPU up to this).
+/// Most worker threads of the forward's runtime, and HTTP/2 connections to the broker (one
+/// per worker).
 pub const FORWARD_MAX_WORKERS: usize = 4;
 
 /// Runs `fut`; if it takes longer than [`PROGRESS_AFTER`], says on stderr what is awaited.
@@ -325,16 +325,20 @@ pub async fn connect(
     target: Option<&str>,
     address: &str,
     local_port: u16,
+    workers: Option<usize>,
 ) -> anyhow::Result<()> {
     tether_tls::identity::validate_dns_label(cluster)
         .map_err(|r| anyhow::anyhow!("cluster {cluster:?}: {r}"))?;
     let target = target.map(parse_target).transpose()?;
     // The forward (its connections to the broker included) runs on its own multi-threaded
-    // runtime: tetherctl's main runtime is single-threaded, which put every stream's copies,
-    // the HTTP/2 connection and TLS on one core (8 streams were slower than 1).
-    let workers = std::thread::available_parallelism()
-        .map_or(2, |n| n.get())
-        .clamp(2, FORWARD_MAX_WORKERS);
+    // runtime, one HTTP/2 connection per worker: tetherctl's main runtime is single-threaded.
+    // Default: half the CPUs, as the broker and the agent (`data_plane_workers`). On 2 CPUs one
+    // worker beat two in the same-run A/B (docs/benchmarks.md): 1 stream 6.8 vs 6.4 Gbit/s and
+    // 1.90 vs 2.10 CPU-s/GB, 8 streams 6.5 vs 6.2 Gbit/s — the second worker mostly added
+    // cross-thread wake-ups between the local socket's task and the connection's.
+    let workers = workers
+        .unwrap_or_else(tether_runtime::data_plane_workers)
+        .clamp(1, FORWARD_MAX_WORKERS);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
         .thread_name("tetherctl-forward")
@@ -343,9 +347,8 @@ pub async fn connect(
         .context("starting the forward's runtime")?;
     let (broker, cluster, address) = (broker.clone(), cluster.to_string(), address.to_string());
     let run = rt.spawn(async move {
-        // One HTTP/2 connection (TLS session, connection task) per worker: with one, every
-        // stream's framing and encryption ran on one core, here and on the broker, and 8
-        // streams were slower than 1.
+        // One HTTP/2 connection (TLS session, connection task) per worker, so with several
+        // workers busy streams do not share one connection's framing and encryption.
         let dialer = broker.dialer_pool(workers).await?;
         let listener = TcpListener::bind((address.as_str(), local_port))
             .await
