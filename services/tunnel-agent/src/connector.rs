@@ -591,10 +591,9 @@ impl Handler<Adopt> for Connector {
         if old != new {
             self.states.rename(&old, &new);
             let gauge = &self.shared.metrics.tunnels;
-            for _ in 0..self.established.len() {
-                gauge.with_label_values(&[&old]).dec();
-                gauge.with_label_values(&[&new]).inc();
-            }
+            let n = i64::try_from(self.established.len()).unwrap_or(i64::MAX);
+            gauge.with_label_values(&[&old]).sub(n);
+            gauge.with_label_values(&[&new]).add(n);
             if let Some(hooks) = &self.hooks {
                 for id in self.hooked.values() {
                     hooks.rename(*id, &new);

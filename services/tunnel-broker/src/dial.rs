@@ -263,7 +263,7 @@ impl Broker {
         // A tunnel whose agent did not take the stream (GOAWAY: the tunnel is no longer picked;
         // or REFUSED_STREAM) fails it as NoTunnel, nothing dialled: the stream goes to the next
         // local tunnel, then the peers.
-        let mut closing = None;
+        let mut not_taken = None;
         for _ in 0..MAX_LOCAL_TUNNELS_TRIED {
             let Some(tunnel) = self.routes.borrow().pick(&target.cluster) else {
                 break;
@@ -271,7 +271,7 @@ impl Broker {
             match tunnel.open(target, stream_id, timeout, &trace, early).await {
                 Err(e) if e.kind == DialErrorKind::NoTunnel => {
                     tracing::debug!(tunnel = tunnel.id, reason = %e, "stream not taken: trying another tunnel");
-                    closing = Some(e);
+                    not_taken = Some(e);
                 }
                 r => return r,
             }
@@ -298,7 +298,7 @@ impl Broker {
                 Err(e) => return Err(e),
             }
         }
-        if let Some(e) = closing {
+        if let Some(e) = not_taken {
             return Err(e);
         }
         if let Some(waited) = self.routes.borrow().suspect(&target.cluster) {

@@ -429,7 +429,8 @@ mod tests {
             handle.is_draining(),
             "a GOAWAY stops new streams on the tunnel"
         );
-        drop(agent.await.unwrap());
+        let agent = tokio::time::timeout(Duration::from_secs(10), agent);
+        drop(agent.await.expect("the peer task ends").unwrap());
     }
 
     /// A stream the agent took and then lost with the connection may have been dialled: it is
@@ -445,6 +446,7 @@ mod tests {
         let err = open(&handle).await.expect_err("the tunnel went away");
         assert_eq!(err.kind, DialErrorKind::TunnelLost, "{err}");
         assert!(!handle.is_draining());
-        agent.await.unwrap();
+        let agent = tokio::time::timeout(Duration::from_secs(10), agent);
+        agent.await.expect("the peer task ends").unwrap();
     }
 }

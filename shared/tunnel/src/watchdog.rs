@@ -10,8 +10,8 @@
 //!   watchdog asks the keepalive loop for an immediate PING ([`Progress::probe`]), which a live
 //!   peer must ack;
 //! - after half of `stall_timeout` unanswered, *and* once that PING has gone unanswered for
-//!   half a tick or more (in practice: at the next tick), the tunnel is *suspect*: the broker sends new streams elsewhere
-//!   ([`Progress::is_suspect`]). Not on the clock alone: some writes need no answer (a PING
+//!   half a tick or more (in practice: at the next tick), the tunnel is *suspect*: the broker
+//!   sends new streams elsewhere ([`Progress::is_suspect`]). Not on the clock alone: some writes need no answer (a PING
 //!   ack, a WINDOW_UPDATE), and the tick that first sees one unanswered can come almost two
 //!   ticks after it — a live, idle peer would then be marked suspect at the very tick the
 //!   probe goes out (seen in the 1,000-agent bench: one cluster refused as "looks wedged"
@@ -93,10 +93,12 @@ impl Progress {
 
     /// How long bytes written to the peer have gone unanswered, if any have.
     pub fn unanswered(&self) -> Option<Duration> {
-        match self.unanswered_since.load(Ordering::Relaxed) {
-            0 => None,
-            since => Some(Duration::from_millis(self.now_ms().saturating_sub(since))),
-        }
+        self.waited(self.unanswered_since.load(Ordering::Relaxed))
+    }
+
+    /// How long the unanswered period that started at `since` (as stored; 0: none) has lasted.
+    fn waited(&self, since: u64) -> Option<Duration> {
+        (since != 0).then(|| Duration::from_millis(self.now_ms().saturating_sub(since)))
     }
 
     /// The peer has not answered for half the stall timeout: avoid the tunnel for new streams.
@@ -158,7 +160,7 @@ impl Watchdog {
         loop {
             interval.tick().await;
             let since = self.progress.unanswered_since.load(Ordering::Relaxed);
-            let Some(waited) = self.progress.unanswered() else {
+            let Some(waited) = self.progress.waited(since) else {
                 probed = None;
                 continue;
             };
@@ -302,11 +304,16 @@ mod tests {
     /// that first probes, however late that tick comes: only a probe left unanswered is.
     #[tokio::test]
     async fn suspect_only_once_a_probe_went_unanswered() {
-        let progress = Progress::new();
+        // Its clock started a second ago, so writes can be placed in the past.
+        let progress = Arc::new(Progress {
+            epoch: Instant::now()
+                .checked_sub(Duration::from_secs(1))
+                .expect("a monotonic clock older than 1 s"),
+            ..Progress::default()
+        });
         let stall = Duration::from_millis(400);
         let dog = Watchdog::new(Arc::clone(&progress), stall);
         let tick = dog.tick();
-        tokio::time::sleep(Duration::from_millis(300)).await;
         // A write 210 ms ago that needed no answer: past half the stall timeout by the time the
         // first tick sees it (ticks come late on a loaded machine).
         let ago = |ms| progress.now_ms() - ms;
