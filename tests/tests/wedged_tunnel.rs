@@ -10,7 +10,9 @@
 //!   (a clear error naming the wedge, or no tunnel) until one succeeds;
 //! - the agent's watchdog detects the stall too (its next PING goes unanswered), redials
 //!   through the relay, and the new tunnel carries traffic within the documented time;
-//! - both ends count it in `tether_{broker,agent}_tunnel_wedged_total{detector="watchdog"}`.
+//! - both ends count it in `tether_{broker,agent}_tunnel_wedged_total{detector="watchdog"}`,
+//!   and the broker counts the tunnel turning suspect on the way, once
+//!   (`tether_broker_tunnel_suspect_total`); a trickle that the agent answers is neither.
 
 use std::time::{Duration, Instant};
 
@@ -114,6 +116,12 @@ async fn a_blackholed_tunnel_is_torn_down_and_replaced() -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert_eq!(broker_wedged, 1.0, "broker wedged count");
+    // On its way to the wedge the tunnel turned suspect once (counted once, not per tick).
+    assert_eq!(
+        metric(broker.admin_addr, "tether_broker_tunnel_suspect_total", &[]).await?,
+        1.0,
+        "broker suspect count"
+    );
 
     // New streams meanwhile are answered at once, never parked on the wedged tunnel; one
     // succeeds once the agent redialled.
@@ -227,6 +235,7 @@ async fn one_way_trickles_are_not_wedges() -> anyhow::Result<()> {
     for (admin, name) in [
         (broker.admin_addr, "tether_broker_tunnel_wedged_total"),
         (agent.admin_addr, "tether_agent_tunnel_wedged_total"),
+        (broker.admin_addr, "tether_broker_tunnel_suspect_total"),
     ] {
         assert_eq!(metric(admin, name, &[]).await?, 0.0, "{name}");
     }

@@ -194,7 +194,12 @@ pub async fn run_tunnel(
         Some(&progress),
     );
     tokio::pin!(keepalive);
-    let wedged = watchdog.run();
+    // The watchdog's own events (the tunnel turning suspect) name the tunnel.
+    let wedged = watchdog.run().instrument(tracing::info_span!(
+        "tunnel_watchdog",
+        cluster = %shared.cluster,
+        endpoint = %addr
+    ));
     tokio::pin!(wedged);
     let mut window_rx = window.changed();
     let (mismatch_tx, mut mismatch_rx) = mpsc::channel::<TunnelError>(1);

@@ -231,7 +231,8 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
             changes: Some(side.metrics.tunnel_window_changes.clone()),
         }),
         connection: Some(connection),
-        watchdog: Watchdog::new(progress, side.settings.stall_timeout),
+        watchdog: Watchdog::new(progress, side.settings.stall_timeout)
+            .count_suspect_in(side.metrics.tunnel_suspect.clone()),
         wedged: side.metrics.tunnel_wedged.clone(),
         hooks: side.test_hooks.clone().zip(panic_token),
     };

@@ -27,6 +27,8 @@ pub struct BrokerMetrics {
     pub tunnel_window_changes: IntCounter,
     /// Tunnels torn down as wedged, by detector (watchdog, keepalive).
     pub tunnel_wedged: IntCounterVec,
+    /// Times a tunnel turned suspect (the watchdog's early stage: new streams go elsewhere).
+    pub tunnel_suspect: IntCounter,
     /// Dials refused by a fairness budget (budget).
     pub budget_rejections: IntCounterVec,
     /// Clusters whose bytes are paced by the CPU share now (budget::FairShare).
@@ -135,6 +137,10 @@ impl BrokerMetrics {
                     "Agent tunnels torn down because they moved no bytes while bytes waited: detector=watchdog (bytes to the agent unanswered for tunnel.stall_timeout) or keepalive (PING unanswered for tunnel.keepalive_timeout).",
                 ),
                 &["detector"],
+            ).registered(registry)?,
+            tunnel_suspect: IntCounter::new(
+                "tether_broker_tunnel_suspect_total",
+                "Times an agent tunnel turned suspect: bytes to the agent and the watchdog's probe PING unanswered for half of tunnel.stall_timeout; new streams go to another tunnel or replica until bytes arrive again.",
             ).registered(registry)?,
             budget_rejections: IntCounterVec::new(
                 Opts::new(

@@ -68,6 +68,8 @@ impl Actor for TunnelActor {
         let watchdog = self.watchdog.clone();
         let wedged = self.wedged.clone();
         let watch = async move {
+            // The watchdog's own events (a tunnel turning suspect) name the tunnel.
+            let watchdog_span = tracing::info_span!("tunnel_watchdog", %cluster, tunnel = id);
             let progress = Arc::clone(&watchdog.progress);
             let keepalive = tether_tunnel::keepalive::run_probed(
                 pp,
@@ -93,7 +95,7 @@ impl Actor for TunnelActor {
                     }
                     e.to_string()
                 }
-                w = watchdog.run() => {
+                w = tracing::Instrument::instrument(watchdog.run(), watchdog_span) => {
                     wedged.with_label_values(&["watchdog"]).inc();
                     tracing::warn!(%cluster, tunnel = id, reason = %w, "tunnel wedged: tearing it down");
                     // Dropping the connection (the actor stops) ends its streams with an error

@@ -130,6 +130,8 @@ pub struct Wedged {
 pub struct Watchdog {
     pub progress: Arc<Progress>,
     pub stall_timeout: Duration,
+    /// Counts the times the tunnel became suspect (not the ticks it stayed so).
+    suspected: Option<prometheus::IntCounter>,
 }
 
 impl Watchdog {
@@ -137,7 +139,16 @@ impl Watchdog {
         Self {
             progress,
             stall_timeout,
+            suspected: None,
         }
+    }
+
+    /// Counts each time the tunnel turns suspect in `counter` (the broker's
+    /// `tether_broker_tunnel_suspect_total`): a live tunnel that keeps turning suspect is
+    /// refusing streams to a cluster that may be fine.
+    pub fn count_suspect_in(mut self, counter: prometheus::IntCounter) -> Self {
+        self.suspected = Some(counter);
+        self
     }
 
     /// How often progress is checked: a quarter of the stall timeout.
@@ -174,8 +185,18 @@ impl Watchdog {
                 probed = None;
             }
             let probe_overdue = probed.is_some_and(|(_, at)| at.elapsed() >= tick / 2);
-            if waited >= self.stall_timeout / 2 && probe_overdue {
-                self.progress.suspect.store(true, Ordering::Relaxed);
+            if waited >= self.stall_timeout / 2
+                && probe_overdue
+                && !self.progress.suspect.swap(true, Ordering::Relaxed)
+            {
+                tracing::warn!(
+                    unanswered_ms = waited.as_millis() as u64,
+                    stall_timeout_ms = self.stall_timeout.as_millis() as u64,
+                    "tunnel suspect: bytes to the peer and a probe PING are unanswered"
+                );
+                if let Some(c) = &self.suspected {
+                    c.inc();
+                }
             }
             if waited >= tick {
                 self.progress.probe.notify_one();
@@ -312,7 +333,8 @@ mod tests {
             ..Progress::default()
         });
         let stall = Duration::from_millis(400);
-        let dog = Watchdog::new(Arc::clone(&progress), stall);
+        let suspected = prometheus::IntCounter::new("suspect_total", "suspect").unwrap();
+        let dog = Watchdog::new(Arc::clone(&progress), stall).count_suspect_in(suspected.clone());
         let tick = dog.tick();
         // A write 210 ms ago that needed no answer: past half the stall timeout by the time the
         // first tick sees it (ticks come late on a loaded machine).
@@ -339,6 +361,7 @@ mod tests {
             !progress.is_suspect(),
             "a new period's first probe is not overdue"
         );
+        assert_eq!(suspected.get(), 0, "counted while never suspect");
         // This probe is not answered: suspect at a following tick, then wedged.
         let started = Instant::now();
         let w = run.await;
@@ -346,6 +369,8 @@ mod tests {
             progress.is_suspect(),
             "an unanswered probe makes the tunnel suspect"
         );
+        // Counted once when it turned suspect, not once per tick it stayed so.
+        assert_eq!(suspected.get(), 1);
         assert!(w.unanswered >= stall, "{w}");
         assert!(started.elapsed() <= stall + tick, "{:?}", started.elapsed());
     }
