@@ -675,3 +675,54 @@ async fn streams_per_tunnel_are_bounded_503() -> anyhow::Result<()> {
     assert_eq!(&got, b"third");
     Ok(())
 }
+
+/// A target given by name is resolved once per `dns_cache.ttl` (the next dial within it uses
+/// the cached addresses), and a name none of whose addresses took the connection is resolved
+/// again on the next dial, not served stale for the TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn target_names_are_cached_and_forgotten_when_their_addresses_fail() -> anyhow::Result<()> {
+    let setup = Setup::start("c1", "", "dns_cache:\n  ttl: 60s\n  max_entries: 16").await?;
+    let b = setup.broker.client_addr;
+    let resolutions = |result: &'static str| {
+        let admin = setup.agent.admin_addr;
+        async move {
+            metric(
+                admin,
+                "tether_agent_dial_resolutions_total",
+                &[("result", result)],
+            )
+            .await
+        }
+    };
+    // `localhost` comes from /etc/hosts: the system resolver, no DNS traffic.
+    let by_name = format!("localhost.c1.tether:{}", setup.echo.port());
+    for _ in 0..2 {
+        let mut s = tether_e2e::connect_ok(b, &by_name).await?;
+        s.write_all(b"hi").await?;
+        let mut got = [0u8; 2];
+        s.read_exact(&mut got).await?;
+        assert_eq!(&got, b"hi");
+    }
+    assert_eq!(resolutions("resolved").await?, 1.0, "first dial resolves");
+    assert_eq!(
+        resolutions("cached").await?,
+        1.0,
+        "second dial uses the cache"
+    );
+    // A name whose addresses refuse: forgotten after the failed dial, resolved again next time.
+    let closed = {
+        let l = TcpListener::bind("127.0.0.1:0").await?;
+        l.local_addr()?.port()
+    };
+    let refusing = format!("localhost.c1.tether:{closed}");
+    for _ in 0..2 {
+        expect_status(b, &refusing, Some(OPS_TOKEN), 502, "refused").await?;
+    }
+    assert_eq!(
+        resolutions("resolved").await?,
+        3.0,
+        "a name whose addresses failed is resolved again"
+    );
+    assert_eq!(resolutions("cached").await?, 1.0);
+    Ok(())
+}

@@ -37,6 +37,9 @@ pub struct AgentConfig {
     /// Upper bound for any dial, whatever the broker asks.
     #[serde(default = "default_max_dial", with = "humantime_serde")]
     pub max_dial_timeout: Duration,
+    /// How long a target name's addresses are reused (`crate::resolve`).
+    #[serde(default)]
+    pub dns_cache: DnsCacheSettings,
     #[serde(default = "default_admin")]
     pub admin_listen: SocketAddr,
     #[serde(default)]
@@ -67,6 +70,40 @@ pub struct AgentConfig {
     /// `tether_runtime::test_hooks`). Never set it in production; a change needs a restart.
     #[serde(default)]
     pub test_hooks: bool,
+}
+
+/// The cache of resolved target names (`crate::resolve`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DnsCacheSettings {
+    /// How long a name's addresses are reused; `0s` resolves on every dial. At most 5m.
+    #[serde(default = "default_dns_ttl", with = "humantime_serde")]
+    pub ttl: Duration,
+    /// Names kept at most (1 – 1,000,000).
+    #[serde(default = "default_dns_entries")]
+    pub max_entries: usize,
+}
+
+/// Default `dns_cache.ttl`.
+pub const DEFAULT_DNS_CACHE_TTL: Duration = Duration::from_secs(5);
+/// Default `dns_cache.max_entries`.
+pub const DEFAULT_DNS_CACHE_ENTRIES: usize = 1024;
+
+fn default_dns_ttl() -> Duration {
+    DEFAULT_DNS_CACHE_TTL
+}
+
+fn default_dns_entries() -> usize {
+    DEFAULT_DNS_CACHE_ENTRIES
+}
+
+impl Default for DnsCacheSettings {
+    fn default() -> Self {
+        Self {
+            ttl: DEFAULT_DNS_CACHE_TTL,
+            max_entries: DEFAULT_DNS_CACHE_ENTRIES,
+        }
+    }
 }
 
 /// Default CA of the in-cluster API server (the pod's service account).
@@ -331,6 +368,22 @@ impl Validate for AgentConfig {
         if self.max_dial_timeout.is_zero() {
             return Err(ConfigError::invalid("max_dial_timeout", "must be > 0"));
         }
+        if self.dns_cache.ttl > crate::resolve::MAX_TTL {
+            return Err(ConfigError::invalid(
+                "dns_cache.ttl",
+                format!(
+                    "{:?} is above the bound {:?}: a Service's old addresses would be reused that long",
+                    self.dns_cache.ttl,
+                    crate::resolve::MAX_TTL
+                ),
+            ));
+        }
+        if !(1..=1_000_000).contains(&self.dns_cache.max_entries) {
+            return Err(ConfigError::invalid(
+                "dns_cache.max_entries",
+                format!("{} is not in 1..=1000000", self.dns_cache.max_entries),
+            ));
+        }
         self.proxy_settings()?;
         if let Some(sp) = &self.service_proxy {
             if sp.max_header_bytes < 8192 {
@@ -384,6 +437,31 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("service_proxy.service_addresses"), "{e}");
+    }
+
+    #[test]
+    fn dns_cache_section() {
+        let base = "cluster: c1\ntls: {cert: c, key: k, ca: a}\nbrokers:\n  - addresses: ['b:1']\n    server_name: b\n";
+        let parse = |extra: &str| {
+            tether_config::from_str::<AgentConfig>(
+                &format!("{base}{extra}"),
+                std::path::Path::new("agent.yaml"),
+            )
+        };
+        assert_eq!(parse("").unwrap().dns_cache, DnsCacheSettings::default());
+        let off = parse("dns_cache: {ttl: 0s}\n").unwrap().dns_cache;
+        assert_eq!(
+            (off.ttl, off.max_entries),
+            (Duration::ZERO, DEFAULT_DNS_CACHE_ENTRIES)
+        );
+        for (extra, field) in [
+            ("dns_cache: {ttl: 10m}\n", "dns_cache.ttl"),
+            ("dns_cache: {max_entries: 0}\n", "dns_cache.max_entries"),
+            ("dns_cache: {size: 3}\n", "size"),
+        ] {
+            let e = parse(extra).unwrap_err().to_string();
+            assert!(e.contains(field), "{extra}: {e}");
+        }
     }
 
     #[test]

@@ -31,6 +31,7 @@ pub mod config;
 pub mod connector;
 pub mod metrics;
 pub mod net;
+pub mod resolve;
 pub mod service_proxy;
 pub mod tunnel;
 
@@ -149,8 +150,13 @@ fn shared_fingerprint(cfg: &AgentConfig) -> String {
         )
     });
     format!(
-        "{proxy:?}|{}|{:?}|{:?}|{:?}|{:?}",
-        cfg.apiserver, cfg.policy, cfg.max_dial_timeout, cfg.tunnel, cfg.service_proxy
+        "{proxy:?}|{}|{:?}|{:?}|{:?}|{:?}|{:?}",
+        cfg.apiserver,
+        cfg.policy,
+        cfg.max_dial_timeout,
+        cfg.dns_cache,
+        cfg.tunnel,
+        cfg.service_proxy
     )
 }
 
@@ -188,6 +194,10 @@ fn build_shared(
         apiserver: cfg.apiserver.clone(),
         policy: cfg.policy.clone(),
         max_dial_timeout: cfg.max_dial_timeout,
+        resolver: resolve::Resolver::new(
+            cfg.dns_cache.clone(),
+            Some(metrics.dial_resolutions.clone()),
+        ),
         settings: cfg.tunnel.clone(),
         metrics: metrics.clone(),
         counters: counters.clone(),

@@ -14,6 +14,8 @@ pub struct AgentMetrics {
     pub open_streams: IntGauge,
     pub dial_duration: Histogram,
     pub dial_failures: IntCounterVec,
+    /// Target names resolved for dials, by result (`cached`, `resolved`, `failed`).
+    pub dial_resolutions: IntCounterVec,
     pub bytes: IntCounterVec,
     pub stream_duration: HistogramVec,
     pub tunnel_window_changes: IntCounter,
@@ -51,6 +53,13 @@ impl AgentMetrics {
                     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0,
                 ]),
+            ).registered(registry)?,
+            dial_resolutions: IntCounterVec::new(
+                Opts::new(
+                    "tether_agent_dial_resolutions_total",
+                    "Target names resolved for dials (literal addresses not counted): result=cached (dns_cache hit), resolved (asked the system resolver), failed (no address).",
+                ),
+                &["result"],
             ).registered(registry)?,
             dial_failures: IntCounterVec::new(
                 Opts::new(

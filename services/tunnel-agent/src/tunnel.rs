@@ -29,6 +29,8 @@ pub struct AgentShared {
     pub apiserver: String,
     pub policy: TargetPolicy,
     pub max_dial_timeout: Duration,
+    /// Target names to addresses, with a short cache (`dns_cache`).
+    pub resolver: crate::resolve::Resolver,
     pub settings: TunnelSettings,
     pub metrics: AgentMetrics,
     pub counters: ByteCounters,
@@ -583,30 +585,24 @@ async fn dial(
         target.to_owned()
     };
     let work = async {
-        let addrs: Vec<_> = tokio::net::lookup_host(&dest)
-            .await
-            .map_err(|e| {
-                DialError::new(
-                    DialErrorKind::NameNotFound,
-                    format!("cannot resolve {dest}: {e}"),
-                )
-            })?
-            .collect();
-        if addrs.is_empty() {
-            return Err(DialError::new(
+        let addrs = shared.resolver.resolve(&dest).await.map_err(|e| {
+            DialError::new(
                 DialErrorKind::NameNotFound,
-                format!("{dest} has no addresses"),
-            ));
-        }
+                format!("cannot resolve {dest}: {e}"),
+            )
+        })?;
         let mut last = None;
-        for a in addrs {
+        for &a in addrs.iter() {
             // No reactor turn when the kernel finished the handshake inside connect().
             match crate::net::connect(a).await {
                 Ok(s) => return Ok(s),
                 Err(e) => last = Some((a, e)),
             }
         }
-        let (a, e) = last.expect("at least one address");
+        // None of its addresses took the connection: the next dial asks the resolver again
+        // (the Service's endpoints may have moved).
+        shared.resolver.forget(&dest);
+        let (a, e) = last.expect("a resolved name has at least one address");
         let kind = if e.kind() == std::io::ErrorKind::ConnectionRefused {
             DialErrorKind::Refused
         } else {
@@ -616,9 +612,13 @@ async fn dial(
     };
     match tokio::time::timeout(timeout, work).await {
         Ok(r) => r,
-        Err(_) => Err(DialError::new(
-            DialErrorKind::Timeout,
-            format!("dial {dest} timed out after {} ms", timeout.as_millis()),
-        )),
+        Err(_) => {
+            // Cached addresses that no longer answer are not tried again for the TTL.
+            shared.resolver.forget(&dest);
+            Err(DialError::new(
+                DialErrorKind::Timeout,
+                format!("dial {dest} timed out after {} ms", timeout.as_millis()),
+            ))
+        }
     }
 }
