@@ -417,15 +417,17 @@ impl Validate for AgentConfig {
 mod tests {
     use super::*;
 
+    /// A minimal valid config plus `extra` YAML lines.
+    fn parse(extra: &str) -> Result<AgentConfig, ConfigError> {
+        let base = "cluster: c1\ntls: {cert: c, key: k, ca: a}\nbrokers:\n  - addresses: ['b:1']\n    server_name: b\n";
+        tether_config::from_str::<AgentConfig>(
+            &format!("{base}{extra}"),
+            std::path::Path::new("agent.yaml"),
+        )
+    }
+
     #[test]
     fn service_proxy_section() {
-        let base = "cluster: c1\ntls: {cert: c, key: k, ca: a}\nbrokers:\n  - addresses: ['b:1']\n    server_name: b\n";
-        let parse = |extra: &str| {
-            tether_config::from_str::<AgentConfig>(
-                &format!("{base}{extra}"),
-                std::path::Path::new("agent.yaml"),
-            )
-        };
         assert!(parse("").unwrap().service_proxy.is_none());
         let sp = parse("service_proxy: {token_file: /t}\n")
             .unwrap()
@@ -441,13 +443,6 @@ mod tests {
 
     #[test]
     fn dns_cache_section() {
-        let base = "cluster: c1\ntls: {cert: c, key: k, ca: a}\nbrokers:\n  - addresses: ['b:1']\n    server_name: b\n";
-        let parse = |extra: &str| {
-            tether_config::from_str::<AgentConfig>(
-                &format!("{base}{extra}"),
-                std::path::Path::new("agent.yaml"),
-            )
-        };
         assert_eq!(parse("").unwrap().dns_cache, DnsCacheSettings::default());
         let off = parse("dns_cache: {ttl: 0s}\n").unwrap().dns_cache;
         assert_eq!(
