@@ -86,6 +86,9 @@ pub struct DnsCacheSettings {
 
 /// Default `dns_cache.ttl`.
 pub const DEFAULT_DNS_CACHE_TTL: Duration = Duration::from_secs(5);
+/// The bound `dns_cache.ttl` may not exceed: the cache must never pin a Service's old
+/// addresses for long.
+pub const DNS_CACHE_MAX_TTL: Duration = Duration::from_secs(300);
 /// Default `dns_cache.max_entries`.
 pub const DEFAULT_DNS_CACHE_ENTRIES: usize = 1024;
 
@@ -368,13 +371,12 @@ impl Validate for AgentConfig {
         if self.max_dial_timeout.is_zero() {
             return Err(ConfigError::invalid("max_dial_timeout", "must be > 0"));
         }
-        if self.dns_cache.ttl > crate::resolve::MAX_TTL {
+        if self.dns_cache.ttl > DNS_CACHE_MAX_TTL {
             return Err(ConfigError::invalid(
                 "dns_cache.ttl",
                 format!(
                     "{:?} is above the bound {:?}: a Service's old addresses would be reused that long",
-                    self.dns_cache.ttl,
-                    crate::resolve::MAX_TTL
+                    self.dns_cache.ttl, DNS_CACHE_MAX_TTL
                 ),
             ));
         }

@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use prometheus::IntCounterVec;
 
@@ -146,13 +146,10 @@ impl Resolver {
     }
 }
 
-/// The TTL bound `dns_cache.ttl` may not exceed: the cache must never pin a Service's old
-/// addresses for long.
-pub const MAX_TTL: Duration = Duration::from_secs(300);
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn resolver(ttl_ms: u64, max_entries: usize) -> (Resolver, IntCounterVec) {
         let c = IntCounterVec::new(prometheus::Opts::new("r", "r"), &["result"]).unwrap();
