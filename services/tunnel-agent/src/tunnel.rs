@@ -149,7 +149,8 @@ pub async fn run_tunnel(
     let watchdog = tether_tunnel::watchdog::Watchdog::new(
         Arc::clone(&progress),
         shared.settings.stall_timeout,
-    );
+    )
+    .named(format!("cluster {} to broker {addr}", shared.cluster));
     let tcp = tether_tunnel::watchdog::ProgressIo::new(tcp, Arc::clone(&progress));
     // rustls asks its transport for a few KiB per read; reading the socket in 64 KiB pieces
     // (a buffer held only while data flows) cuts the `recv` calls ~4×.
@@ -196,12 +197,7 @@ pub async fn run_tunnel(
         Some(&progress),
     );
     tokio::pin!(keepalive);
-    // The watchdog's own events (the tunnel turning suspect) name the tunnel.
-    let wedged = watchdog.run().instrument(tracing::info_span!(
-        "tunnel_watchdog",
-        cluster = %shared.cluster,
-        endpoint = %addr
-    ));
+    let wedged = watchdog.run();
     tokio::pin!(wedged);
     let mut window_rx = window.changed();
     let (mismatch_tx, mut mismatch_rx) = mpsc::channel::<TunnelError>(1);

@@ -65,11 +65,12 @@ impl Actor for TunnelActor {
         let cluster = self.handle.cluster.clone();
         let id = self.handle.id;
         let handle = Arc::clone(&self.handle);
-        let watchdog = self.watchdog.clone();
+        let watchdog = self
+            .watchdog
+            .clone()
+            .named(format!("cluster {cluster} tunnel {id}"));
         let wedged = self.wedged.clone();
         let watch = async move {
-            // The watchdog's own events (a tunnel turning suspect) name the tunnel.
-            let watchdog_span = tracing::info_span!("tunnel_watchdog", %cluster, tunnel = id);
             let progress = Arc::clone(&watchdog.progress);
             let keepalive = tether_tunnel::keepalive::run_probed(
                 pp,
@@ -95,7 +96,7 @@ impl Actor for TunnelActor {
                     }
                     e.to_string()
                 }
-                w = tracing::Instrument::instrument(watchdog.run(), watchdog_span) => {
+                w = watchdog.run() => {
                     wedged.with_label_values(&["watchdog"]).inc();
                     tracing::warn!(%cluster, tunnel = id, reason = %w, "tunnel wedged: tearing it down");
                     // Dropping the connection (the actor stops) ends its streams with an error

@@ -132,6 +132,9 @@ pub struct Watchdog {
     pub stall_timeout: Duration,
     /// Counts the times the tunnel became suspect (not the ticks it stayed so).
     suspected: Option<prometheus::IntCounter>,
+    /// Names the tunnel in the watchdog's log lines (a field, not a span: the watchdog's
+    /// future is polled on every wake-up of its owner's task, a data-path task on the agent).
+    name: Option<Arc<str>>,
 }
 
 impl Watchdog {
@@ -140,7 +143,14 @@ impl Watchdog {
             progress,
             stall_timeout,
             suspected: None,
+            name: None,
         }
+    }
+
+    /// Names the tunnel in the watchdog's log lines (e.g. its cluster and broker or id).
+    pub fn named(mut self, name: impl Into<Arc<str>>) -> Self {
+        self.name = Some(name.into());
+        self
     }
 
     /// Counts each time the tunnel turns suspect in `counter` (the broker's
@@ -190,6 +200,7 @@ impl Watchdog {
                 && !self.progress.suspect.swap(true, Ordering::Relaxed)
             {
                 tracing::warn!(
+                    tunnel = self.name.as_deref().unwrap_or("unnamed"),
                     unanswered_ms = waited.as_millis() as u64,
                     stall_timeout_ms = self.stall_timeout.as_millis() as u64,
                     "tunnel suspect: bytes to the peer and a probe PING are unanswered"
