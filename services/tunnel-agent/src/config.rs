@@ -37,7 +37,7 @@ pub struct AgentConfig {
     /// Upper bound for any dial, whatever the broker asks.
     #[serde(default = "default_max_dial", with = "humantime_serde")]
     pub max_dial_timeout: Duration,
-    /// How long a target name's addresses are reused (`crate::resolve`).
+    /// How long a target name's addresses are reused (the agent's resolver reads these).
     #[serde(default)]
     pub dns_cache: DnsCacheSettings,
     #[serde(default = "default_admin")]
@@ -72,7 +72,7 @@ pub struct AgentConfig {
     pub test_hooks: bool,
 }
 
-/// The cache of resolved target names (`crate::resolve`).
+/// The cache of resolved target names (`dns_cache`, docs/configuration.md).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DnsCacheSettings {

@@ -296,6 +296,17 @@ mod tests {
     use crate::testing::tcp_pair;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+    /// Waits for the watchdog's next probe request; a wedge first is a failure.
+    async fn until_probe(
+        run: Pin<&mut impl std::future::Future<Output = Wedged>>,
+        progress: &Progress,
+    ) {
+        tokio::select! {
+            w = run => panic!("wedged before probing: {w}"),
+            _ = progress.probe() => {}
+        }
+    }
+
     #[tokio::test]
     async fn answered_writes_never_wedge_and_silence_does() {
         let (a, mut b) = tcp_pair().await;
@@ -353,10 +364,7 @@ mod tests {
         progress.unanswered_since.store(ago(210), Ordering::Relaxed);
         let run = dog.run();
         tokio::pin!(run);
-        tokio::select! {
-            _ = &mut run => panic!("wedged before probing"),
-            _ = progress.probe() => {}
-        }
+        until_probe(run.as_mut(), &progress).await;
         assert!(
             !progress.is_suspect(),
             "suspect before any probe went unanswered"
@@ -364,10 +372,7 @@ mod tests {
         // The probe is answered (a live peer); a new silent period starts the same way.
         progress.on_read();
         progress.unanswered_since.store(ago(110), Ordering::Relaxed);
-        tokio::select! {
-            _ = &mut run => panic!("wedged before probing"),
-            _ = progress.probe() => {}
-        }
+        until_probe(run.as_mut(), &progress).await;
         assert!(
             !progress.is_suspect(),
             "a new period's first probe is not overdue"
@@ -393,10 +398,7 @@ mod tests {
         progress.on_write();
         let run = dog.run();
         tokio::pin!(run);
-        tokio::select! {
-            _ = &mut run => panic!("wedged before probing"),
-            _ = progress.probe() => {}
-        }
+        until_probe(run.as_mut(), &progress).await;
         // The probe's answer clears the clock and the suspicion.
         progress.on_read();
         assert!(progress.unanswered().is_none() && !progress.is_suspect());
