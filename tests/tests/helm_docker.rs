@@ -627,8 +627,11 @@ fn rendered_umbrella_workloads_run_and_the_addon_becomes_available_through_every
             .find(|x| x["name"] == port_name)
             .and_then(|x| x["containerPort"].as_u64())
             .unwrap();
-        let addr = format!("{}:{port}", stack.ip(&p.name));
+        // The address is looked up on every try: a container that exits while NATS or a
+        // broker is not there yet is restarted (restart policy above) and may come back on
+        // another address of the network.
         wait_until(WAIT, &format!("{} ready ({path})", p.name), || {
+            let addr = format!("{}:{port}", stack.ip(&p.name));
             http_get(&addr, path).filter(|(c, _)| *c == 200).map(|_| ())
         })
         .unwrap_or_else(|e| panic!("{e}{}", stack.logs()));
