@@ -203,7 +203,7 @@ async fn drain_with_live_relays(drained: Drained) -> anyhow::Result<()> {
     let Err(err) = end else {
         eprintln!(
             "== {log}\n{}",
-            without_ansi(&std::fs::read_to_string(hub.path().join(log)).unwrap_or_default())
+            std::fs::read_to_string(hub.path().join(log)).unwrap_or_default()
         );
         anyhow::bail!(
             "{drained:?}: the endless stream ended with a clean EOF {:?} after SIGTERM (silent truncation)",
@@ -223,7 +223,12 @@ async fn drain_with_live_relays(drained: Drained) -> anyhow::Result<()> {
     })
     .await?;
     assert!(status.success(), "{drained:?}: exited with {status}");
-    let text = without_ansi(&std::fs::read_to_string(hub.path().join(log))?);
+    let text = std::fs::read_to_string(hub.path().join(log))?;
+    // A log file gets plain text: colours only on a terminal (tether_telemetry::use_colour).
+    assert!(
+        !text.contains('\x1b'),
+        "{drained:?}: the broker's log file holds ANSI escape codes:\n{text}"
+    );
     // The streams' drain hit its deadline (the endless stream); every tracked task of the
     // broker still ended within its own.
     assert!(
@@ -237,20 +242,6 @@ async fn drain_with_live_relays(drained: Drained) -> anyhow::Result<()> {
         "{drained:?}: tasks outlived the drain:\n{text}"
     );
     Ok(())
-}
-
-/// `text` without its ANSI colour sequences (`ESC [ … m`).
-fn without_ansi(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    while let Some(c) = chars.next() {
-        if c == '\x1b' {
-            chars.by_ref().find(|&c| c == 'm');
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 /// A target that sends forever, so a client is mid-read whenever its stream is cut.

@@ -1,7 +1,8 @@
 //! Traces: with the standard OTEL_EXPORTER_OTLP_ENDPOINT set, broker and agent export spans over
 //! OTLP/gRPC (to a real OTLP receiver in this test), the stream's spans carry the cluster and
 //! stream id, and the agent's span joins the broker's trace (context carried in the tunnel's
-//! HTTP/2 headers).
+//! HTTP/2 headers). A CONNECT request with a W3C `traceparent` header puts both in the client's
+//! trace.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,7 +14,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
-use tether_e2e::{Hub, OPS_TOKEN, connect, echo_server, wait_agent_ready, wait_tunnel};
+use tether_e2e::{Hub, OPS_TOKEN, connect, echo_server, send_head, wait_agent_ready, wait_tunnel};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[derive(Debug, Clone)]
@@ -135,6 +136,16 @@ async fn spans_are_exported_and_joined_across_the_tunnel() -> anyhow::Result<()>
     .await?;
     assert_eq!(attr(&b, "cluster"), Some("c1"), "{b:?}");
     assert!(attr(&b, "stream").is_some(), "{b:?}");
+    // The broker's span is created once the head is read and checked, with all its fields;
+    // `target` is the dialled address alone (the tracing target is not exported under the same
+    // key).
+    assert_eq!(attr(&b, "client"), Some("ops"), "{b:?}");
+    assert_eq!(attr(&b, "target"), Some("c1:443"), "{b:?}");
+    assert_eq!(
+        b.attrs.iter().filter(|(k, _)| k == "target").count(),
+        1,
+        "{b:?}"
+    );
     assert_eq!(attr(&a, "cluster"), Some("c1"), "{a:?}");
     assert_eq!(
         attr(&a, "stream"),
@@ -146,5 +157,41 @@ async fn spans_are_exported_and_joined_across_the_tunnel() -> anyhow::Result<()>
         a.trace_id, b.trace_id,
         "agent span is not in the broker's trace"
     );
+
+    // A client in a trace of its own: the broker's and the agent's spans join it.
+    const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let head = format!(
+        "CONNECT c1:443 HTTP/1.1\r\nproxy-authorization: Bearer {OPS_TOKEN}\r\n\
+         traceparent: 00-{CLIENT_TRACE}-00f067aa0ba902b7-01\r\n\r\n"
+    );
+    let stream = tokio::net::TcpStream::connect(broker.client_addr).await?;
+    let mut s = match send_head(stream, head.as_bytes()).await? {
+        Ok(s) => s,
+        Err((code, body)) => anyhow::bail!("traced CONNECT failed: {code} {body}"),
+    };
+    s.write_all(b"traced").await?;
+    s.read_exact(&mut six).await?;
+    drop(s);
+    let client_trace = hex::decode(CLIENT_TRACE)?;
+    let (b, a) = tether_test_support::wait_until_async(
+        Duration::from_secs(20),
+        "broker and agent spans in the client's trace",
+        || async {
+            let spans = receiver.0.lock().expect("lock").clone();
+            let in_trace = |service: &str, name: &str| {
+                spans
+                    .iter()
+                    .find(|s| s.service == service && s.name == name && s.trace_id == client_trace)
+                    .cloned()
+            };
+            Some((
+                in_trace("tunnel-broker", "connect_stream")?,
+                in_trace("tunnel-agent", "agent_stream")?,
+            ))
+        },
+    )
+    .await?;
+    assert_eq!(attr(&b, "client"), Some("ops"), "{b:?}");
+    assert_eq!(attr(&a, "stream"), attr(&b, "stream"), "{a:?} / {b:?}");
     Ok(())
 }

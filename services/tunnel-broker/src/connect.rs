@@ -42,6 +42,9 @@ pub struct Head {
     pub target: Result<Target, DialError>,
     /// The `Proxy-Authorization` value, when present and UTF-8.
     pub credentials: Option<String>,
+    /// W3C trace-context headers (`traceparent`, `tracestate`) the client sent, name and value:
+    /// the stream's span joins the client's trace.
+    pub trace: Vec<(String, String)>,
 }
 
 /// Parses a request head from the bytes read so far: `Ok(None)` while incomplete, else the
@@ -66,12 +69,24 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, DialError> {
                 .find(|h| h.name.eq_ignore_ascii_case("proxy-authorization"))
                 .and_then(|h| std::str::from_utf8(h.value).ok())
                 .map(str::to_owned);
+            let trace = req
+                .headers
+                .iter()
+                .filter(|h| tether_telemetry::propagation::is_trace_header(h.name))
+                .filter_map(|h| {
+                    Some((
+                        h.name.to_owned(),
+                        std::str::from_utf8(h.value).ok()?.to_owned(),
+                    ))
+                })
+                .collect();
             let target = Target::parse(path)
                 .map_err(|e| DialError::new(DialErrorKind::BadRequest, e.to_string()));
             Ok(Some((
                 Head {
                     target,
                     credentials,
+                    trace,
                 },
                 len,
             )))
@@ -177,84 +192,119 @@ fn error_response(e: &DialError) -> Vec<u8> {
 
 const ESTABLISHED: &[u8] = b"HTTP/1.1 200 Connection established\r\n\r\n";
 
-/// Authenticates and authorises a parsed head and opens the stream; `early` (what the client
-/// sent behind the head) goes with the dial request. Failures before the dial (bad target,
-/// missing or unknown credentials) are counted here; [`Broker::dial`] counts its own.
-async fn open(
+/// Who a parsed head's credentials (or the client's certificate) name.
+fn authenticate(
     broker: &Broker,
-    head: Head,
+    credentials: Option<&str>,
     peer: Option<&crate::auth::PeerCert>,
-    stream_id: u64,
-    early: Bytes,
-) -> Result<crate::dial::OpenStream, DialError> {
-    let checked = (|| {
-        let target = head.target?;
-        tracing::Span::current().record("cluster", target.cluster.as_str());
-        tracing::Span::current().record("target", tracing::field::display(&target));
-        let client: ClientId = match (&head.credentials, peer) {
-            (Some(c), _) => broker.auth.from_header(c)?,
-            (None, Some(id)) => broker.auth.from_certificate(id)?,
-            (None, None) => {
-                return Err(DialError::new(
-                    DialErrorKind::Unauthenticated,
-                    "no credentials: present a client certificate or Proxy-Authorization",
-                ));
-            }
-        };
-        Ok((target, client))
-    })();
-    let (target, client) = checked.inspect_err(|e| broker.record_failure(FRONTEND, e))?;
-    tracing::Span::current().record("client", client.name.as_str());
-    broker
-        .dial(FRONTEND, &client, &target, stream_id, None, early)
-        .await
+) -> Result<ClientId, DialError> {
+    match (credentials, peer) {
+        (Some(c), _) => broker.auth.from_header(c),
+        (None, Some(id)) => broker.auth.from_certificate(id),
+        (None, None) => Err(DialError::new(
+            DialErrorKind::Unauthenticated,
+            "no credentials: present a client certificate or Proxy-Authorization",
+        )),
+    }
 }
 
-/// Reads the CONNECT head from `io` and opens its stream. What the client sent after the head
-/// (early data) is not held until the dial result: it leaves with the dial request, and the
-/// agent writes it to the target once connected (a refused dial drops it). On failure the error
-/// is answered, `io` closed gracefully, and `None` returned.
+/// Reads the CONNECT head from `io` and opens its stream; returns it with the stream's span.
+/// What the client sent after the head (early data) is not held until the dial result: it
+/// leaves with the dial request, and the agent writes it to the target once connected (a
+/// refused dial drops it). On failure the error is answered (inside the span), `io` closed
+/// gracefully, and `None` returned. Failures before the dial (malformed head, bad target,
+/// missing or unknown credentials) are counted here; [`Broker::dial`] counts its own.
+///
+/// The span is created once the head is read and checked, with every field it will carry: the
+/// log layer formats a span's fields when it is created and again for each field recorded
+/// later, and this is the open path of every CONNECT stream.
 async fn open_from_head<S: AsyncRead + AsyncWrite + Unpin>(
     broker: &Broker,
     io: &mut S,
     peer: Option<&crate::auth::PeerCert>,
     stream_id: u64,
-) -> Option<crate::dial::OpenStream> {
-    let opened = match read_head(io).await {
-        Ok((head, rest)) => open(broker, head, peer, stream_id, rest).await,
+) -> Option<(crate::dial::OpenStream, tracing::Span)> {
+    let (head, early) = match read_head(io).await {
+        Ok(x) => x,
+        Err(e) => return refuse(broker, io, span(stream_id, None, None, &[]), &e).await,
+    };
+    let Head {
+        target,
+        credentials,
+        trace,
+    } = head;
+    let target = match target {
+        Ok(t) => t,
+        Err(e) => return refuse(broker, io, span(stream_id, None, None, &trace), &e).await,
+    };
+    let client = match authenticate(broker, credentials.as_deref(), peer) {
+        Ok(c) => c,
         Err(e) => {
-            broker.record_failure(FRONTEND, &e);
-            Err(e)
+            let span = span(stream_id, Some(&target), None, &trace);
+            return refuse(broker, io, span, &e).await;
         }
     };
-    match opened {
-        Ok(x) => Some(x),
+    let span = span(stream_id, Some(&target), Some(&client), &trace);
+    let dialled = broker
+        .dial(FRONTEND, &client, &target, stream_id, None, early)
+        .instrument(span.clone())
+        .await;
+    match dialled {
+        Ok(stream) => Some((stream, span)),
+        // Broker::dial counted its own failure.
         Err(e) => {
-            let _ = io.write_all(&error_response(&e)).await;
-            let _ = close_gracefully(io, LINGER_TIMEOUT).await;
+            answer_error(io, &e).instrument(span).await;
             None
         }
     }
 }
 
-fn span(stream_id: u64) -> tracing::Span {
-    tracing::info_span!(
+/// Counts a failure before the dial, answers it inside `span` and closes `io`: `None`.
+async fn refuse<S: AsyncRead + AsyncWrite + Unpin, T>(
+    broker: &Broker,
+    io: &mut S,
+    span: tracing::Span,
+    e: &DialError,
+) -> Option<T> {
+    span.in_scope(|| broker.record_failure(FRONTEND, e));
+    answer_error(io, e).instrument(span).await;
+    None
+}
+
+/// Answers `e` on `io` and closes it gracefully.
+async fn answer_error<S: AsyncRead + AsyncWrite + Unpin>(io: &mut S, e: &DialError) {
+    let _ = io.write_all(&error_response(e)).await;
+    let _ = close_gracefully(io, LINGER_TIMEOUT).await;
+}
+
+/// The span of one CONNECT stream; `cluster`, `target` and `client` are left out when the
+/// request failed before they were known. With `trace` (the request's trace-context headers)
+/// it is a child of the client's span.
+fn span(
+    stream_id: u64,
+    target: Option<&Target>,
+    client: Option<&ClientId>,
+    trace: &[(String, String)],
+) -> tracing::Span {
+    let span = tracing::info_span!(
         "connect_stream",
         stream = stream_id,
-        cluster = tracing::field::Empty,
-        target = tracing::field::Empty,
-        client = tracing::field::Empty
-    )
+        cluster = target.map(|t| t.cluster.as_str()),
+        target = target.map(tracing::field::display),
+        client = client.map(|c| c.name.as_str())
+    );
+    tether_telemetry::propagation::set_parent(&span, trace.iter().map(|(k, v)| (k, v)));
+    span
 }
 
 /// Serves one plain-TCP client connection.
 pub async fn serve_plain(broker: Arc<Broker>, mut tcp: TcpStream) {
     let _ = tcp.set_nodelay(true);
     let stream_id = broker.next_stream_id();
+    let Some((stream, span)) = open_from_head(&broker, &mut tcp, None, stream_id).await else {
+        return;
+    };
     async move {
-        let Some(stream) = open_from_head(&broker, &mut tcp, None, stream_id).await else {
-            return;
-        };
         if tcp.write_all(ESTABLISHED).await.is_err() {
             broker.finish(&stream.ticket, &Ok(Default::default()));
             return;
@@ -265,7 +315,7 @@ pub async fn serve_plain(broker: Arc<Broker>, mut tcp: TcpStream) {
         let wr = crate::linger::CrashReset::arm(ResettableWriteHalf::new(wr));
         let _ = broker.splice_paced(stream, rd, wr).await;
     }
-    .instrument(span(stream_id))
+    .instrument(span)
     .await
 }
 
@@ -276,10 +326,11 @@ pub async fn serve_tls<S: TcpBacked + AsyncRead + AsyncWrite + Unpin + Send + 's
     peer: Option<crate::auth::PeerCert>,
 ) {
     let stream_id = broker.next_stream_id();
+    let Some((stream, span)) = open_from_head(&broker, &mut io, peer.as_ref(), stream_id).await
+    else {
+        return;
+    };
     async move {
-        let Some(stream) = open_from_head(&broker, &mut io, peer.as_ref(), stream_id).await else {
-            return;
-        };
         if io.write_all(ESTABLISHED).await.is_err() || io.flush().await.is_err() {
             broker.finish(&stream.ticket, &Ok(Default::default()));
             return;
@@ -294,7 +345,7 @@ pub async fn serve_tls<S: TcpBacked + AsyncRead + AsyncWrite + Unpin + Send + 's
             .splice_paced(stream, rd, AbortFlagWriteHalf { wr, aborted })
             .await;
     }
-    .instrument(span(stream_id))
+    .instrument(span)
     .await
 }
 
@@ -407,7 +458,20 @@ mod tests {
         let (head, len) = parse_head(full).expect("valid").expect("complete");
         assert_eq!(&full[len..], b"rest");
         assert_eq!(head.credentials.as_deref(), Some("Bearer t"));
+        assert!(head.trace.is_empty());
         assert_eq!(head.target.expect("target").wire_dest(), "10.0.0.1:80");
+        let traced = b"CONNECT c1:443 HTTP/1.1\r\nTraceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\ntracestate: v=1\r\nX-Other: 1\r\n\r\n";
+        let (head, _) = parse_head(traced).expect("valid").expect("complete");
+        assert_eq!(
+            head.trace,
+            [
+                (
+                    "Traceparent".to_owned(),
+                    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".to_owned()
+                ),
+                ("tracestate".to_owned(), "v=1".to_owned()),
+            ]
+        );
         let bad = parse_head(b"CONNECT nope HTTP/1.1\r\n\r\n").expect("head parses");
         assert!(bad.expect("complete").0.target.is_err());
     }

@@ -12,4 +12,4 @@ pub mod propagation;
 pub mod tracing_setup;
 
 pub use admin::{AdminServer, Readiness, Registered};
-pub use tracing_setup::{TelemetryGuard, init_tracing};
+pub use tracing_setup::{TelemetryGuard, init_tracing, use_colour};

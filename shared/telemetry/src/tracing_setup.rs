@@ -35,7 +35,9 @@ impl Drop for TelemetryGuard {
 }
 
 /// Installs the global subscriber for `service`. Log level from `RUST_LOG` (default `info`);
-/// `TETHER_LOG_FORMAT=json` switches to JSON lines. Must be called inside a tokio runtime when
+/// `TETHER_LOG_FORMAT=json` switches to JSON lines. Text lines are coloured only when stderr is
+/// a terminal and `NO_COLOR` is unset ([`use_colour`]): a log file, a pipe or a container's log
+/// gets plain text. Must be called inside a tokio runtime when
 /// `OTEL_EXPORTER_OTLP_ENDPOINT` is set (the exporter uses tonic).
 pub fn init_tracing(service: &str) -> TelemetryGuard {
     opentelemetry::global::set_text_map_propagator(
@@ -46,10 +48,16 @@ pub fn init_tracing(service: &str) -> TelemetryGuard {
     let fmt_layer = if json {
         tracing_subscriber::fmt::layer()
             .json()
+            .with_ansi(false)
             .with_writer(std::io::stderr)
             .boxed()
     } else {
+        let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
         tracing_subscriber::fmt::layer()
+            .with_ansi(use_colour(
+                terminal,
+                std::env::var_os("NO_COLOR").as_deref(),
+            ))
             .with_writer(std::io::stderr)
             .boxed()
     };
@@ -59,7 +67,13 @@ pub fn init_tracing(service: &str) -> TelemetryGuard {
             Ok(p) => {
                 let tracer = p.tracer(service.to_owned());
                 provider = Some(p);
-                Some(tracing_opentelemetry::layer().with_tracer(tracer))
+                // No `target` attribute for the tracing target: the stream spans have a field
+                // of that name (the dialled address), and `code.module.name` names the module.
+                Some(
+                    tracing_opentelemetry::layer()
+                        .with_tracer(tracer)
+                        .with_target(false),
+                )
             }
             Err(e) => {
                 eprintln!("{service}: OTLP export to {endpoint} disabled: {e}");
@@ -74,6 +88,14 @@ pub fn init_tracing(service: &str) -> TelemetryGuard {
         .with(otel_layer)
         .try_init();
     TelemetryGuard { provider }
+}
+
+/// Whether text log lines get ANSI colours: only on a terminal, and not when `NO_COLOR` is set
+/// to a non-empty value (<https://no-color.org>). tracing-subscriber's own default colours every
+/// line wherever it goes, which left escape codes in log files and container logs (and cost a
+/// formatting pass per span field).
+pub fn use_colour(stderr_is_terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    stderr_is_terminal && no_color.is_none_or(|v| v.is_empty())
 }
 
 fn build_provider(
@@ -91,4 +113,19 @@ fn build_provider(
         .with_batch_exporter(exporter)
         .with_resource(resource)
         .build())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::use_colour;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(use_colour(true, None));
+        assert!(use_colour(true, Some(OsStr::new(""))));
+        assert!(!use_colour(true, Some(OsStr::new("1"))));
+        assert!(!use_colour(false, None));
+        assert!(!use_colour(false, Some(OsStr::new(""))));
+    }
 }
