@@ -237,11 +237,22 @@ impl Hub {
         clusters: &[&str],
         extra: &str,
     ) -> anyhow::Result<Prober> {
+        self.start_prober_via(broker.client_tls_addr, clusters, extra)
+    }
+
+    /// [`Hub::start_prober`] with the broker's TLS client endpoint at `endpoint` (a relay in
+    /// front of it, say).
+    pub fn start_prober_via(
+        &self,
+        endpoint: SocketAddr,
+        clusters: &[&str],
+        extra: &str,
+    ) -> anyhow::Result<Prober> {
         let token_file = self.path().join("prober.token");
         std::fs::write(&token_file, OPS_TOKEN)?;
         let cfg = format!(
             "broker:\n  endpoint: https://{}\n  server_name: localhost\n  ca: {ca}\n  token_file: {}\nclusters: [{}]\napiserver_ca: {ca}\nadmin_listen: 127.0.0.1:0\n{extra}\n",
-            broker.client_tls_addr,
+            endpoint,
             token_file.display(),
             clusters.join(", "),
             ca = self.pki.ca_path().display(),
@@ -474,18 +485,11 @@ pub async fn connect_ok(
 /// Set to keep every test's directory (configs, certificates, process logs) after the test.
 pub const KEEP_ENV: &str = "TETHER_E2E_KEEP";
 
-impl Drop for Hub {
-    /// When a test panics, prints the end of every process log so the failure can be read.
-    /// With [`KEEP_ENV`] set, keeps the directory and says where it is (for tests that fail by
-    /// returning an error, which this cannot detect).
-    fn drop(&mut self) {
-        if std::env::var_os(KEEP_ENV).is_some() {
-            self.dir.disable_cleanup(true);
-            eprintln!("test directory kept: {}", self.dir.path().display());
-        }
-        if !std::thread::panicking() {
-            return;
-        }
+impl Hub {
+    /// Prints the last 40 lines of every process log to stderr. A test that fails by its own
+    /// check can call it before its assertion, so the assertion's message is the last thing
+    /// printed (CI shows the end of the output).
+    pub fn print_log_tails(&self) {
         let Ok(entries) = std::fs::read_dir(self.dir.path()) else {
             return;
         };
@@ -500,6 +504,21 @@ impl Drop for Hub {
                     eprintln!("{l}");
                 }
             }
+        }
+    }
+}
+
+impl Drop for Hub {
+    /// When a test panics, prints the end of every process log so the failure can be read.
+    /// With [`KEEP_ENV`] set, keeps the directory and says where it is (for tests that fail by
+    /// returning an error, which this cannot detect).
+    fn drop(&mut self) {
+        if std::env::var_os(KEEP_ENV).is_some() {
+            self.dir.disable_cleanup(true);
+            eprintln!("test directory kept: {}", self.dir.path().display());
+        }
+        if std::thread::panicking() {
+            self.print_log_tails();
         }
     }
 }

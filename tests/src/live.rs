@@ -111,10 +111,12 @@ impl ContinuousEcho {
 }
 
 /// A TCP relay to `upstream` whose current connections can be cut (both sockets dropped); new
-/// connections are relayed again afterwards.
+/// connections are relayed again afterwards. Started closed ([`CutRelay::start_closed`]), it
+/// drops every connection it accepts until [`CutRelay::open`]: a server that is not up yet.
 pub struct CutRelay {
     pub addr: SocketAddr,
     cut: Arc<std::sync::Mutex<CancellationToken>>,
+    closed: Arc<AtomicBool>,
     accepted: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -131,15 +133,29 @@ impl Drop for CutRelay {
 impl CutRelay {
     /// Listens on 127.0.0.1 (port 0) and relays every connection to `upstream`.
     pub async fn start(upstream: SocketAddr) -> anyhow::Result<Self> {
+        Self::start_with(upstream, false).await
+    }
+
+    /// Listens on 127.0.0.1 (port 0) and drops every connection until [`CutRelay::open`].
+    pub async fn start_closed(upstream: SocketAddr) -> anyhow::Result<Self> {
+        Self::start_with(upstream, true).await
+    }
+
+    async fn start_with(upstream: SocketAddr, closed: bool) -> anyhow::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let cut = Arc::new(std::sync::Mutex::new(CancellationToken::new()));
+        let closed = Arc::new(AtomicBool::new(closed));
         let accepted = Arc::new(AtomicU64::new(0));
         let task = {
-            let (cut, accepted) = (Arc::clone(&cut), Arc::clone(&accepted));
+            let (cut, accepted, closed) =
+                (Arc::clone(&cut), Arc::clone(&accepted), Arc::clone(&closed));
             tokio::spawn(async move {
                 while let Ok((mut down, _)) = listener.accept().await {
                     accepted.fetch_add(1, Ordering::Relaxed);
+                    if closed.load(Ordering::Relaxed) {
+                        continue;
+                    }
                     let Ok(stop) = cut.lock().map(|c| c.clone()) else {
                         return;
                     };
@@ -160,12 +176,18 @@ impl CutRelay {
         Ok(Self {
             addr,
             cut,
+            closed,
             accepted,
             task,
         })
     }
 
-    /// Connections accepted so far.
+    /// Relays the connections accepted from now on.
+    pub fn open(&self) {
+        self.closed.store(false, Ordering::Relaxed);
+    }
+
+    /// Connections accepted so far (dropped ones included).
     pub fn accepted(&self) -> u64 {
         self.accepted.load(Ordering::Relaxed)
     }

@@ -537,6 +537,84 @@ async fn prober_recovers_after_nats_restart() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A prober started before the broker and hub NATS are reachable waits for them (jittered
+/// retries, `/readyz` naming what it waits for) instead of exiting, then probes and publishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prober_started_before_broker_and_nats_waits_for_them() -> anyhow::Result<()> {
+    let mut hub = NatsHub::start(HubOpts::default())?;
+    hub.tetherctl_ok(&["accept", "ok"])?;
+    let th = TunnelHub::new()?;
+    let api = FakeApiServer::start(&th).await?;
+    let broker = th.start_broker("b1", "")?;
+    let ok = th.start_agent("ok", "ok", &[vec![broker.agent_addr]], api.addr, "")?;
+    wait_agent_ready(&ok).await?;
+    wait_tunnel(&broker, "ok").await?;
+    // The broker is "down" (a relay that drops every connection), NATS stopped.
+    let gate = tether_e2e::live::CutRelay::start_closed(broker.client_tls_addr).await?;
+    hub.stop_nats()?;
+    let mut prober = th.start_prober_via(
+        gate.addr,
+        &[],
+        &format!(
+            "interval: 500ms\ntimeout: 400ms\nnats:\n  hub_dir: {}\n  url: {}\n",
+            hub.hub_dir.display(),
+            hub.nats_url()
+        ),
+    )?;
+    let prober_log = || tail(&read_log(th.path(), "health-prober"), 20);
+    let not_ready_with = |needle: &'static str| {
+        let admin = prober.admin_addr;
+        move || async move {
+            let (status, body) = tether_e2e::admin_get(admin, "/readyz").await.ok()?;
+            (status == 503 && body.contains(needle)).then_some(())
+        }
+    };
+    // Waiting for the broker: several attempts, not ready, still running.
+    wait_until_async(WAIT, "prober not ready, waiting for the broker", || async {
+        (gate.accepted() >= 3).then_some(())?;
+        not_ready_with("connecting to the broker")().await
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}\n{}", prober_log()))?;
+    assert!(prober.child.try_wait().is_none(), "{}", prober_log());
+    assert!(
+        read_log(th.path(), "health-prober").contains("cannot connect to the broker"),
+        "{}",
+        prober_log()
+    );
+    // The broker comes up: now it waits for NATS.
+    gate.open();
+    wait_until_async(
+        WAIT,
+        "prober not ready, waiting for hub NATS",
+        not_ready_with("connecting to hub NATS"),
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}\n{}", prober_log()))?;
+    wait_until(WAIT, "a failed attempt on NATS logged", || {
+        read_log(th.path(), "health-prober")
+            .contains("cannot reach hub NATS")
+            .then_some(())
+    })?;
+    assert!(prober.child.try_wait().is_none(), "{}", prober_log());
+    // NATS comes up: ready, the hub's cluster probed and published.
+    hub.start_nats()?;
+    wait_until_async(WAIT, "prober ready", || async {
+        let (status, _) = tether_e2e::admin_get(prober.admin_addr, "/readyz")
+            .await
+            .ok()?;
+        (status == 200).then_some(())
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}\n{}", prober_log()))?;
+    wait_until(WAIT, "ok probed healthy in the health table", || {
+        let r = rows(&hub)?;
+        (row(&r, "ok")?["probedHealth"] == "True").then_some(())
+    })
+    .map_err(|e| anyhow::anyhow!("{e}\n{}", prober_log()))?;
+    Ok(())
+}
+
 /// Starts a health-prober named `id` on NATS (own config, log and ready file).
 fn start_named_prober(
     th: &TunnelHub,

@@ -128,30 +128,20 @@ pub const SHUTDOWN_DEADLINE: std::time::Duration = std::time::Duration::from_sec
 async fn retry<T, E, F, Fut>(
     what: &'static str,
     shutdown: &CancellationToken,
-    mut attempt: F,
+    attempt: F,
 ) -> Result<T, ManagerError>
 where
     E: std::fmt::Display,
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, E>>,
 {
-    let mut backoff = tether_runtime::Backoff::new(tether_runtime::BackoffConfig {
+    let config = tether_runtime::BackoffConfig {
         max: std::time::Duration::from_secs(5),
         ..Default::default()
-    });
-    loop {
-        match attempt().await {
-            Ok(v) => return Ok(v),
-            Err(e) => {
-                let d = backoff.failed();
-                tracing::warn!(error = %e, retry_in = ?d, "{what}");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return Err(ManagerError::ShutDown),
-                    _ = tokio::time::sleep(d) => {}
-                }
-            }
-        }
-    }
+    };
+    tether_runtime::retry(what, config, shutdown, |_| true, |_| {}, attempt)
+        .await
+        .map_err(|_| ManagerError::ShutDown)
 }
 
 /// Runs the hub controller until `shutdown` is cancelled. Must run inside an actix System.

@@ -26,6 +26,7 @@ use std::sync::Arc;
 use actix::prelude::*;
 use prometheus::Registry;
 use tether_client::{ClientCert, Dialer, DialerConfig, Token};
+use tether_runtime::RetryError;
 use tether_telemetry::{AdminServer, Readiness};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -51,6 +52,8 @@ pub enum ProberError {
     Metrics(#[from] prometheus::Error),
     #[error("hub NATS: {0}")]
     Nats(String),
+    #[error("hub NATS refused the prober: {0}")]
+    NatsRefused(String),
 }
 
 pub(crate) fn read(path: &std::path::Path) -> Result<String, ProberError> {
@@ -63,7 +66,15 @@ pub(crate) fn read(path: &std::path::Path) -> Result<String, ProberError> {
 /// How long shutdown waits for the NATS tasks (last results published) and the admin server.
 pub const SHUTDOWN_DEADLINE: std::time::Duration = std::time::Duration::from_secs(3);
 
+/// Longest pause between two attempts to reach the broker or hub NATS at start-up.
+pub const START_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Runs the prober until `shutdown`, then drains; call inside an actix `System`.
+///
+/// The admin server answers at once; `/readyz` says what the prober is waiting for until the
+/// broker and (with `nats`) hub NATS are reached. Both are retried with jittered backoff, so a
+/// prober that starts before them waits instead of exiting. Configuration errors (a file that
+/// cannot be read, an invalid endpoint, CA or token) end the process with their reason.
 pub async fn run(
     cfg: ProberConfig,
     admin: TcpListener,
@@ -72,31 +83,71 @@ pub async fn run(
     let tasks = tether_runtime::Drain::new("health-prober");
     let registry = Registry::new();
     let metrics = ProberMetrics::new(&registry)?;
+    let table = HealthTable::default();
+    let readiness = Readiness::new();
+    let admin_server =
+        AdminServer::new(registry, readiness.clone()).with_json_route("/debug/health", {
+            let table = table.clone();
+            move || serde_json::to_string(&table.snapshot()).unwrap_or_default()
+        });
+    // Stopped early when start-up fails.
+    let admin_stop = shutdown.child_token();
+    tasks.spawn(
+        "admin server",
+        admin_server.serve(admin, admin_stop.clone()),
+    );
+    let started = start(&cfg, &tasks, table, metrics, &readiness, &shutdown).await;
+    match started {
+        Ok(()) | Err(RetryError::ShutDown) => shutdown.cancelled().await,
+        Err(RetryError::Fatal(_)) => admin_stop.cancel(),
+    }
+    tasks.finish(SHUTDOWN_DEADLINE).await;
+    match started {
+        Err(RetryError::Fatal(e)) => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// Connects to the broker and hub NATS (retrying while they are unreachable), starts the
+/// scheduler and the NATS tasks, and marks the prober ready.
+async fn start(
+    cfg: &ProberConfig,
+    tasks: &tether_runtime::Drain,
+    table: HealthTable,
+    metrics: ProberMetrics,
+    readiness: &Readiness,
+    shutdown: &CancellationToken,
+) -> Result<(), RetryError<ProberError>> {
+    let fatal = RetryError::Fatal;
+    let backoff = tether_runtime::BackoffConfig {
+        max: START_RETRY_MAX,
+        ..Default::default()
+    };
     let b = &cfg.broker;
     let client_cert = match (&b.cert, &b.key) {
         (Some(c), Some(k)) => Some(ClientCert {
-            cert_pem: read(c)?,
-            key_pem: read(k)?,
+            cert_pem: read(c).map_err(fatal)?,
+            key_pem: read(k).map_err(fatal)?,
         }),
         _ => None,
     };
     let token = match &b.token_file {
-        Some(p) => Some(Token(read(p)?.trim().to_owned())),
+        Some(p) => Some(Token(read(p).map_err(fatal)?.trim().to_owned())),
         None => None,
     };
-    let dialer = Dialer::connect(DialerConfig {
+    let dialer_cfg = DialerConfig {
         endpoint: b.endpoint.clone(),
         server_name: b.server_name.clone(),
-        ca_pem: read(&b.ca)?,
+        ca_pem: read(&b.ca).map_err(fatal)?,
         client_cert,
         token,
         connect_timeout: cfg.timeout,
-    })
-    .await?;
+    };
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let (tls, tls_verified) = match &cfg.apiserver_ca {
         Some(ca) => {
-            let roots = tether_tls::reload::load_roots(ca)?;
+            let roots =
+                tether_tls::reload::load_roots(ca).map_err(|e| fatal(ProberError::from(e)))?;
             (
                 rustls::ClientConfig::builder()
                     .with_root_certificates(roots)
@@ -112,17 +163,7 @@ pub async fn run(
             false,
         ),
     };
-    let ctx = Arc::new(ProbeContext {
-        dialer,
-        tls: Arc::new(tls),
-        tls_verified,
-        apiserver_name: cfg.apiserver_server_name.clone(),
-        connection_max_age: cfg.connection_max_age,
-    });
-    let table = HealthTable::default();
-    let prober_id = cfg.prober_id.clone().unwrap_or_else(default_prober_id);
-    // On NATS, connect first (a hub that is down is a start-up error with its reason).
-    let nats_side = match &cfg.nats {
+    let nats_cfg = match &cfg.nats {
         Some(access) => {
             if !cfg.clusters.is_empty() {
                 tracing::warn!(
@@ -130,8 +171,50 @@ pub async fn run(
                     "`clusters` is ignored with `nats`: the hub's accepted clusters are probed"
                 );
             }
-            let conn = nats::connect_hub(access).await?;
-            Some(nats::NatsSide::open(conn).await?)
+            Some(nats::hub_connect_config(access).map_err(fatal)?)
+        }
+        None => None,
+    };
+
+    // The broker: only an unreachable one is waited for (a bad endpoint or token is not).
+    readiness.set_not_ready("connecting to the broker");
+    let dialer = tether_runtime::retry(
+        "cannot connect to the broker",
+        backoff,
+        shutdown,
+        |e| matches!(e, tether_client::ClientError::Connect(_)),
+        |e| readiness.set_not_ready(format!("connecting to the broker: {e}")),
+        || Dialer::connect(dialer_cfg.clone()),
+    )
+    .await
+    .map_err(|e| match e {
+        RetryError::Fatal(e) => fatal(ProberError::Broker(e)),
+        RetryError::ShutDown => RetryError::ShutDown,
+    })?;
+    tracing::info!(endpoint = %b.endpoint, "connected to the broker");
+    let ctx = Arc::new(ProbeContext {
+        dialer,
+        tls: Arc::new(tls),
+        tls_verified,
+        apiserver_name: cfg.apiserver_server_name.clone(),
+        connection_max_age: cfg.connection_max_age,
+    });
+
+    // Hub NATS: an unreachable server, or JetStream without a leader yet, is waited for.
+    let nats_side = match &nats_cfg {
+        Some(connect_cfg) => {
+            readiness.set_not_ready("connecting to hub NATS");
+            let side = tether_runtime::retry(
+                "cannot reach hub NATS",
+                backoff,
+                shutdown,
+                nats::transient,
+                |e| readiness.set_not_ready(format!("connecting to hub NATS: {e}")),
+                || async { nats::NatsSide::open(nats::connect_hub(connect_cfg).await?).await },
+            )
+            .await?;
+            tracing::info!("connected to hub NATS");
+            Some(side)
         }
         None => None,
     };
@@ -153,6 +236,7 @@ pub async fn run(
         table.clone(),
         metrics.clone(),
     );
+    let prober_id = cfg.prober_id.clone().unwrap_or_else(default_prober_id);
     let results = match nats_side {
         Some(_) => {
             let (tx, rx) = tokio::sync::mpsc::channel(engine::PUBLISH_QUEUE);
@@ -164,9 +248,9 @@ pub async fn run(
     let scheduler = Scheduler::start_in_arbiter(&Arbiter::current(), move |_| scheduler);
     if let (Some(side), Some(rx)) = (nats_side, results) {
         side.spawn(
-            &tasks,
+            tasks,
             scheduler,
-            table.clone(),
+            table,
             rx,
             prober_id.clone(),
             cfg.interval,
@@ -174,12 +258,7 @@ pub async fn run(
             shutdown.clone(),
         );
     }
-    let readiness = Readiness::new();
     readiness.set_ready();
-    let admin_server = AdminServer::new(registry, readiness)
-        .with_json_route("/debug/health", move || {
-            serde_json::to_string(&table.snapshot()).unwrap_or_default()
-        });
     tracing::info!(
         prober = %prober_id,
         nats = cfg.nats.is_some(),
@@ -187,9 +266,6 @@ pub async fn run(
         interval = ?cfg.interval,
         "health-prober started"
     );
-    tasks.spawn("admin server", admin_server.serve(admin, shutdown.clone()));
-    shutdown.cancelled().await;
-    tasks.finish(SHUTDOWN_DEADLINE).await;
     Ok(())
 }
 

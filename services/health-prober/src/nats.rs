@@ -18,7 +18,9 @@ use std::time::Duration;
 use actix::Addr;
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt as _;
-use tether_control::connect::{self, ConnectConfig, Credentials, ERROR_HEADER, NatsConnection};
+use tether_control::connect::{
+    self, ConnectConfig, ControlError, Credentials, ERROR_HEADER, NatsConnection,
+};
 use tether_control::health::{
     HealthGetReply, HealthGetRequest, HealthRecord, REASON_HEALTHY, REASON_UNHEALTHY,
 };
@@ -46,8 +48,15 @@ fn nats_err(e: impl std::fmt::Display) -> ProberError {
     ProberError::Nats(e.to_string())
 }
 
-/// Connects to hub NATS as a hub process.
-pub async fn connect_hub(access: &NatsAccess) -> Result<NatsConnection, ProberError> {
+/// Whether a failure to reach hub NATS may pass by itself (the server is down or restarting,
+/// JetStream has no leader yet): [`crate::run`] retries those and gives up on the rest (a
+/// refused password, a CA that does not verify the server).
+pub fn transient(e: &ProberError) -> bool {
+    matches!(e, ProberError::Nats(_))
+}
+
+/// How to reach hub NATS as a hub process: reads the hub directory or the explicit fields.
+pub fn hub_connect_config(access: &NatsAccess) -> Result<ConnectConfig, ProberError> {
     let (endpoint, password) = match &access.hub_dir {
         Some(dir) => {
             let hub = HubDir::load(dir).map_err(nats_err)?;
@@ -91,15 +100,24 @@ pub async fn connect_hub(access: &NatsAccess) -> Result<NatsConnection, ProberEr
             )
         }
     };
-    let cfg = ConnectConfig::new(
+    Ok(ConnectConfig::new(
         endpoint,
         Credentials::HubUser {
             user: access.user.clone(),
             password: password.trim().to_string(),
         },
         "prober",
-    );
-    connect::connect(&cfg).await.map_err(nats_err)
+    ))
+}
+
+/// Connects to hub NATS; a refusal that retrying cannot mend is [`ProberError::NatsRefused`].
+pub async fn connect_hub(cfg: &ConnectConfig) -> Result<NatsConnection, ProberError> {
+    connect::connect(cfg).await.map_err(|e| match e {
+        ControlError::Unauthorized { .. }
+        | ControlError::HubTls { .. }
+        | ControlError::CaBundle(_) => ProberError::NatsRefused(e.to_string()),
+        e => nats_err(e),
+    })
 }
 
 /// Everything the NATS side needs.

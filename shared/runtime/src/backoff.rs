@@ -6,10 +6,15 @@
 //! when a connection became healthy; the next failure resets to `initial` only if it stayed
 //! healthy for at least `reset_after`, so a connection that flaps right after connecting keeps
 //! backing off.
+//!
+//! [`retry`] runs a start-up step (connect to NATS, to a broker, open a store) until it
+//! succeeds, a failure is not transient, or shutdown: a service whose dependency starts after it
+//! waits instead of exiting into a restart loop.
 
 use std::time::{Duration, Instant};
 
 use rand::Rng;
+use tokio_util::sync::CancellationToken;
 
 /// Default first retry delay.
 pub const DEFAULT_INITIAL: Duration = Duration::from_millis(100);
@@ -98,6 +103,53 @@ impl Backoff {
     }
 }
 
+/// Why [`retry`] stopped without a result.
+#[derive(Debug, PartialEq, Eq)]
+pub enum RetryError<E> {
+    /// A failure the caller does not retry (a configuration error, say).
+    Fatal(E),
+    /// Shutdown came first.
+    ShutDown,
+}
+
+/// Runs `attempt` until it succeeds, with [`Backoff`] delays between tries. Each failure that
+/// `transient` accepts is logged at warn level as `what` with its error and the delay, and
+/// passed to `on_failure` (a readiness reason, say); any other failure is returned at once.
+pub async fn retry<T, E, Fut>(
+    what: &str,
+    config: BackoffConfig,
+    shutdown: &CancellationToken,
+    transient: impl Fn(&E) -> bool,
+    mut on_failure: impl FnMut(&E),
+    mut attempt: impl FnMut() -> Fut,
+) -> Result<T, RetryError<E>>
+where
+    E: std::fmt::Display,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let mut backoff = Backoff::new(config);
+    loop {
+        let result = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Err(RetryError::ShutDown),
+            r = attempt() => r,
+        };
+        match result {
+            Ok(v) => return Ok(v),
+            Err(e) if transient(&e) => {
+                let d = backoff.failed();
+                tracing::warn!(error = %e, retry_in = ?d, attempt = backoff.attempts(), "{what}");
+                on_failure(&e);
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Err(RetryError::ShutDown),
+                    _ = tokio::time::sleep(d) => {}
+                }
+            }
+            Err(e) => return Err(RetryError::Fatal(e)),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,6 +198,68 @@ mod tests {
         b.succeeded();
         let d = b.failed();
         assert!(d >= Duration::from_millis(200), "reset too early: {d:?}");
+    }
+
+    /// Fails with `Err(n)` for the first `fails` calls; counts calls.
+    fn flaky(fails: u32, calls: &std::cell::Cell<u32>) -> std::future::Ready<Result<u32, u32>> {
+        let n = calls.get() + 1;
+        calls.set(n);
+        std::future::ready(if n <= fails { Err(n) } else { Ok(n) })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_waits_out_transient_failures() {
+        let (calls, seen) = (std::cell::Cell::new(0), std::cell::RefCell::new(Vec::new()));
+        let started = tokio::time::Instant::now();
+        let r = retry(
+            "test",
+            cfg(),
+            &CancellationToken::new(),
+            |_| true,
+            |e: &u32| seen.borrow_mut().push(*e),
+            || flaky(3, &calls),
+        )
+        .await;
+        assert_eq!(r, Ok(4));
+        assert_eq!(*seen.borrow(), [1, 2, 3]);
+        // Three delays of at least half of 100, 200 and 400 ms.
+        assert!(
+            started.elapsed() >= Duration::from_millis(350),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_returns_a_fatal_failure_at_once() {
+        let calls = std::cell::Cell::new(0);
+        let r = retry(
+            "test",
+            cfg(),
+            &CancellationToken::new(),
+            |e| *e != 2,
+            |_| {},
+            || flaky(5, &calls),
+        )
+        .await;
+        assert_eq!(r, Err(RetryError::Fatal(2)));
+        assert_eq!(calls.get(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_stops_on_shutdown() {
+        let (calls, shutdown) = (std::cell::Cell::new(0), CancellationToken::new());
+        let r = retry(
+            "test",
+            cfg(),
+            &shutdown,
+            |_| true,
+            |_| shutdown.cancel(),
+            || flaky(u32::MAX, &calls),
+        )
+        .await;
+        assert_eq!(r, Err(RetryError::ShutDown));
+        assert_eq!(calls.get(), 1);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Process plumbing shared by every Tether service.
 //!
 //! - [`backoff`]: jittered exponential backoff with a reset after a healthy period, used by every
-//!   retry loop (agent connectors, NATS reconnects, registration).
+//!   retry loop (agent connectors, NATS reconnects, registration), and [`retry`] for start-up
+//!   steps whose dependency may come up later.
 //! - [`process`]: the actix system on a multi-thread tokio runtime, binding listeners (errors
 //!   naming the config field), ready files, and the glibc
 //!   tunable launchers give data-plane processes, atomic file writes with a mode, the command
@@ -20,7 +21,7 @@ pub mod service;
 pub mod shutdown;
 pub mod test_hooks;
 
-pub use backoff::{Backoff, BackoffConfig};
+pub use backoff::{Backoff, BackoffConfig, RetryError, retry};
 pub use process::{
     ConfigFileArgs, GLIBC_TUNABLES_DATA_PLANE, ProcessArgs, StartError, actix_system, bind,
     bind_admin, data_plane_workers, glibc_tunables_for_child, write_atomic, write_ready_file,
