@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use h2::client::SendRequest;
 use h2::{RecvStream, SendStream};
-use http::{Method, Request, StatusCode};
+use http::{HeaderValue, Method, Request, StatusCode};
 use tether_tunnel::watchdog::Progress;
 use tether_tunnel::window::AdaptiveWindow;
 use tether_tunnel::wire::{self, DialErrorKind};
@@ -41,6 +41,13 @@ pub struct TunnelHandle {
     progress: Option<Arc<Progress>>,
 }
 
+/// A header value unique to one stream (its id, its trace context) goes out never-indexed
+/// (RFC 7541 §6.2.3): indexing it would only churn both ends' HPACK dynamic tables, one insertion
+/// and one eviction per stream, and push out the values every stream repeats.
+fn unindexed(mut v: HeaderValue) -> HeaderValue {
+    v.set_sensitive(true);
+    v
+}
 impl std::fmt::Debug for TunnelHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TunnelHandle")
@@ -201,13 +208,15 @@ impl TunnelHandle {
             .uri(format!("https://tunnel{}", wire::PATH_DIAL))
             .header(wire::HEADER_CLUSTER, &target.cluster)
             .header(wire::HEADER_TARGET, target.wire_dest())
-            .header(wire::HEADER_STREAM, stream_id.to_string())
+            .header(wire::HEADER_STREAM, unindexed(HeaderValue::from(stream_id)))
             .header(
                 wire::HEADER_DIAL_TIMEOUT_MS,
                 timeout.as_millis().to_string(),
             );
         for (k, v) in trace_headers {
-            req = req.header(k.as_str(), v.as_str());
+            let v = HeaderValue::try_from(v.as_str())
+                .map_err(|e| DialError::new(DialErrorKind::BadRequest, format!("{k}: {e}")))?;
+            req = req.header(k.as_str(), unindexed(v));
         }
         let req = req
             .body(())
