@@ -149,7 +149,8 @@ async fn kube_client_reaches_api_server_through_tunnel() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_a_dial_stream_resets_the_target_and_shutdown_half_closes() -> anyhow::Result<()> {
     let hub = Hub::new()?;
-    // A target that reports how each connection ended: clean EOF or an error.
+    // A target that says "bye" and half-closes at once, then reports how the client's side of
+    // each connection ended: clean EOF (with the bytes read) or an error.
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let target = l.local_addr()?;
     let (ended_tx, mut ended) = tokio::sync::mpsc::channel::<Result<usize, std::io::ErrorKind>>(4);
@@ -157,6 +158,8 @@ async fn dropping_a_dial_stream_resets_the_target_and_shutdown_half_closes() -> 
         while let Ok((mut s, _)) = l.accept().await {
             let ended_tx = ended_tx.clone();
             tokio::spawn(async move {
+                let _ = s.write_all(b"bye").await;
+                let _ = s.shutdown().await;
                 let mut buf = vec![0u8; 4096];
                 let mut total = 0;
                 let r = loop {
@@ -186,15 +189,39 @@ async fn dropping_a_dial_stream_resets_the_target_and_shutdown_half_closes() -> 
         "shutdown must reach the target as a clean EOF"
     );
 
+    for framed in [false, true] {
+        let mut s = if framed {
+            d.dial_framed("c1", "", 0).await?
+        } else {
+            d.dial_api_server("c1").await?
+        };
+        s.write_all(b"partial request").await?;
+        tokio::time::sleep(Duration::ZERO).await;
+        drop(s);
+        let r = tokio::time::timeout(Duration::from_secs(10), ended.recv()).await?;
+        assert_eq!(
+            r,
+            Some(Err(std::io::ErrorKind::ConnectionReset)),
+            "framed: {framed}: dropping a stream must reset the target's connection, not close it cleanly"
+        );
+    }
+
+    // Dropped without shutdown after reading the target's whole answer (its EOF): still an
+    // abort. The target finishing its side does not make the client's unsent bytes arrive, so
+    // a clean EOF here would be a silent truncation (found by the truncation torture). The
+    // unframed Dial only: the framed one ends its response (and so shows the target's EOF)
+    // only once both directions are done, as a gRPC call does.
     let mut s = d.dial_api_server("c1").await?;
     s.write_all(b"partial request").await?;
-    tokio::time::sleep(Duration::ZERO).await;
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut answer)).await??;
+    assert_eq!(answer, b"bye");
     drop(s);
     let r = tokio::time::timeout(Duration::from_secs(10), ended.recv()).await?;
     assert_eq!(
         r,
         Some(Err(std::io::ErrorKind::ConnectionReset)),
-        "dropping a stream must reset the target's connection, not close it cleanly"
+        "a stream dropped after the target's EOF must still reset the target"
     );
     Ok(())
 }

@@ -309,7 +309,14 @@ async fn run_stream(s: BoxConn, plan: &Plan, header: oneshot::Receiver<()>) -> S
                 write_close(&mut w, &plan.up).await
             };
             let mut got = Vec::new();
-            let (_, end) = tokio::join!(writer, read_all(&mut r, &mut got));
+            let (written, end) = tokio::join!(writer, read_all(&mut r, &mut got));
+            // A reset reported to the writer is the client's news of the abort: the kernel
+            // reports a socket's error once, so the read that follows returns 0 as if a FIN
+            // had come. A client that watches both halves (as this one does) is not misled.
+            let end = match (written, end) {
+                (Err(e), End::Clean) => End::Error(format!("write: {e}")),
+                (_, end) => end,
+            };
             Saw::of(&got, end)
         }
         ClientMode::Abort { after } => {

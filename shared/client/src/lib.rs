@@ -799,11 +799,14 @@ impl AsyncWrite for DialStream {
 
 impl Drop for DialStream {
     fn drop(&mut self) {
-        if self.eof {
-            return;
-        }
+        // Not shut down: an abort, even after the target's EOF. The target having finished its
+        // side says nothing about ours: ending the request stream instead would read as a clean
+        // EOF at the target, after however many bytes had been written (a silent truncation).
         if let Some(abort) = self.abort.take() {
             let _ = abort.send(());
+            return;
+        }
+        if self.eof {
             return;
         }
         // Shut down gracefully but dropped before the target's EOF: dropping the response
