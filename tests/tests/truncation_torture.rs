@@ -359,8 +359,14 @@ async fn konn_open(
         Some(k::packet::Payload::DialResponse(d)) if d.error.is_empty() => d.connect_id,
         other => anyhow::bail!("expected a successful DIAL_RSP, got {other:?}"),
     };
-    tx.send(data(connect_id, Bytes::copy_from_slice(&id.to_le_bytes())))
-        .await?;
+    if let Err(e) = tx
+        .send(data(connect_id, Bytes::copy_from_slice(&id.to_le_bytes())))
+        .await
+    {
+        // The request stream is gone: say what the broker sent instead.
+        let next = tokio::time::timeout(Duration::from_secs(5), inbound.message()).await;
+        anyhow::bail!("sending the plan id after DIAL_RSP: {e}; the broker sent then: {next:?}");
+    }
     Ok((tx, inbound, connect_id))
 }
 
