@@ -453,27 +453,39 @@ async fn proxy_health_table_healthy_target_down_and_agent_stopped() -> anyhow::R
     Ok(())
 }
 
-/// After a NATS restart the prober re-creates its (memory) bucket, keeps answering, and picks up
-/// clusters accepted afterwards (its KV watch is re-opened).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prober_recovers_after_nats_restart() -> anyhow::Result<()> {
-    let mut hub = NatsHub::start(HubOpts::default())?;
+/// Processes kept running for a test (dropped: stopped).
+type Running = (tether_e2e::Agent, FakeApiServer);
+
+/// A hub with cluster `ok` accepted, and one broker carrying `ok`'s tunnel to an API server
+/// stand-in. Bound as `let (hub, th, broker, _running)`, they drop in reverse: the agent and
+/// the API server first, the hub last.
+async fn one_cluster() -> anyhow::Result<(NatsHub, TunnelHub, tether_e2e::Broker, Running)> {
+    let hub = NatsHub::start(HubOpts::default())?;
     hub.tetherctl_ok(&["accept", "ok"])?;
     let th = TunnelHub::new()?;
     let api = FakeApiServer::start(&th).await?;
     let broker = th.start_broker("b1", "")?;
-    let ok = th.start_agent("ok", "ok", &[vec![broker.agent_addr]], api.addr, "")?;
-    wait_agent_ready(&ok).await?;
+    let agent = th.start_agent("ok", "ok", &[vec![broker.agent_addr]], api.addr, "")?;
+    wait_agent_ready(&agent).await?;
     wait_tunnel(&broker, "ok").await?;
-    let _prober = th.start_prober(
-        &broker,
-        &[],
-        &format!(
-            "interval: 500ms\ntimeout: 400ms\nnats:\n  hub_dir: {}\n  url: {}\n",
-            hub.hub_dir.display(),
-            hub.nats_url()
-        ),
-    )?;
+    Ok((hub, th, broker, (agent, api)))
+}
+
+/// Prober YAML: 500 ms rounds, the cluster list and results on `hub`'s NATS.
+fn fast_prober_on(hub: &NatsHub) -> String {
+    format!(
+        "interval: 500ms\ntimeout: 400ms\nnats:\n  hub_dir: {}\n  url: {}\n",
+        hub.hub_dir.display(),
+        hub.nats_url()
+    )
+}
+
+/// After a NATS restart the prober re-creates its (memory) bucket, keeps answering, and picks up
+/// clusters accepted afterwards (its KV watch is re-opened).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prober_recovers_after_nats_restart() -> anyhow::Result<()> {
+    let (mut hub, th, broker, _running) = one_cluster().await?;
+    let _prober = th.start_prober(&broker, &[], &fast_prober_on(&hub))?;
     let kv_has = |hub: &NatsHub, cluster: &'static str| {
         let url = hub.nats_url();
         let dir = hub.hub_dir.clone();
@@ -541,26 +553,11 @@ async fn prober_recovers_after_nats_restart() -> anyhow::Result<()> {
 /// retries, `/readyz` naming what it waits for) instead of exiting, then probes and publishes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prober_started_before_broker_and_nats_waits_for_them() -> anyhow::Result<()> {
-    let mut hub = NatsHub::start(HubOpts::default())?;
-    hub.tetherctl_ok(&["accept", "ok"])?;
-    let th = TunnelHub::new()?;
-    let api = FakeApiServer::start(&th).await?;
-    let broker = th.start_broker("b1", "")?;
-    let ok = th.start_agent("ok", "ok", &[vec![broker.agent_addr]], api.addr, "")?;
-    wait_agent_ready(&ok).await?;
-    wait_tunnel(&broker, "ok").await?;
+    let (mut hub, th, broker, _running) = one_cluster().await?;
     // The broker is "down" (a relay that drops every connection), NATS stopped.
     let gate = tether_e2e::live::CutRelay::start_closed(broker.client_tls_addr).await?;
     hub.stop_nats()?;
-    let mut prober = th.start_prober_via(
-        gate.addr,
-        &[],
-        &format!(
-            "interval: 500ms\ntimeout: 400ms\nnats:\n  hub_dir: {}\n  url: {}\n",
-            hub.hub_dir.display(),
-            hub.nats_url()
-        ),
-    )?;
+    let mut prober = th.start_prober_via(gate.addr, &[], &fast_prober_on(&hub))?;
     let prober_log = || tail(&read_log(th.path(), "health-prober"), 20);
     let not_ready_with = |needle: &'static str| {
         let admin = prober.admin_addr;
