@@ -3,15 +3,28 @@
 
 use std::path::Path;
 
-/// An actix `System` whose arbiters run on a multi-thread tokio runtime (`workers` threads, or
-/// one per CPU). Actors must be started inside its `block_on`: starting one under a plain
-/// `#[tokio::main]` panics (no `LocalSet`).
+/// An actix `System` on a tokio runtime with `workers` worker threads (`None`: one per CPU).
+/// Actors must be started inside its `block_on`: starting one under a plain `#[tokio::main]`
+/// panics (no `LocalSet`).
+///
+/// `Some(1)` builds a **current-thread** runtime: the thread that runs the actors also polls
+/// every spawned task and the I/O driver. A multi-thread runtime with one worker has two
+/// threads that poll (the worker, and `block_on`'s thread for the actors), a shared run queue
+/// with atomics and a parked-worker handshake on every wake-up from the other thread; the
+/// current-thread scheduler runs a woken task from its local queue. The data-plane processes
+/// default to one worker on 2 CPUs ([`data_plane_workers`]), where every tunnelled message
+/// crosses two of their tasks (stream pump and HTTP/2 connection) per hop.
 pub fn actix_system(workers: Option<usize>) -> actix::SystemRunner {
     actix::System::with_tokio_rt(move || {
-        let mut b = tokio::runtime::Builder::new_multi_thread();
-        if let Some(n) = workers {
-            b.worker_threads(n);
-        }
+        let mut b = match workers {
+            Some(1) => tokio::runtime::Builder::new_current_thread(),
+            Some(n) => {
+                let mut b = tokio::runtime::Builder::new_multi_thread();
+                b.worker_threads(n);
+                b
+            }
+            None => tokio::runtime::Builder::new_multi_thread(),
+        };
         b.enable_all().build().expect("tokio runtime")
     })
 }
