@@ -292,3 +292,91 @@ async fn pooled_dialer_spreads_streams_and_owned_bytes_round_trip() -> anyhow::R
     assert!(back == payload, "echoed bytes differ");
     Ok(())
 }
+
+/// The broker's plain client port serves the native Dial without TLS (h2c, bearer token) beside
+/// plain CONNECT: the SDK over `http://` carries the same bytes unframed and framed, a dial
+/// without a token is refused by name, a client certificate over `http://` is a config error
+/// that names the fix, and plain CONNECT on the same port still works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_over_the_plain_port_and_connect_share_it() -> anyhow::Result<()> {
+    let hub = Hub::new()?;
+    let echo = echo_server().await?;
+    let broker = hub.start_broker("b1", "")?;
+    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&broker, "c1").await?;
+    let plain = |token: Option<&str>| DialerConfig {
+        endpoint: format!("http://{}", broker.client_addr),
+        server_name: String::new(),
+        ca_pem: String::new(),
+        client_cert: None,
+        token: token.map(|t| Token(t.into())),
+        connect_timeout: Duration::from_secs(5),
+    };
+    let d = Dialer::connect(plain(Some(OPS_TOKEN))).await?;
+    let payload: Vec<u8> = (0..700_000u32).map(|i| (i % 239) as u8).collect();
+    for framed in [false, true] {
+        let mut s = if framed {
+            d.dial_framed("c1", "127.0.0.1", echo.port()).await?
+        } else {
+            d.dial("c1", "127.0.0.1", echo.port()).await?
+        };
+        assert_eq!(s.is_unframed(), !framed);
+        let (mut r, mut w) = tokio::io::split(&mut s);
+        let (wrote, back) = tokio::time::timeout(Duration::from_secs(30), async {
+            tokio::join!(
+                async {
+                    w.write_all(&payload).await?;
+                    w.shutdown().await
+                },
+                async {
+                    let mut back = Vec::new();
+                    r.read_to_end(&mut back).await.map(|_| back)
+                }
+            )
+        })
+        .await?;
+        wrote?;
+        let back = back?;
+        assert_eq!(back.len(), payload.len(), "framed={framed}");
+        assert!(back == payload, "echoed bytes differ (framed={framed})");
+    }
+
+    // No token: the broker names the missing credential.
+    let anonymous = Dialer::connect(plain(None)).await?;
+    match anonymous.dial("c1", "127.0.0.1", echo.port()).await {
+        Err(ClientError::Status(s)) => {
+            assert_eq!(s.code(), tonic::Code::Unauthenticated);
+            assert!(s.message().contains("no credentials"), "{}", s.message());
+        }
+        other => panic!("expected Unauthenticated, got {:?}", other.map(|_| ())),
+    }
+    // A client certificate cannot be presented without TLS.
+    let mut with_cert = plain(None);
+    with_cert.client_cert = Some(tether_client::ClientCert {
+        cert_pem: String::new(),
+        key_pem: String::new(),
+    });
+    match Dialer::connect(with_cert).await {
+        Err(ClientError::Endpoint { reason, .. }) => {
+            assert!(reason.contains("needs TLS"), "{reason}")
+        }
+        other => panic!("expected an endpoint error, got {:?}", other.map(|_| ())),
+    }
+
+    // Plain CONNECT on the same port, while the h2c connection above stays open.
+    let tcp = tokio::net::TcpStream::connect(broker.client_addr).await?;
+    let head = format!(
+        "CONNECT 127.0.0.1.c1.tether:{} HTTP/1.1\r\nproxy-authorization: Bearer {OPS_TOKEN}\r\n\r\n",
+        echo.port()
+    );
+    let mut s = tether_e2e::send_head(tcp, head.as_bytes())
+        .await?
+        .map_err(|(c, m)| anyhow::anyhow!("CONNECT refused: {c} {m}"))?;
+    s.write_all(b"plain").await?;
+    let mut five = [0u8; 5];
+    tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut five)).await??;
+    assert_eq!(&five, b"plain");
+    drop(d);
+    Ok(())
+}

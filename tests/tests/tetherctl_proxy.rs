@@ -63,6 +63,64 @@ fn broker_args(hub: &Hub, broker: &Broker) -> Vec<String> {
     ]
 }
 
+/// Starts `tetherctl proxy connect` to the echo service of c1 with `broker` (the broker flags)
+/// and moves distinct bytes through it: two connections one after the other, then three at
+/// once (spread over the forward's connections to the broker), each more than one 256 KiB
+/// chunk, the half-close passed on both ways.
+fn forward_round_trips(broker: Vec<String>, echo_port: u16) -> anyhow::Result<()> {
+    let mut c = Command::new(bin("tetherctl")?);
+    c.args(["proxy", "connect", "c1", &format!("127.0.0.1:{echo_port}")])
+        .args(["--local-port", "0"])
+        .args(&broker)
+        .env("TETHER_TOKEN", OPS_TOKEN)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut child = c.spawn()?;
+    let stdout = child.stdout.take().expect("piped");
+    let forward = Guard(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let line = rx.recv_timeout(Duration::from_secs(20))?;
+    assert!(
+        line.starts_with("Forwarding from 127.0.0.1:"),
+        "{broker:?}: {line}"
+    );
+    let local: std::net::SocketAddr = line
+        .split_whitespace()
+        .nth(2)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    let round_trip = move |i: u8| -> anyhow::Result<()> {
+        let mut s = std::net::TcpStream::connect(local)?;
+        s.set_read_timeout(Some(Duration::from_secs(20)))?;
+        let payload: Vec<u8> = (0..600 * 1024)
+            .map(|b: u32| (b as u8).wrapping_add(i))
+            .collect();
+        s.write_all(&payload)?;
+        s.shutdown(std::net::Shutdown::Write)?;
+        let mut back = Vec::new();
+        s.read_to_end(&mut back)?;
+        assert_eq!(back.len(), payload.len(), "connection {i}");
+        assert!(back == payload, "connection {i}: bytes differ");
+        Ok(())
+    };
+    for i in 0..2u8 {
+        round_trip(i)?;
+    }
+    let together: Vec<_> = (2..5u8)
+        .map(|i| std::thread::spawn(move || round_trip(i)))
+        .collect();
+    for t in together {
+        t.join().expect("round trip thread")?;
+    }
+    drop(forward);
+    Ok(())
+}
+
 /// Runs `tetherctl proxy kubectl` with `kubectl`; returns (success, stdout, stderr).
 fn run_kubectl(
     hub: &Hub,
@@ -97,62 +155,31 @@ async fn proxy_connect_round_trip_and_kubectl_through_the_tunnel() -> anyhow::Re
     wait_agent_ready(&agent).await?;
     wait_tunnel(&broker, "c1").await?;
 
-    // proxy connect: a local port to the echo service inside c1.
-    let mut c = Command::new(bin("tetherctl")?);
-    c.args([
-        "proxy",
-        "connect",
-        "c1",
-        &format!("127.0.0.1:{}", echo.port()),
-    ])
-    .args(["--local-port", "0"])
-    .args(broker_args(&hub, &broker))
-    .env("TETHER_TOKEN", OPS_TOKEN)
-    .stdout(Stdio::piped())
-    .stderr(Stdio::inherit());
-    let mut child = c.spawn()?;
-    let stdout = child.stdout.take().expect("piped");
-    let forward = Guard(child);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = BufReader::new(stdout).read_line(&mut line);
-        let _ = tx.send(line);
-    });
-    let line = rx.recv_timeout(Duration::from_secs(20))?;
-    assert!(line.starts_with("Forwarding from 127.0.0.1:"), "{line}");
-    let local: std::net::SocketAddr = line
-        .split_whitespace()
-        .nth(2)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or_else(|| panic!("no address in {line:?}"));
-    // Two connections one after the other, then three at once (spread over the forward's
-    // connections to the broker): each a round trip of distinct bytes (more than one 256 KiB
-    // chunk) through the tunnel and back, the half-close passed on both ways.
-    let round_trip = move |i: u8| -> anyhow::Result<()> {
-        let mut s = std::net::TcpStream::connect(local)?;
-        s.set_read_timeout(Some(Duration::from_secs(20)))?;
-        let payload: Vec<u8> = (0..600 * 1024)
-            .map(|b: u32| (b as u8).wrapping_add(i))
-            .collect();
-        s.write_all(&payload)?;
-        s.shutdown(std::net::Shutdown::Write)?;
-        let mut back = Vec::new();
-        s.read_to_end(&mut back)?;
-        assert_eq!(back.len(), payload.len(), "connection {i}");
-        assert!(back == payload, "connection {i}: bytes differ");
-        Ok(())
-    };
-    for i in 0..2u8 {
-        round_trip(i)?;
-    }
-    let together: Vec<_> = (2..5u8)
-        .map(|i| std::thread::spawn(move || round_trip(i)))
-        .collect();
-    for t in together {
-        t.join().expect("round trip thread")?;
-    }
-    drop(forward);
+    // proxy connect: a local port to the echo service inside c1, through the client TLS port
+    // and through the plain port (HTTP/2 without TLS, bearer token).
+    forward_round_trips(broker_args(&hub, &broker), echo.port())?;
+    forward_round_trips(
+        vec!["--broker".into(), format!("http://{}", broker.client_addr)],
+        echo.port(),
+    )?;
+    // A client certificate cannot go over the plain port: the error says so before any dial.
+    let o = Command::new(bin("tetherctl")?)
+        .args(["proxy", "connect", "c1", "--local-port", "0", "--broker"])
+        .arg(format!("http://{}", broker.client_addr))
+        .args([
+            "--client-cert",
+            "/nonexistent.crt",
+            "--client-key",
+            "/nonexistent.key",
+        ])
+        .env_remove("TETHER_TOKEN")
+        .output()?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success(),
+        "a certificate over http:// was accepted"
+    );
+    assert!(err.contains("a client certificate needs https://"), "{err}");
 
     // proxy kubectl: the stand-in, then the real kubectl when it runs here.
     let token_file = hub.path().join("kube.token");

@@ -8,7 +8,8 @@
 //! - `kubectl`: runs `kubectl` with a temporary kubeconfig whose server is such a local forward
 //!   to the cluster's API server; TLS is end to end and verified against the cluster's CA.
 //!
-//! Broker access (`connect`, `kubectl`): `--broker https://host:port` (`TETHER_BROKER`),
+//! Broker access (`connect`, `kubectl`): `--broker https://host:port` (`TETHER_BROKER`; or
+//! `http://host:port`, the broker's plain client listener, with a bearer token only),
 //! `--broker-ca` (`TETHER_BROKER_CA`, default `<hub dir>/ca.crt`), `--broker-server-name`
 //! (`TETHER_BROKER_SERVER_NAME`, default the URL's host), and either `--client-cert` +
 //! `--client-key` (`TETHER_CLIENT_CERT`/`TETHER_CLIENT_KEY`, CN `tether:client:<name>`) or a
@@ -56,7 +57,8 @@ pub async fn progress<T>(what: &str, fut: impl Future<Output = T>) -> T {
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct BrokerArgs {
-    /// Broker client TLS listener (native Dial API), https://host:port.
+    /// Broker client TLS listener (native Dial API), https://host:port; or the plain client
+    /// listener, http://host:port (HTTP/2 without TLS, bearer token only).
     #[arg(long, env = "TETHER_BROKER")]
     pub broker: Option<String>,
     /// CA bundle that signed the broker's certificate [default: <hub dir>/ca.crt].
@@ -94,8 +96,16 @@ impl BrokerArgs {
         let Some(endpoint) = self.broker.clone() else {
             bail!("no broker: pass --broker https://host:port (or set TETHER_BROKER)");
         };
-        let Some(hostport) = endpoint.strip_prefix("https://") else {
-            bail!("--broker {endpoint:?} must be https://host:port");
+        let (plain, hostport) = match (
+            endpoint.strip_prefix("https://"),
+            endpoint.strip_prefix("http://"),
+        ) {
+            (Some(hp), _) => (false, hp),
+            (None, Some(hp)) => (true, hp),
+            _ => bail!(
+                "--broker {endpoint:?} must be https://host:port (client TLS listener) or \
+                 http://host:port (plain client listener, bearer token only)"
+            ),
         };
         let host = hostport
             .rsplit_once(':')
@@ -106,6 +116,12 @@ impl BrokerArgs {
             .broker_ca
             .clone()
             .unwrap_or_else(|| self.hub_dir.join("ca.crt"));
+        if plain && (self.client_cert.is_some() || self.client_key.is_some()) {
+            bail!(
+                "--broker {endpoint:?} is the plain client listener: a client certificate needs \
+                 https:// (use --token-file or TETHER_TOKEN with http://)"
+            );
+        }
         let client_cert = match (&self.client_cert, &self.client_key) {
             (Some(c), Some(k)) => Some(ClientCert {
                 cert_pem: read(c)?,
@@ -126,7 +142,12 @@ impl BrokerArgs {
         let cfg = DialerConfig {
             endpoint: endpoint.clone(),
             server_name: self.broker_server_name.clone().unwrap_or(host),
-            ca_pem: read(&ca).context("broker CA (--broker-ca)")?,
+            // Without TLS nothing is verified against the CA.
+            ca_pem: if plain {
+                String::new()
+            } else {
+                read(&ca).context("broker CA (--broker-ca)")?
+            },
             client_cert,
             token,
             connect_timeout: BROKER_CONNECT_TIMEOUT,

@@ -5,6 +5,13 @@
 //! malformed request, 405 not CONNECT, 407 no/invalid credentials, 403 not allowed, 502 no tunnel
 //! / refused / name not found, 503 overloaded, 504 dial timeout — the reason is in the body and
 //! in `Tether-Error`.
+//!
+//! The plain port also serves gRPC without TLS (h2c with prior knowledge): a connection that
+//! opens with the HTTP/2 preface instead of a request head goes to the gRPC front end
+//! ([`crate::grpc::GrpcFrontEnd`]: the native Dial, its unframed form, konnectivity), with a
+//! bearer token in `authorization` metadata. So a client on the same trusted network as plain
+//! CONNECT (the broker's host, or a network that already protects its traffic) can use the Rust
+//! SDK without paying client-side TLS, exactly as plain CONNECT does not.
 
 use std::io;
 use std::pin::Pin;
@@ -98,8 +105,21 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, DialError> {
     }
 }
 
-/// Reads a request head; returns it and any bytes the client sent after it.
-async fn read_head<S: AsyncRead + Unpin>(s: &mut S) -> Result<(Head, Bytes), DialError> {
+/// The HTTP/2 connection preface (RFC 9113 §3.4): a client speaking HTTP/2 with prior
+/// knowledge (h2c) opens with it.
+pub const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// How a client connection opened.
+enum Opening {
+    /// A CONNECT request head and any bytes the client sent after it.
+    Connect(Head, Bytes),
+    /// The HTTP/2 preface (only where `h2c` was allowed): every byte read so far.
+    H2c(Bytes),
+}
+
+/// Reads a request head; returns it and any bytes the client sent after it. With `h2c`, a
+/// connection that opens with the HTTP/2 preface is returned as [`Opening::H2c`] instead.
+async fn read_head<S: AsyncRead + Unpin>(s: &mut S, h2c: bool) -> Result<Opening, DialError> {
     let mut buf = BytesMut::with_capacity(1024);
     let work = async {
         loop {
@@ -119,8 +139,16 @@ async fn read_head<S: AsyncRead + Unpin>(s: &mut S) -> Result<(Head, Bytes), Dia
                     "connection closed before the request head ended",
                 ));
             }
+            if h2c {
+                if buf.starts_with(H2_PREFACE) {
+                    return Ok(Opening::H2c(buf.freeze()));
+                }
+                if H2_PREFACE.starts_with(&buf) {
+                    continue; // the preface so far: wait for the rest
+                }
+            }
             if let Some((head, len)) = parse_head(&buf)? {
-                return Ok((head, buf.split_off(len).freeze()));
+                return Ok(Opening::Connect(head, buf.split_off(len).freeze()));
             }
         }
     };
@@ -141,6 +169,11 @@ fn describe_malformed(buf: &[u8], e: httparse::Error) -> String {
     if buf.first() == Some(&0x16) {
         return "malformed request: this looks like a TLS handshake, but this port speaks \
                 plain HTTP CONNECT (use the client TLS port for TLS)"
+            .into();
+    }
+    if buf.starts_with(&H2_PREFACE[..16]) {
+        return "malformed request: this is an HTTP/2 connection preface; on the client TLS port \
+                negotiate ALPN h2 for gRPC (ALPN http/1.1 is HTTP CONNECT)"
             .into();
     }
     let end = buf
@@ -218,14 +251,19 @@ fn authenticate(
 /// The span is created once the head is read and checked, with every field it will carry: the
 /// log layer formats a span's fields when it is created and again for each field recorded
 /// later, and this is the open path of every CONNECT stream.
+///
+/// With `h2c` (the plain port), a connection that opens with the HTTP/2 preface is returned as
+/// [`Opened::H2c`] with the bytes read, for the gRPC front end.
 async fn open_from_head<S: AsyncRead + AsyncWrite + Unpin>(
     broker: &Broker,
     io: &mut S,
     peer: Option<&crate::auth::PeerCert>,
     stream_id: u64,
-) -> Option<(crate::dial::OpenStream, tracing::Span)> {
-    let (head, early) = match read_head(io).await {
-        Ok(x) => x,
+    h2c: bool,
+) -> Opened {
+    let (head, early) = match read_head(io, h2c).await {
+        Ok(Opening::Connect(head, early)) => (head, early),
+        Ok(Opening::H2c(read)) => return Opened::H2c(read),
         Err(e) => return refuse(broker, io, span(stream_id, None, None, &[]), &e).await,
     };
     let Head {
@@ -250,25 +288,35 @@ async fn open_from_head<S: AsyncRead + AsyncWrite + Unpin>(
         .instrument(span.clone())
         .await;
     match dialled {
-        Ok(stream) => Some((stream, span)),
+        Ok(stream) => Opened::Stream(stream, span),
         // Broker::dial counted its own failure.
         Err(e) => {
             answer_error(io, &e).instrument(span).await;
-            None
+            Opened::Closed
         }
     }
 }
 
-/// Counts a failure before the dial, answers it inside `span` and closes `io`: `None`.
-async fn refuse<S: AsyncRead + AsyncWrite + Unpin, T>(
+/// What [`open_from_head`] made of a client connection.
+enum Opened {
+    /// A dialled stream and its span.
+    Stream(crate::dial::OpenStream, tracing::Span),
+    /// The HTTP/2 preface on the plain port: the bytes read so far.
+    H2c(Bytes),
+    /// Refused; the answer was sent and the connection closed.
+    Closed,
+}
+
+/// Counts a failure before the dial, answers it inside `span` and closes `io`.
+async fn refuse<S: AsyncRead + AsyncWrite + Unpin>(
     broker: &Broker,
     io: &mut S,
     span: tracing::Span,
     e: &DialError,
-) -> Option<T> {
+) -> Opened {
     span.in_scope(|| broker.record_failure(FRONTEND, e));
     answer_error(io, e).instrument(span).await;
-    None
+    Opened::Closed
 }
 
 /// Answers `e` on `io` and closes it gracefully.
@@ -297,12 +345,22 @@ fn span(
     span
 }
 
-/// Serves one plain-TCP client connection.
-pub async fn serve_plain(broker: Arc<Broker>, mut tcp: TcpStream) {
+/// Serves one plain-TCP client connection: HTTP CONNECT, or gRPC on `grpc` (h2c) when it
+/// opens with the HTTP/2 preface.
+pub async fn serve_plain(
+    broker: Arc<Broker>,
+    grpc: &crate::grpc::GrpcFrontEnd,
+    mut tcp: TcpStream,
+) {
     let _ = tcp.set_nodelay(true);
     let stream_id = broker.next_stream_id();
-    let Some((stream, span)) = open_from_head(&broker, &mut tcp, None, stream_id).await else {
-        return;
+    let (stream, span) = match open_from_head(&broker, &mut tcp, None, stream_id, true).await {
+        Opened::Stream(stream, span) => (stream, span),
+        Opened::H2c(read) => {
+            grpc.serve_connection(Rewound::new(read, tcp), None).await;
+            return;
+        }
+        Opened::Closed => return,
     };
     async move {
         if tcp.write_all(ESTABLISHED).await.is_err() {
@@ -319,6 +377,39 @@ pub async fn serve_plain(broker: Arc<Broker>, mut tcp: TcpStream) {
     .await
 }
 
+/// A TCP connection whose first bytes were already read (the HTTP/2 preface sniffed on the
+/// plain port): reads return those bytes first, then the socket's.
+struct Rewound {
+    read: Bytes,
+    tcp: TcpStream,
+}
+
+impl Rewound {
+    fn new(read: Bytes, tcp: TcpStream) -> Self {
+        Self { read, tcp }
+    }
+}
+
+impl AsyncRead for Rewound {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.read.is_empty() {
+            return Pin::new(&mut this.tcp).poll_read(cx, buf);
+        }
+        let n = this.read.len().min(buf.remaining());
+        buf.put_slice(&this.read.split_to(n));
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for Rewound {
+    tether_tunnel::forward_writes!(tcp);
+}
+
 /// Serves one client connection that arrived over TLS (ALPN http/1.1).
 pub async fn serve_tls<S: TcpBacked + AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     broker: Arc<Broker>,
@@ -326,7 +417,8 @@ pub async fn serve_tls<S: TcpBacked + AsyncRead + AsyncWrite + Unpin + Send + 's
     peer: Option<crate::auth::PeerCert>,
 ) {
     let stream_id = broker.next_stream_id();
-    let Some((stream, span)) = open_from_head(&broker, &mut io, peer.as_ref(), stream_id).await
+    let Opened::Stream(stream, span) =
+        open_from_head(&broker, &mut io, peer.as_ref(), stream_id, false).await
     else {
         return;
     };
@@ -418,7 +510,7 @@ mod tests {
 
     async fn head_error(head: &[u8]) -> String {
         let mut s = head;
-        match read_head(&mut s).await {
+        match read_head(&mut s, false).await {
             Err(e) => e.message,
             Ok(_) => panic!("{:?} parsed", String::from_utf8_lossy(head)),
         }
@@ -442,6 +534,43 @@ mod tests {
         assert!(tls.contains("TLS handshake"), "{tls}");
         let method = head_error(b"GET / HTTP/1.1\r\n\r\n").await;
         assert!(method.contains("method GET not supported"), "{method}");
+        // Where h2c is not served (the TLS port's http/1.1), the preface is named as such.
+        let preface = head_error(H2_PREFACE).await;
+        assert!(preface.contains("HTTP/2 connection preface"), "{preface}");
+    }
+
+    /// On the plain port the HTTP/2 preface is recognised even when it arrives in pieces, and
+    /// every byte read is kept for the gRPC front end; a CONNECT head is parsed as before.
+    #[tokio::test]
+    async fn plain_port_tells_the_http2_preface_from_a_connect_head() {
+        let (mut client, mut server) = tokio::io::duplex(64);
+        let sent = [H2_PREFACE, b"\x00\x00\x00\x04"].concat();
+        let writer = tokio::spawn(async move {
+            for piece in sent.chunks(5) {
+                client.write_all(piece).await.expect("write");
+                client.flush().await.expect("flush");
+                tokio::task::yield_now().await;
+            }
+            client
+        });
+        match read_head(&mut server, true).await {
+            Ok(Opening::H2c(read)) => {
+                assert!(read.starts_with(H2_PREFACE), "{read:?}");
+                assert!(H2_PREFACE.len() <= read.len() && read.len() <= H2_PREFACE.len() + 4);
+            }
+            Ok(Opening::Connect(..)) => panic!("the preface parsed as a CONNECT head"),
+            Err(e) => panic!("preface refused: {}", e.message),
+        }
+        drop(writer.await.expect("writer"));
+        let mut head: &[u8] = b"CONNECT c1:443 HTTP/1.1\r\n\r\nearly";
+        match read_head(&mut head, true).await {
+            Ok(Opening::Connect(h, early)) => {
+                assert_eq!(h.target.expect("target").cluster, "c1");
+                assert_eq!(&early[..], b"early");
+            }
+            Ok(Opening::H2c(_)) => panic!("a CONNECT head taken for the preface"),
+            Err(e) => panic!("CONNECT refused: {}", e.message),
+        }
     }
 
     #[test]

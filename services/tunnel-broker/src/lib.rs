@@ -305,6 +305,9 @@ pub async fn run(
     );
     if let Some(l) = listeners.client {
         let broker = Arc::clone(&broker);
+        // The same port serves gRPC without TLS (h2c) to clients that open with the HTTP/2
+        // preface: the native Dial for the SDK on a trusted network (connect.rs).
+        let grpc = grpc::GrpcFrontEnd::new(Arc::clone(&broker));
         tasks.spawn(
             "client listener",
             accept_loop(
@@ -313,7 +316,11 @@ pub async fn run(
                 tasks.clone(),
                 accepting.clone(),
                 close.clone(),
-                move |tcp| connect::serve_plain(Arc::clone(&broker), tcp),
+                move |tcp| {
+                    let broker = Arc::clone(&broker);
+                    let grpc = grpc.clone();
+                    async move { connect::serve_plain(broker, &grpc, tcp).await }
+                },
             ),
         );
     }

@@ -1,6 +1,7 @@
 //! Rust client for the tunnel-broker's native gRPC Dial API.
 //!
-//! - [`Dialer`]: one gRPC channel (HTTP/2, TLS) to a broker; [`Dialer::dial`] opens a TCP
+//! - [`Dialer`]: one gRPC channel (HTTP/2 over TLS, or without TLS to the broker's plain client
+//!   port with a bearer token) to a broker; [`Dialer::dial`] opens a TCP
 //!   connection to a target inside a managed cluster and returns a [`DialStream`] that
 //!   implements `AsyncRead + AsyncWrite`. Many streams share the channel;
 //!   [`Dialer::connect_pool`] opens several HTTP/2 connections and puts each new stream on the
@@ -83,11 +84,13 @@ impl std::fmt::Debug for ClientCert {
 /// How to reach a broker.
 #[derive(Debug, Clone)]
 pub struct DialerConfig {
-    /// `https://host:port` of the broker's client TLS listener.
+    /// `https://host:port` of the broker's client TLS listener, or `http://host:port` of its
+    /// plain client listener (HTTP/2 without TLS, a bearer token only: for a client on the
+    /// broker's host or on a network that already protects its traffic, as plain CONNECT).
     pub endpoint: String,
-    /// Name expected in the broker's certificate.
+    /// Name expected in the broker's certificate (unused with `http://`).
     pub server_name: String,
-    /// CA bundle (PEM) that signed the broker's certificate.
+    /// CA bundle (PEM) that signed the broker's certificate (unused with `http://`).
     pub ca_pem: String,
     pub client_cert: Option<ClientCert>,
     pub token: Option<Token>,
@@ -157,7 +160,8 @@ const MAX_REFUSAL_BYTES: usize = 16 * 1024;
 const REFUSAL_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Dialer {
-    /// Connects (TLS, HTTP/2) to the broker: one connection, which every stream shares.
+    /// Connects (HTTP/2, over TLS for `https://`) to the broker: one connection, which every
+    /// stream shares.
     pub async fn connect(cfg: DialerConfig) -> Result<Self, ClientError> {
         Self::connect_pool(cfg, 1).await
     }
@@ -209,16 +213,37 @@ impl Dialer {
             endpoint: cfg.endpoint.clone(),
             reason,
         };
-        let mut tls = ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(&cfg.ca_pem))
-            .domain_name(cfg.server_name.clone());
-        if let Some(c) = &cfg.client_cert {
-            tls = tls.identity(Identity::from_pem(&c.cert_pem, &c.key_pem));
-        }
-        let channel = Endpoint::from_shared(cfg.endpoint.clone())
-            .map_err(|e| endpoint_err(e.to_string()))?
-            .tls_config(tls)
-            .map_err(|e| endpoint_err(e.to_string()))?
+        let endpoint =
+            Endpoint::from_shared(cfg.endpoint.clone()).map_err(|e| endpoint_err(e.to_string()))?;
+        let endpoint = match endpoint.uri().scheme_str() {
+            Some("https") => {
+                let mut tls = ClientTlsConfig::new()
+                    .ca_certificate(Certificate::from_pem(&cfg.ca_pem))
+                    .domain_name(cfg.server_name.clone());
+                if let Some(c) = &cfg.client_cert {
+                    tls = tls.identity(Identity::from_pem(&c.cert_pem, &c.key_pem));
+                }
+                endpoint
+                    .tls_config(tls)
+                    .map_err(|e| endpoint_err(e.to_string()))?
+            }
+            Some("http") if cfg.client_cert.is_some() => {
+                return Err(endpoint_err(
+                    "a client certificate needs TLS: use the broker's https:// client TLS \
+                     listener, or a bearer token with http://"
+                        .into(),
+                ));
+            }
+            Some("http") => endpoint,
+            other => {
+                return Err(endpoint_err(format!(
+                    "scheme {:?}: expected https://host:port (client TLS listener) or \
+                     http://host:port (plain client listener)",
+                    other.unwrap_or("")
+                )));
+            }
+        };
+        let channel = endpoint
             .connect_timeout(cfg.connect_timeout)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(10))

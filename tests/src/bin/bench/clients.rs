@@ -10,7 +10,10 @@
 //! - gRPC Dial (SDK): [`tether_client::Dialer`] in this process (the native gRPC Dial API, what
 //!   the `kube::Client` through the tunnel uses);
 //! - `tetherctl proxy connect`: the real binary as a local port forward; the bench connects to
-//!   its local port.
+//!   its local port;
+//! - the same two over the broker's **plain** client port (the SDK and `proxy connect` with
+//!   `http://`: HTTP/2 without TLS, bearer token), the like-for-like comparison with plain
+//!   CONNECT; and CONNECT via a local relay, the floor of `proxy connect` to the plain port.
 //!
 //! Each is measured with 1 and 8 streams (bulk upload to the target's sink). CPU-s/GB counts
 //! every process on the path, the same set for every row: this process (bench client, and the
@@ -27,8 +30,9 @@
 //! - TLS CONNECT via a local relay (above): what one more local process costs.
 //!
 //! The "floors" row then judges each path against the cheapest path of its own topology: TLS
-//! CONNECT against CONNECT plus the TLS floor, the SDK against TLS CONNECT, `proxy connect`
-//! against TLS CONNECT via a local relay.
+//! CONNECT against CONNECT plus the TLS floor, the SDK against TLS CONNECT (plain port: against
+//! CONNECT), `proxy connect` against TLS CONNECT via a local relay (plain port: CONNECT via a
+//! local relay).
 
 use std::time::Duration;
 
@@ -54,22 +58,29 @@ enum Path {
     Connect,
     TlsConnect,
     TlsConnectRelayed,
+    ConnectRelayed,
     Grpc,
     ProxyConnect,
+    GrpcPlain,
+    ProxyConnectPlain,
 }
 
 /// Index 0 must be CONNECT, 1 TLS CONNECT and 2 TLS CONNECT via a relay (the references of the
 /// ratios).
-const PATHS: [Path; 5] = [
+const PATHS: [Path; 8] = [
     Path::Connect,
     Path::TlsConnect,
     Path::TlsConnectRelayed,
+    Path::ConnectRelayed,
     Path::Grpc,
     Path::ProxyConnect,
+    Path::GrpcPlain,
+    Path::ProxyConnectPlain,
 ];
 const CONNECT: usize = 0;
 const TLS_CONNECT: usize = 1;
 const TLS_CONNECT_RELAYED: usize = 2;
+const CONNECT_RELAYED: usize = 3;
 
 impl Path {
     fn name(self) -> &'static str {
@@ -77,9 +88,17 @@ impl Path {
             Path::Connect => "CONNECT",
             Path::TlsConnect => "TLS CONNECT",
             Path::TlsConnectRelayed => "TLS CONNECT via a local relay",
+            Path::ConnectRelayed => "CONNECT via a local relay",
             Path::Grpc => "gRPC Dial (SDK)",
             Path::ProxyConnect => "tetherctl proxy connect",
+            Path::GrpcPlain => "gRPC Dial (SDK), plain port",
+            Path::ProxyConnectPlain => "tetherctl proxy connect, plain port",
         }
+    }
+
+    /// A measured floor, not a client path of its own.
+    fn is_floor(self) -> bool {
+        matches!(self, Path::TlsConnectRelayed | Path::ConnectRelayed)
     }
 }
 
@@ -88,17 +107,28 @@ struct Clients {
     tls_addr: std::net::SocketAddr,
     /// A plain TCP forward to `tls_addr`.
     tls_relay: std::net::SocketAddr,
+    /// A plain TCP forward to `plain`.
+    plain_relay: std::net::SocketAddr,
     tls: rustls::ClientConfig,
     dialer: tether_client::Dialer,
+    /// The SDK to the plain client port (HTTP/2 without TLS).
+    dialer_plain: tether_client::Dialer,
     forward: std::net::SocketAddr,
+    /// `proxy connect` to the plain client port.
+    forward_plain: std::net::SocketAddr,
 }
 
 impl Clients {
     async fn open(&self, path: Path) -> anyhow::Result<BoxIo> {
         let authority = format!("{CLUSTER}:443");
         Ok(match path {
-            Path::Connect => {
-                let tcp = tokio::net::TcpStream::connect(self.plain).await?;
+            Path::Connect | Path::ConnectRelayed => {
+                let addr = if path == Path::Connect {
+                    self.plain
+                } else {
+                    self.plain_relay
+                };
+                let tcp = tokio::net::TcpStream::connect(addr).await?;
                 tcp.set_nodelay(true)?;
                 let head = format!(
                     "CONNECT {authority} HTTP/1.1\r\nhost: {authority}\r\nproxy-authorization: Bearer {OPS_TOKEN}\r\n\r\n"
@@ -121,8 +151,14 @@ impl Clients {
                 Box::new(s)
             }
             Path::Grpc => Box::new(self.dialer.dial_api_server(CLUSTER).await?),
-            Path::ProxyConnect => {
-                let tcp = tokio::net::TcpStream::connect(self.forward).await?;
+            Path::GrpcPlain => Box::new(self.dialer_plain.dial_api_server(CLUSTER).await?),
+            Path::ProxyConnect | Path::ProxyConnectPlain => {
+                let addr = if path == Path::ProxyConnect {
+                    self.forward
+                } else {
+                    self.forward_plain
+                };
+                let tcp = tokio::net::TcpStream::connect(addr).await?;
                 tcp.set_nodelay(true)?;
                 Box::new(tcp)
             }
@@ -130,19 +166,29 @@ impl Clients {
     }
 }
 
-/// Starts `tetherctl proxy connect` to the API server of [`CLUSTER`]; its local address.
+/// Starts `tetherctl proxy connect` to the API server of [`CLUSTER`] through the broker's client
+/// TLS port, or with `plain` its plain client port; its local address.
 fn proxy_connect(
     hub: &Hub,
     broker: &Broker,
+    plain: bool,
 ) -> anyhow::Result<(tether_test_support::Child, std::net::SocketAddr)> {
     let mut cmd = std::process::Command::new(tether_test_support::bin("tetherctl")?);
-    cmd.args(["proxy", "connect", CLUSTER, "--local-port", "0", "--broker"])
-        .arg(format!("https://{}", broker.client_tls_addr))
-        .arg("--broker-ca")
-        .arg(hub.pki.ca_path())
-        .args(["--broker-server-name", "localhost"])
-        .env("TETHER_TOKEN", OPS_TOKEN);
-    let name = "bench-proxy-connect";
+    cmd.args(["proxy", "connect", CLUSTER, "--local-port", "0", "--broker"]);
+    if plain {
+        cmd.arg(format!("http://{}", broker.client_addr));
+    } else {
+        cmd.arg(format!("https://{}", broker.client_tls_addr))
+            .arg("--broker-ca")
+            .arg(hub.pki.ca_path())
+            .args(["--broker-server-name", "localhost"]);
+    }
+    cmd.env("TETHER_TOKEN", OPS_TOKEN);
+    let name = if plain {
+        "bench-proxy-connect-plain"
+    } else {
+        "bench-proxy-connect"
+    };
     let child = tether_test_support::Child::spawn(name, cmd, hub.path())?;
     let log = hub.path().join(format!("{name}.log"));
     let addr = tether_test_support::wait_until(
@@ -168,35 +214,50 @@ pub async fn section(
     setup: &Setup,
     other_pids: &[u32],
 ) -> anyhow::Result<Vec<Row>> {
-    let dialer = tether_client::Dialer::connect(tether_client::DialerConfig {
-        endpoint: format!("https://{}", broker.client_tls_addr),
+    let sdk = |endpoint: String| tether_client::DialerConfig {
+        endpoint,
         server_name: "localhost".into(),
-        ca_pem: std::fs::read_to_string(hub.pki.ca_path())?,
+        ca_pem: std::fs::read_to_string(hub.pki.ca_path()).unwrap_or_default(),
         client_cert: None,
         token: Some(tether_client::Token(OPS_TOKEN.into())),
         connect_timeout: Duration::from_secs(10),
-    })
-    .await
-    .context("SDK Dialer")?;
-    let (forward_proc, forward) = proxy_connect(hub, broker)?;
-    let (relay_proc, tls_relay) = super::spawn_server(
-        hub,
-        "bench-tls-relay",
-        &[
-            "--relay-server",
-            "--upstream",
-            &broker.client_tls_addr.to_string(),
-        ],
-    )?;
+    };
+    let dialer = tether_client::Dialer::connect(sdk(format!("https://{}", broker.client_tls_addr)))
+        .await
+        .context("SDK Dialer")?;
+    let dialer_plain =
+        tether_client::Dialer::connect(sdk(format!("http://{}", broker.client_addr)))
+            .await
+            .context("SDK Dialer to the plain port")?;
+    let (forward_proc, forward) = proxy_connect(hub, broker, false)?;
+    let (forward_plain_proc, forward_plain) = proxy_connect(hub, broker, true)?;
+    let relay = |name: &str, upstream: std::net::SocketAddr| {
+        super::spawn_server(
+            hub,
+            name,
+            &["--relay-server", "--upstream", &upstream.to_string()],
+        )
+    };
+    let (relay_proc, tls_relay) = relay("bench-tls-relay", broker.client_tls_addr)?;
+    let (plain_relay_proc, plain_relay) = relay("bench-plain-relay", broker.client_addr)?;
     let clients = Clients {
         plain: broker.client_addr,
         tls_addr: broker.client_tls_addr,
         tls_relay,
+        plain_relay,
         tls: tether_e2e::client_tls_config(&hub.pki.ca_path(), &[b"http/1.1"], None)?,
         dialer,
+        dialer_plain,
         forward,
+        forward_plain,
     };
-    let mut pids = vec![std::process::id(), forward_proc.pid(), relay_proc.pid()];
+    let mut pids = vec![
+        std::process::id(),
+        forward_proc.pid(),
+        forward_plain_proc.pid(),
+        relay_proc.pid(),
+        plain_relay_proc.pid(),
+    ];
     pids.extend_from_slice(other_pids);
     let cpu = || pids.iter().map(|p| cpu_secs(*p)).sum::<f64>();
 
@@ -241,8 +302,8 @@ pub async fn section(
             );
         }
     }
-    drop(forward_proc);
-    drop(relay_proc);
+    drop((forward_proc, forward_plain_proc));
+    drop((relay_proc, plain_relay_proc));
     let floor = tokio::task::spawn_blocking({
         let (ca, leaf) = (
             hub.pki.ca_path(),
@@ -290,7 +351,14 @@ pub async fn section(
                     ", {:.2}× CONNECT + the TLS floor",
                     per_gb(p, si) / (per_gb(CONNECT, si) + floor)
                 ),
-                Path::Connect | Path::TlsConnectRelayed => String::new(),
+                Path::ProxyConnectPlain => format!(
+                    ", {:.2}× CONNECT via a local relay",
+                    per_gb(p, si) / per_gb(CONNECT_RELAYED, si)
+                ),
+                Path::Connect
+                | Path::TlsConnectRelayed
+                | Path::ConnectRelayed
+                | Path::GrpcPlain => String::new(),
             };
             if *path == Path::TlsConnectRelayed {
                 notes.push(format!(
@@ -298,6 +366,12 @@ pub async fn section(
                     range_note(&vs),
                     per_gb(p, si),
                     per_gb(p, si) / per_gb(TLS_CONNECT, si)
+                ));
+            } else if *path == Path::ConnectRelayed {
+                notes.push(format!(
+                    "{streams}: {r:.2}×{} CONNECT, CPU-s/GB {:.2} ({c:.2}× CONNECT)",
+                    range_note(&vs),
+                    per_gb(p, si),
                 ));
             } else if *path != Path::Connect {
                 ok &= r >= 1.0 - TOLERANCE && c <= 1.0 + TOLERANCE;
@@ -312,7 +386,7 @@ pub async fn section(
         }
         let eight_vs_one = mean(&rate[p][1]) / mean(&rate[p][0]);
         notes.push(format!("8 vs 1 stream {eight_vs_one:.2}×"));
-        if *path == Path::ProxyConnect {
+        if matches!(path, Path::ProxyConnect | Path::ProxyConnectPlain) {
             ok &= eight_vs_one >= 1.0;
         }
         rows.push(Row {
@@ -321,13 +395,15 @@ pub async fn section(
             result: notes.join("; "),
             target: match path {
                 Path::Connect => "the reference".into(),
-                Path::TlsConnectRelayed => "a floor (one more local process)".into(),
-                Path::ProxyConnect => {
+                Path::TlsConnectRelayed | Path::ConnectRelayed => {
+                    "a floor (one more local process)".into()
+                }
+                Path::ProxyConnect | Path::ProxyConnectPlain => {
                     "within 10 % of CONNECT (tput, CPU-s/GB); 8 ≥ 1 stream".into()
                 }
                 _ => "within 10 % of CONNECT (tput, CPU-s/GB)".into(),
             },
-            ok: (!matches!(path, Path::Connect | Path::TlsConnectRelayed)).then_some(ok),
+            ok: (*path != Path::Connect && !path.is_floor()).then_some(ok),
             ..Row::default()
         });
     }
@@ -379,6 +455,8 @@ fn floors_row(floor: f64, per_gb: &dyn Fn(usize, usize) -> f64, rate: &[[Vec<f64
     for (path, floor_path) in [
         (Path::Grpc, Path::TlsConnect),
         (Path::ProxyConnect, Path::TlsConnectRelayed),
+        (Path::GrpcPlain, Path::Connect),
+        (Path::ProxyConnectPlain, Path::ConnectRelayed),
     ] {
         let (p, f) = (idx(path), idx(floor_path));
         judge(
@@ -391,17 +469,26 @@ fn floors_row(floor: f64, per_gb: &dyn Fn(usize, usize) -> f64, rate: &[[Vec<f64
     // streams (every process on the path shares the CPUs), a forward scales if it loses no
     // more than its floor.
     let eight_vs_one = |p: usize| mean(&rate[p][1]) / mean(&rate[p][0]);
-    let (fwd, relayed) = (idx(Path::ProxyConnect), idx(Path::TlsConnectRelayed));
-    let scales = eight_vs_one(fwd) >= eight_vs_one(relayed) * (1.0 - TOLERANCE);
+    let mut scaling = Vec::new();
+    for (fwd, relayed) in [
+        (Path::ProxyConnect, Path::TlsConnectRelayed),
+        (Path::ProxyConnectPlain, Path::ConnectRelayed),
+    ] {
+        let (f, r) = (idx(fwd), idx(relayed));
+        ok &= eight_vs_one(f) >= eight_vs_one(r) * (1.0 - TOLERANCE);
+        scaling.push(format!(
+            "{} {:.2}×, {} {:.2}×",
+            fwd.name(),
+            eight_vs_one(f),
+            relayed.name(),
+            eight_vs_one(r)
+        ));
+    }
     notes.push(format!(
-        "8 vs 1 stream: {} {:.2}×, {} {:.2}×, CONNECT {:.2}×",
-        Path::ProxyConnect.name(),
-        eight_vs_one(fwd),
-        Path::TlsConnectRelayed.name(),
-        eight_vs_one(relayed),
+        "8 vs 1 stream: {}, CONNECT {:.2}×",
+        scaling.join(", "),
         eight_vs_one(CONNECT)
     ));
-    ok &= scales;
     Row {
         what: "client paths vs the floor of their topology, 1 / 8 streams".into(),
         result: notes.join("; "),
