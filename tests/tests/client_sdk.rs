@@ -22,14 +22,23 @@ async fn dialer(hub: &Hub, broker: &tether_e2e::Broker) -> anyhow::Result<Dialer
     .await?)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dialer_stream_round_trip_half_close_and_errors() -> anyhow::Result<()> {
+/// A hub with broker `b1` and cluster `c1`, whose agent's API server is `apiserver`, once the
+/// tunnel is up. The agent must stay alive for as long as the test uses the tunnel.
+async fn one_cluster(
+    apiserver: std::net::SocketAddr,
+) -> anyhow::Result<(Hub, tether_e2e::Broker, tether_e2e::Agent)> {
     let hub = Hub::new()?;
-    let echo = echo_server().await?;
     let broker = hub.start_broker("b1", "")?;
-    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
+    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], apiserver, "")?;
     wait_agent_ready(&agent).await?;
     wait_tunnel(&broker, "c1").await?;
+    Ok((hub, broker, agent))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dialer_stream_round_trip_half_close_and_errors() -> anyhow::Result<()> {
+    let echo = echo_server().await?;
+    let (hub, broker, _agent) = one_cluster(echo).await?;
     let d = dialer(&hub, &broker).await?;
 
     let mut s = d.dial("c1", "127.0.0.1", echo.port()).await?;
@@ -72,12 +81,8 @@ async fn dialer_stream_round_trip_half_close_and_errors() -> anyhow::Result<()> 
 /// existing clients; both carry the same bytes, and refusals read the same on both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unframed_and_framed_dial_carry_the_same_bytes() -> anyhow::Result<()> {
-    let hub = Hub::new()?;
     let echo = echo_server().await?;
-    let broker = hub.start_broker("b1", "")?;
-    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
-    wait_agent_ready(&agent).await?;
-    wait_tunnel(&broker, "c1").await?;
+    let (hub, broker, _agent) = one_cluster(echo).await?;
     let d = dialer(&hub, &broker).await?;
     let payload: Vec<u8> = (0..1_000_000u32).map(|i| (i % 241) as u8).collect();
     for framed in [false, true] {
@@ -231,12 +236,8 @@ async fn dropping_a_dial_stream_resets_the_target_and_shutdown_half_closes() -> 
 /// the same bytes as `AsyncWrite`/`AsyncRead`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pooled_dialer_spreads_streams_and_owned_bytes_round_trip() -> anyhow::Result<()> {
-    let hub = Hub::new()?;
     let echo = echo_server().await?;
-    let broker = hub.start_broker("b1", "")?;
-    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
-    wait_agent_ready(&agent).await?;
-    wait_tunnel(&broker, "c1").await?;
+    let (hub, broker, _agent) = one_cluster(echo).await?;
     let d = Dialer::connect_pool(
         DialerConfig {
             endpoint: format!("https://{}", broker.client_tls_addr),
@@ -299,12 +300,8 @@ async fn pooled_dialer_spreads_streams_and_owned_bytes_round_trip() -> anyhow::R
 /// that names the fix, and plain CONNECT on the same port still works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sdk_over_the_plain_port_and_connect_share_it() -> anyhow::Result<()> {
-    let hub = Hub::new()?;
     let echo = echo_server().await?;
-    let broker = hub.start_broker("b1", "")?;
-    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
-    wait_agent_ready(&agent).await?;
-    wait_tunnel(&broker, "c1").await?;
+    let (_hub, broker, _agent) = one_cluster(echo).await?;
     let plain = |token: Option<&str>| DialerConfig {
         endpoint: format!("http://{}", broker.client_addr),
         server_name: String::new(),

@@ -119,31 +119,39 @@ struct Clients {
 }
 
 impl Clients {
+    /// The local address a socket-based path connects to (`None` for the SDK's paths).
+    fn addr(&self, path: Path) -> Option<std::net::SocketAddr> {
+        Some(match path {
+            Path::Connect => self.plain,
+            Path::ConnectRelayed => self.plain_relay,
+            Path::TlsConnect => self.tls_addr,
+            Path::TlsConnectRelayed => self.tls_relay,
+            Path::ProxyConnect => self.forward,
+            Path::ProxyConnectPlain => self.forward_plain,
+            Path::Grpc | Path::GrpcPlain => return None,
+        })
+    }
+
     async fn open(&self, path: Path) -> anyhow::Result<BoxIo> {
         let authority = format!("{CLUSTER}:443");
+        let addr = self.addr(path);
+        let tcp = || async move {
+            let tcp = tokio::net::TcpStream::connect(addr.expect("a socket path")).await?;
+            tcp.set_nodelay(true)?;
+            anyhow::Ok(tcp)
+        };
         Ok(match path {
             Path::Connect | Path::ConnectRelayed => {
-                let addr = if path == Path::Connect {
-                    self.plain
-                } else {
-                    self.plain_relay
-                };
-                let tcp = tokio::net::TcpStream::connect(addr).await?;
-                tcp.set_nodelay(true)?;
                 let head = format!(
                     "CONNECT {authority} HTTP/1.1\r\nhost: {authority}\r\nproxy-authorization: Bearer {OPS_TOKEN}\r\n\r\n"
                 );
-                let s = tether_e2e::send_head(tcp, head.as_bytes())
+                let s = tether_e2e::send_head(tcp().await?, head.as_bytes())
                     .await?
                     .map_err(|(c, m)| anyhow::anyhow!("CONNECT refused: {c} {m}"))?;
                 Box::new(s)
             }
             Path::TlsConnect | Path::TlsConnectRelayed => {
-                let addr = if path == Path::TlsConnect {
-                    self.tls_addr
-                } else {
-                    self.tls_relay
-                };
+                let addr = addr.expect("a socket path");
                 let s =
                     tether_e2e::connect_tls(addr, self.tls.clone(), &authority, Some(OPS_TOKEN))
                         .await?
@@ -152,16 +160,7 @@ impl Clients {
             }
             Path::Grpc => Box::new(self.dialer.dial_api_server(CLUSTER).await?),
             Path::GrpcPlain => Box::new(self.dialer_plain.dial_api_server(CLUSTER).await?),
-            Path::ProxyConnect | Path::ProxyConnectPlain => {
-                let addr = if path == Path::ProxyConnect {
-                    self.forward
-                } else {
-                    self.forward_plain
-                };
-                let tcp = tokio::net::TcpStream::connect(addr).await?;
-                tcp.set_nodelay(true)?;
-                Box::new(tcp)
-            }
+            Path::ProxyConnect | Path::ProxyConnectPlain => Box::new(tcp().await?),
         })
     }
 }
