@@ -418,8 +418,19 @@ impl Setup {
     /// A native-API client (`tether_client::Dialer`) on the broker's client TLS port, with the
     /// ops token and the hub CA.
     pub async fn ops_dialer(&self) -> anyhow::Result<tether_client::Dialer> {
+        self.ops_dialer_at(format!("https://{}", self.broker.client_tls_addr))
+            .await
+    }
+
+    /// [`Setup::ops_dialer`] on the broker's plain client port (HTTP/2 without TLS).
+    pub async fn ops_dialer_plain(&self) -> anyhow::Result<tether_client::Dialer> {
+        self.ops_dialer_at(format!("http://{}", self.broker.client_addr))
+            .await
+    }
+
+    async fn ops_dialer_at(&self, endpoint: String) -> anyhow::Result<tether_client::Dialer> {
         Ok(tether_client::Dialer::connect(tether_client::DialerConfig {
-            endpoint: format!("https://{}", self.broker.client_tls_addr),
+            endpoint,
             server_name: "localhost".into(),
             ca_pem: std::fs::read_to_string(self.hub.pki.ca_path())?,
             client_cert: None,

@@ -1,5 +1,6 @@
 //! Truncation torture: thousands of randomised transfers through every front end of the broker
-//! (plain CONNECT, TLS CONNECT, native gRPC Dial via `tether-client`, konnectivity) at once,
+//! (plain CONNECT, TLS CONNECT, native gRPC Dial via `tether-client` on the TLS port and on the
+//! plain port, konnectivity) at once,
 //! with half-closes in both directions, client aborts, target aborts (RST via `SO_LINGER 0`) and
 //! process kills, checking every byte count and every end state against what each side was told.
 //!
@@ -74,13 +75,16 @@ enum Front {
     Connect,
     TlsConnect,
     Native,
+    /// The native Dial over the plain client port (h2c).
+    NativePlain,
     Konnectivity,
 }
 
-const FRONTS: [Front; 4] = [
+const FRONTS: [Front; 5] = [
     Front::Connect,
     Front::TlsConnect,
     Front::Native,
+    Front::NativePlain,
     Front::Konnectivity,
 ];
 
@@ -502,6 +506,7 @@ struct Fronts {
     tls: SocketAddr,
     tls_cfg: rustls::ClientConfig,
     dialer: tether_client::Dialer,
+    dialer_plain: tether_client::Dialer,
     konn: k::proxy_service_client::ProxyServiceClient<tonic::transport::Channel>,
 }
 
@@ -514,6 +519,7 @@ impl Fronts {
             tls: setup.broker.client_tls_addr,
             tls_cfg: tether_e2e::client_tls_config(&setup.hub.pki.ca_path(), &[b"http/1.1"], None)?,
             dialer: setup.ops_dialer().await?,
+            dialer_plain: setup.ops_dialer_plain().await?,
             konn: k::proxy_service_client::ProxyServiceClient::new(channel(setup).await?),
         })
     }
@@ -533,14 +539,18 @@ impl Fronts {
                 .await?
                 .map_err(|(code, body)| anyhow::anyhow!("CONNECT answered {code}: {body}"))?,
             ),
-            Front::Native => Box::new(
-                self.dialer
-                    .dial(
-                        &self.cluster,
-                        &self.target.ip().to_string(),
-                        self.target.port(),
-                    )
-                    .await?,
+            Front::Native | Front::NativePlain => Box::new(
+                if front == Front::Native {
+                    &self.dialer
+                } else {
+                    &self.dialer_plain
+                }
+                .dial(
+                    &self.cluster,
+                    &self.target.ip().to_string(),
+                    self.target.port(),
+                )
+                .await?,
             ),
             Front::Konnectivity => anyhow::bail!("konnectivity is not a byte stream"),
         })
