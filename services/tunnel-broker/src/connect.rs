@@ -108,6 +108,8 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, DialError> {
 /// The HTTP/2 connection preface (RFC 9113 §3.4): a client speaking HTTP/2 with prior
 /// knowledge (h2c) opens with it.
 pub const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// The preface's request line: enough to name an HTTP/2 client where h2c is not served.
+const H2_PREFACE_LINE: &[u8] = b"PRI * HTTP/2.0\r\n";
 
 /// How a client connection opened.
 enum Opening {
@@ -171,7 +173,7 @@ fn describe_malformed(buf: &[u8], e: httparse::Error) -> String {
                 plain HTTP CONNECT (use the client TLS port for TLS)"
             .into();
     }
-    if buf.starts_with(&H2_PREFACE[..16]) {
+    if buf.starts_with(H2_PREFACE_LINE) {
         return "malformed request: this is an HTTP/2 connection preface; on the client TLS port \
                 negotiate ALPN h2 for gRPC (ALPN http/1.1 is HTTP CONNECT)"
             .into();
@@ -535,7 +537,8 @@ mod tests {
         let method = head_error(b"GET / HTTP/1.1\r\n\r\n").await;
         assert!(method.contains("method GET not supported"), "{method}");
         // Where h2c is not served (the TLS port's http/1.1), the preface is named as such.
-        let preface = head_error(H2_PREFACE).await;
+        assert!(H2_PREFACE.starts_with(H2_PREFACE_LINE));
+        let preface = head_error(H2_PREFACE_LINE).await;
         assert!(preface.contains("HTTP/2 connection preface"), "{preface}");
     }
 

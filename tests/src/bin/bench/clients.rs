@@ -213,10 +213,11 @@ pub async fn section(
     setup: &Setup,
     other_pids: &[u32],
 ) -> anyhow::Result<Vec<Row>> {
+    let ca_pem = std::fs::read_to_string(hub.pki.ca_path()).context("hub CA")?;
     let sdk = |endpoint: String| tether_client::DialerConfig {
         endpoint,
         server_name: "localhost".into(),
-        ca_pem: std::fs::read_to_string(hub.pki.ca_path()).unwrap_or_default(),
+        ca_pem: ca_pem.clone(),
         client_cert: None,
         token: Some(tether_client::Token(OPS_TOKEN.into())),
         connect_timeout: Duration::from_secs(10),
