@@ -220,3 +220,110 @@ async fn proxy_connect_round_trip_and_kubectl_through_the_tunnel() -> anyhow::Re
     assert!(!o.status.success(), "a foreign CA must fail verification");
     Ok(())
 }
+
+/// Starts `tetherctl proxy connect c1 <target>` over the broker's plain port (HTTP CONNECT,
+/// bytes moved by the kernel), its stderr in `log`; its local address.
+fn plain_forward(
+    broker: &Broker,
+    target: std::net::SocketAddr,
+    log: &std::path::Path,
+) -> anyhow::Result<(Guard, std::net::SocketAddr)> {
+    let mut c = Command::new(bin("tetherctl")?);
+    c.args(["proxy", "connect", "c1", &target.to_string()])
+        .args(["--local-port", "0", "--broker"])
+        .arg(format!("http://{}", broker.client_addr))
+        .env("TETHER_TOKEN", OPS_TOKEN)
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(log)?);
+    let mut child = c.spawn()?;
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line)?;
+    let guard = Guard(child);
+    let local = line
+        .split_whitespace()
+        .nth(2)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    Ok((guard, local))
+}
+
+/// Reads `s` to its end: Ok(bytes) at a clean EOF, the error otherwise.
+async fn read_to_end_or_error(s: &mut tokio::net::TcpStream) -> std::io::Result<usize> {
+    use tokio::io::AsyncReadExt as _;
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut buf))
+        .await
+        .map_err(|_| std::io::Error::other("no end within 20 s"))?
+}
+
+/// Through the plain port the forward keeps every ending's meaning: the broker's refusal is
+/// printed with its reason and the local client is reset; a target's reset reaches the local
+/// client as a reset, not as a clean EOF after lost bytes; a clean close after a large answer
+/// delivers every byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_connect_over_the_plain_port_keeps_refusals_and_resets() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let hub = Hub::new()?;
+    let echo = echo_server().await?;
+    let broker = hub.start_broker("b1", "")?;
+    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&broker, "c1").await?;
+
+    // A refused target: nothing listens there.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let log = hub.path().join("forward-refused.log");
+    let (_fwd, local) = plain_forward(&broker, closed, &log)?;
+    let mut s = tokio::net::TcpStream::connect(local).await?;
+    s.write_all(b"early bytes").await?;
+    let end = read_to_end_or_error(&mut s).await;
+    assert!(
+        end.as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "a refused dial ended the local connection with {end:?}"
+    );
+    let text = tether_test_support::wait_until(
+        Duration::from_secs(20),
+        "the forward prints the broker's refusal",
+        || {
+            std::fs::read_to_string(&log)
+                .ok()
+                .filter(|t| t.contains("the broker refused"))
+        },
+    )?;
+    assert!(text.contains("502 Bad Gateway (refused)"), "{text}");
+
+    // A target that answers, then resets.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let target = l.local_addr()?;
+    tokio::spawn(async move {
+        while let Ok((mut t, _)) = l.accept().await {
+            let mut first = [0u8; 4];
+            if t.read_exact(&mut first).await.is_err() {
+                continue;
+            }
+            let answer = vec![first[0]; 300 * 1024];
+            let _ = t.write_all(&answer).await;
+            if &first == b"rst!" {
+                let _ = t.set_zero_linger();
+            }
+            // Dropped: RST with zero linger, FIN otherwise.
+        }
+    });
+    let log = hub.path().join("forward-reset.log");
+    let (_fwd, local) = plain_forward(&broker, target, &log)?;
+    let mut s = tokio::net::TcpStream::connect(local).await?;
+    s.write_all(b"rst!").await?;
+    let end = read_to_end_or_error(&mut s).await;
+    assert!(
+        end.as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "the target's reset reached the local client as {end:?}"
+    );
+    // The same target closing cleanly: all 300 KiB arrive, then EOF.
+    let mut s = tokio::net::TcpStream::connect(local).await?;
+    s.write_all(b"fin!").await?;
+    let end = read_to_end_or_error(&mut s).await;
+    assert_eq!(end?, 300 * 1024, "a clean close lost bytes");
+    Ok(())
+}

@@ -30,9 +30,11 @@ mod cert;
 mod clients;
 mod events;
 mod init;
+mod kernel_relay;
 mod kube_secret;
 mod kubeconfig;
 mod ops;
+mod plain_connect;
 mod proxy;
 
 use std::path::PathBuf;

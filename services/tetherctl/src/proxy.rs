@@ -3,8 +3,10 @@
 //! - `health`: the `clusteradm proxy health` table from the hub's ManagedClusters, the
 //!   `cluster-proxy` ManagedClusterAddOns and the health-prober's in-memory results
 //!   (`tether.v1.health.get`); nothing is probed on demand, so it answers at once.
-//! - `connect`: a local port forward (127.0.0.1:N → a target in the cluster) through a broker's
-//!   native Dial API, one tunnel stream per accepted connection.
+//! - `connect`: a local port forward (127.0.0.1:N → a target in the cluster), one tunnel stream
+//!   per accepted connection: through the broker's native Dial API (`https://`), or with
+//!   `http://` an HTTP CONNECT on its plain client port whose bytes the kernel moves
+//!   (`plain_connect`, `kernel_relay`).
 //! - `kubectl`: runs `kubectl` with a temporary kubeconfig whose server is such a local forward
 //!   to the cluster's API server; TLS is end to end and verified against the cluster's CA.
 //!
@@ -17,6 +19,7 @@
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -26,6 +29,7 @@ use tether_control::store::HubStore;
 use tokio::net::TcpListener;
 
 use crate::ops::connect_admin;
+use crate::plain_connect::{PlainConnect, authority};
 use crate::{HubArgs, Output};
 
 /// Waits longer than this show a progress line on stderr.
@@ -84,29 +88,86 @@ fn read(p: &Path) -> anyhow::Result<String> {
     std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
 }
 
+/// How a forward reaches the broker.
+#[derive(Clone)]
+pub enum Upstream {
+    /// The native Dial API over TLS (`https://`): HTTP/2 streams, one connection per worker.
+    Dial(Dialer),
+    /// HTTP CONNECT on the plain client port (`http://`), the bytes moved by the kernel.
+    Connect(Arc<PlainConnect>),
+}
+
 impl BrokerArgs {
-    /// Connects to the broker's native Dial API (one HTTP/2 connection).
-    pub async fn dialer(&self) -> anyhow::Result<Dialer> {
-        self.dialer_pool(1).await
+    /// `--broker`: (plain, host:port).
+    fn endpoint(&self) -> anyhow::Result<(bool, String)> {
+        let Some(endpoint) = self.broker.as_deref() else {
+            bail!("no broker: pass --broker https://host:port (or set TETHER_BROKER)");
+        };
+        match (
+            endpoint.strip_prefix("https://"),
+            endpoint.strip_prefix("http://"),
+        ) {
+            (Some(hp), _) => Ok((false, hp.to_string())),
+            (None, Some(hp)) => Ok((true, hp.to_string())),
+            _ => bail!(
+                "--broker {endpoint:?} must be https://host:port (client TLS listener) or \
+                 http://host:port (plain client listener, bearer token only)"
+            ),
+        }
+    }
+
+    /// The bearer token (`--token-file`, `TETHER_TOKEN`), if any.
+    fn token(&self) -> anyhow::Result<Option<Token>> {
+        Ok(match (&self.token_file, std::env::var("TETHER_TOKEN")) {
+            (Some(p), _) => Some(Token(read(p)?.trim().to_string())),
+            (None, Ok(t)) if !t.is_empty() => Some(Token(t)),
+            _ => None,
+        })
+    }
+
+    /// What a forward uses: the native Dial API with `connections` HTTP/2 connections over
+    /// `https://`, HTTP CONNECT per forwarded connection over `http://` (checked reachable).
+    pub async fn upstream(&self, connections: usize) -> anyhow::Result<Upstream> {
+        let (plain, hostport) = self.endpoint()?;
+        if !plain {
+            return Ok(Upstream::Dial(self.dialer_pool(connections).await?));
+        }
+        self.refuse_cert_over_plain()?;
+        let Some(Token(token)) = self.token()? else {
+            bail!(
+                "no broker credential: http:// takes a bearer token (--token-file or TETHER_TOKEN)"
+            );
+        };
+        let up = PlainConnect {
+            addr: hostport,
+            token,
+        };
+        progress(
+            &format!("connecting to broker http://{}", up.addr),
+            up.probe(),
+        )
+        .await
+        .with_context(|| format!("broker http://{}", up.addr))?;
+        Ok(Upstream::Connect(Arc::new(up)))
+    }
+
+    fn refuse_cert_over_plain(&self) -> anyhow::Result<()> {
+        if self.client_cert.is_some() || self.client_key.is_some() {
+            bail!(
+                "--broker {:?} is the plain client listener: a client certificate needs \
+                 https:// (use --token-file or TETHER_TOKEN with http://)",
+                self.broker.as_deref().unwrap_or_default()
+            );
+        }
+        Ok(())
     }
 
     /// Connects to the broker's native Dial API with `connections` HTTP/2 connections (new
     /// streams go on the least busy one).
     pub async fn dialer_pool(&self, connections: usize) -> anyhow::Result<Dialer> {
-        let Some(endpoint) = self.broker.clone() else {
-            bail!("no broker: pass --broker https://host:port (or set TETHER_BROKER)");
-        };
-        let (plain, hostport) = match (
-            endpoint.strip_prefix("https://"),
-            endpoint.strip_prefix("http://"),
-        ) {
-            (Some(hp), _) => (false, hp),
-            (None, Some(hp)) => (true, hp),
-            _ => bail!(
-                "--broker {endpoint:?} must be https://host:port (client TLS listener) or \
-                 http://host:port (plain client listener, bearer token only)"
-            ),
-        };
+        let (plain, hostport) = self.endpoint()?;
+        let endpoint = self.broker.clone().unwrap_or_default();
+        let hostport = hostport.as_str();
         let host = hostport
             .rsplit_once(':')
             .map(|(h, _)| h.trim_matches(['[', ']']))
@@ -116,11 +177,8 @@ impl BrokerArgs {
             .broker_ca
             .clone()
             .unwrap_or_else(|| self.hub_dir.join("ca.crt"));
-        if plain && (self.client_cert.is_some() || self.client_key.is_some()) {
-            bail!(
-                "--broker {endpoint:?} is the plain client listener: a client certificate needs \
-                 https:// (use --token-file or TETHER_TOKEN with http://)"
-            );
+        if plain {
+            self.refuse_cert_over_plain()?;
         }
         let client_cert = match (&self.client_cert, &self.client_key) {
             (Some(c), Some(k)) => Some(ClientCert {
@@ -129,11 +187,7 @@ impl BrokerArgs {
             }),
             _ => None,
         };
-        let token = match (&self.token_file, std::env::var("TETHER_TOKEN")) {
-            (Some(p), _) => Some(Token(read(p)?.trim().to_string())),
-            (None, Ok(t)) if !t.is_empty() => Some(Token(t)),
-            _ => None,
-        };
+        let token = self.token()?;
         if client_cert.is_none() && token.is_none() {
             bail!(
                 "no broker credential: pass --client-cert/--client-key or --token-file (or set TETHER_TOKEN)"
@@ -213,10 +267,11 @@ fn parse_target(t: &str) -> anyhow::Result<(String, u16)> {
 /// `cluster` (`target` or its API server).
 async fn forward(
     listener: TcpListener,
-    dialer: Dialer,
+    upstream: Upstream,
     cluster: String,
     target: Option<(String, u16)>,
 ) {
+    let authority: Arc<str> = authority(&cluster, target.as_ref()).into();
     loop {
         let (local, peer) = match listener.accept().await {
             Ok(a) => a,
@@ -225,30 +280,47 @@ async fn forward(
                 continue;
             }
         };
-        let (dialer, cluster, target) = (dialer.clone(), cluster.clone(), target.clone());
-        tokio::spawn(async move {
-            let dial = async {
-                match &target {
-                    Some((h, p)) => dialer.dial(&cluster, h, *p).await,
-                    None => dialer.dial_api_server(&cluster).await,
-                }
-            };
-            let mut remote = match tokio::time::timeout(DIAL_TIMEOUT, dial).await {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    eprintln!("connection from {peer}: {e}");
-                    return;
-                }
-                Err(_) => {
-                    eprintln!("connection from {peer}: dial timed out after {DIAL_TIMEOUT:?}");
-                    return;
-                }
-            };
-            let _ = local.set_nodelay(true);
-            if let Err(e) = splice(local, &mut remote).await {
-                tracing::debug!(%peer, error = %e, "forwarded connection ended");
+        match &upstream {
+            Upstream::Connect(up) => {
+                let (up, authority) = (Arc::clone(up), Arc::clone(&authority));
+                tokio::spawn(async move { up.forward(local, peer, &authority).await });
             }
-        });
+            Upstream::Dial(dialer) => {
+                let (dialer, cluster, target) = (dialer.clone(), cluster.clone(), target.clone());
+                tokio::spawn(forward_dial(local, peer, dialer, cluster, target));
+            }
+        }
+    }
+}
+
+/// One forwarded connection through the native Dial API.
+async fn forward_dial(
+    local: tokio::net::TcpStream,
+    peer: std::net::SocketAddr,
+    dialer: Dialer,
+    cluster: String,
+    target: Option<(String, u16)>,
+) {
+    let dial = async {
+        match &target {
+            Some((h, p)) => dialer.dial(&cluster, h, *p).await,
+            None => dialer.dial_api_server(&cluster).await,
+        }
+    };
+    let mut remote = match tokio::time::timeout(DIAL_TIMEOUT, dial).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            eprintln!("connection from {peer}: {e}");
+            return;
+        }
+        Err(_) => {
+            eprintln!("connection from {peer}: dial timed out after {DIAL_TIMEOUT:?}");
+            return;
+        }
+    };
+    let _ = local.set_nodelay(true);
+    if let Err(e) = splice(local, &mut remote).await {
+        tracing::debug!(%peer, error = %e, "forwarded connection ended");
     }
 }
 
@@ -351,8 +423,21 @@ pub async fn connect(
     tether_tls::identity::validate_dns_label(cluster)
         .map_err(|r| anyhow::anyhow!("cluster {cluster:?}: {r}"))?;
     let target = target.map(parse_target).transpose()?;
+    if let Some((h, _)) = &target
+        && h.contains(':')
+        && broker
+            .broker
+            .as_deref()
+            .is_some_and(|b| b.starts_with("http://"))
+    {
+        bail!(
+            "target {h:?}: an IPv6 address has no CONNECT authority on the plain port \
+             (<host>.<cluster>.tether:<port>); use --broker https:// (the native Dial API)"
+        );
+    }
     // The forward (its connections to the broker included) runs on its own multi-threaded
-    // runtime, one HTTP/2 connection per worker: tetherctl's main runtime is single-threaded.
+    // runtime (over https://, one HTTP/2 connection per worker): tetherctl's main runtime is
+    // single-threaded.
     // Default: half the CPUs, as the broker and the agent (`data_plane_workers`). On 2 CPUs one
     // worker beat two in the same-run A/B (docs/benchmarks.md): 1 stream 6.8 vs 6.4 Gbit/s and
     // 1.90 vs 2.10 CPU-s/GB, 8 streams 6.5 vs 6.2 Gbit/s — the second worker mostly added
@@ -368,9 +453,10 @@ pub async fn connect(
         .context("starting the forward's runtime")?;
     let (broker, cluster, address) = (broker.clone(), cluster.to_string(), address.to_string());
     let run = rt.spawn(async move {
-        // One HTTP/2 connection (TLS session, connection task) per worker, so with several
-        // workers busy streams do not share one connection's framing and encryption.
-        let dialer = broker.dialer_pool(workers).await?;
+        // Over https://, one HTTP/2 connection (TLS session, connection task) per worker, so
+        // with several workers busy streams do not share one connection's framing and
+        // encryption; over http://, a TCP connection per forwarded connection.
+        let upstream = broker.upstream(workers).await?;
         let listener = TcpListener::bind((address.as_str(), local_port))
             .await
             .with_context(|| format!("cannot listen on {address}:{local_port}"))?;
@@ -382,7 +468,7 @@ pub async fn connect(
         println!("Forwarding from {local} -> {what}");
         use std::io::Write as _;
         std::io::stdout().flush()?;
-        forward(listener, dialer, cluster, target).await;
+        forward(listener, upstream, cluster, target).await;
         anyhow::Ok(())
     });
     let r = tokio::select! {
@@ -508,14 +594,14 @@ fn kubeconfig(a: &KubectlArgs, local: std::net::SocketAddr) -> anyhow::Result<se
 pub async fn kubectl(broker: &BrokerArgs, a: &KubectlArgs) -> anyhow::Result<i32> {
     tether_tls::identity::validate_dns_label(&a.cluster)
         .map_err(|r| anyhow::anyhow!("cluster {:?}: {r}", a.cluster))?;
-    let dialer = broker.dialer().await?;
+    let upstream = broker.upstream(1).await?;
     let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
     let local = listener.local_addr()?;
     let kc = kubeconfig(a, local)?;
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("kubeconfig");
     std::fs::write(&path, serde_json::to_string_pretty(&kc)?)?;
-    let fwd = tokio::spawn(forward(listener, dialer, a.cluster.clone(), None));
+    let fwd = tokio::spawn(forward(listener, upstream, a.cluster.clone(), None));
     let status = tokio::process::Command::new(&a.kubectl)
         .arg("--kubeconfig")
         .arg(&path)

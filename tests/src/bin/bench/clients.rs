@@ -11,9 +11,11 @@
 //!   the `kube::Client` through the tunnel uses);
 //! - `tetherctl proxy connect`: the real binary as a local port forward; the bench connects to
 //!   its local port;
-//! - the same two over the broker's **plain** client port (the SDK and `proxy connect` with
-//!   `http://`: HTTP/2 without TLS, bearer token), the like-for-like comparison with plain
-//!   CONNECT; and CONNECT via a local relay, the floor of `proxy connect` to the plain port.
+//! - the same two over the broker's **plain** client port, the like-for-like comparison with
+//!   plain CONNECT: the SDK with `http://` (HTTP/2 without TLS, bearer token), and `proxy
+//!   connect` with `http://`, which sends a CONNECT per forwarded connection and moves the bytes
+//!   with `splice(2)`; and CONNECT via a local relay (a user-space copy in a process of its
+//!   own), the topology of `proxy connect` to the plain port with an ordinary relay.
 //!
 //! Each is measured with 1 and 8 streams (bulk upload to the target's sink). CPU-s/GB counts
 //! every process on the path, the same set for every row: this process (bench client, and the
