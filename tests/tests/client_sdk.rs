@@ -291,6 +291,14 @@ async fn pooled_dialer_spreads_streams_and_owned_bytes_round_trip() -> anyhow::R
     .await??;
     assert_eq!(back.len(), payload.len());
     assert!(back == payload, "echoed bytes differ");
+    // The pool's two connections, counted as h2 on the TLS port.
+    let tls_h2 = tether_e2e::metric(
+        broker.admin_addr,
+        "tether_broker_client_connections_total",
+        &[("listener", "tls"), ("protocol", "h2")],
+    )
+    .await?;
+    assert!(tls_h2 >= 2.0, "{tls_h2} h2 connections on the TLS port");
     Ok(())
 }
 
@@ -374,6 +382,29 @@ async fn sdk_over_the_plain_port_and_connect_share_it() -> anyhow::Result<()> {
     let mut five = [0u8; 5];
     tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut five)).await??;
     assert_eq!(&five, b"plain");
+
+    // The broker counts what each client port spoke: the SDK's connections as h2 on the plain
+    // port, the one CONNECT as http1, nothing on the TLS port.
+    let count = |listener: &'static str, protocol: &'static str| {
+        let admin = broker.admin_addr;
+        async move {
+            tether_e2e::metric(
+                admin,
+                "tether_broker_client_connections_total",
+                &[("listener", listener), ("protocol", protocol)],
+            )
+            .await
+        }
+    };
+    assert!(
+        count("plain", "h2").await? >= 2.0,
+        "the SDK's h2c connections"
+    );
+    assert_eq!(count("plain", "http1").await?, 1.0, "the CONNECT");
+    assert_eq!(
+        count("tls", "h2").await? + count("tls", "http1").await?,
+        0.0
+    );
     drop(d);
     Ok(())
 }

@@ -356,7 +356,18 @@ pub async fn serve_plain(
 ) {
     let _ = tcp.set_nodelay(true);
     let stream_id = broker.next_stream_id();
-    let (stream, span) = match open_from_head(&broker, &mut tcp, None, stream_id, true).await {
+    let opened = open_from_head(&broker, &mut tcp, None, stream_id, true).await;
+    let protocol = if matches!(opened, Opened::H2c(_)) {
+        "h2"
+    } else {
+        "http1"
+    };
+    broker
+        .metrics
+        .client_connections
+        .with_label_values(&["plain", protocol])
+        .inc();
+    let (stream, span) = match opened {
         Opened::Stream(stream, span) => (stream, span),
         Opened::H2c(read) => {
             grpc.serve_connection(Rewound::new(read, tcp), None).await;

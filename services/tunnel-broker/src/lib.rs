@@ -345,7 +345,13 @@ pub async fn run(
                         let Some((tls, peer)) = accept_client_tls(&acceptor, tcp, hs).await else {
                             return;
                         };
-                        if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
+                        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+                        broker
+                            .metrics
+                            .client_connections
+                            .with_label_values(&["tls", if h2 { "h2" } else { "http1" }])
+                            .inc();
+                        if h2 {
                             grpc.serve_connection(tls, peer).await;
                         } else {
                             connect::serve_tls(broker, tls, peer).await;

@@ -40,6 +40,9 @@ pub struct BrokerMetrics {
     pub service_proxy_stripped_headers: IntCounter,
     pub service_proxy_allowlist_entries: IntGauge,
     pub service_proxy_allowlist_rejected: IntCounter,
+    /// Client connections accepted, by listener (`plain`, `tls`) and the protocol they spoke
+    /// (`h2`: gRPC Dial, DialRaw, konnectivity; `http1`: CONNECT).
+    pub client_connections: IntCounterVec,
 }
 
 impl BrokerMetrics {
@@ -189,6 +192,13 @@ impl BrokerMetrics {
             service_proxy_allowlist_rejected: IntCounter::new(
                 "tether_broker_service_proxy_allowlist_rejected_total",
                 "ServiceProxyAllowlist updates ignored as invalid (the last good version stays).",
+            ).registered(registry)?,
+            client_connections: IntCounterVec::new(
+                Opts::new(
+                    "tether_broker_client_connections_total",
+                    "Client connections accepted, by listener (plain, tls) and protocol (h2, http1).",
+                ),
+                &["listener", "protocol"],
             ).registered(registry)?,
         };
         Ok(m)
