@@ -247,13 +247,22 @@ fn plain_forward(
     Ok((guard, local))
 }
 
-/// Reads `s` to its end: Ok(bytes) at a clean EOF, the error otherwise.
-async fn read_to_end_or_error(s: &mut tokio::net::TcpStream) -> std::io::Result<usize> {
-    use tokio::io::AsyncReadExt as _;
+/// Connects to `local`, sends `first` and reads to the end: Ok(bytes) at a clean EOF, the
+/// error otherwise (the outer error: no connection, or no end within 20 s).
+async fn send_and_read_to_end(
+    local: std::net::SocketAddr,
+    first: &[u8],
+) -> anyhow::Result<std::io::Result<usize>> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut s = tokio::net::TcpStream::connect(local).await?;
+    s.write_all(first).await?;
     let mut buf = Vec::new();
-    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut buf))
-        .await
-        .map_err(|_| std::io::Error::other("no end within 20 s"))?
+    Ok(tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut buf)).await?)
+}
+
+fn is_reset(end: &std::io::Result<usize>) -> bool {
+    end.as_ref()
+        .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset)
 }
 
 /// Through the plain port the forward keeps every ending's meaning: the broker's refusal is
@@ -274,12 +283,9 @@ async fn proxy_connect_over_the_plain_port_keeps_refusals_and_resets() -> anyhow
     let closed = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
     let log = hub.path().join("forward-refused.log");
     let (_fwd, local) = plain_forward(&broker, closed, &log)?;
-    let mut s = tokio::net::TcpStream::connect(local).await?;
-    s.write_all(b"early bytes").await?;
-    let end = read_to_end_or_error(&mut s).await;
+    let end = send_and_read_to_end(local, b"early bytes").await?;
     assert!(
-        end.as_ref()
-            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        is_reset(&end),
         "a refused dial ended the local connection with {end:?}"
     );
     let text = tether_test_support::wait_until(
@@ -312,18 +318,13 @@ async fn proxy_connect_over_the_plain_port_keeps_refusals_and_resets() -> anyhow
     });
     let log = hub.path().join("forward-reset.log");
     let (_fwd, local) = plain_forward(&broker, target, &log)?;
-    let mut s = tokio::net::TcpStream::connect(local).await?;
-    s.write_all(b"rst!").await?;
-    let end = read_to_end_or_error(&mut s).await;
+    let end = send_and_read_to_end(local, b"rst!").await?;
     assert!(
-        end.as_ref()
-            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        is_reset(&end),
         "the target's reset reached the local client as {end:?}"
     );
     // The same target closing cleanly: all 300 KiB arrive, then EOF.
-    let mut s = tokio::net::TcpStream::connect(local).await?;
-    s.write_all(b"fin!").await?;
-    let end = read_to_end_or_error(&mut s).await;
+    let end = send_and_read_to_end(local, b"fin!").await?;
     assert_eq!(end?, 300 * 1024, "a clean close lost bytes");
     Ok(())
 }
