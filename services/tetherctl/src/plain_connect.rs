@@ -212,13 +212,17 @@ mod tests {
     use tokio::io::AsyncWriteExt;
 
     /// The answer `bytes` arriving in `pieces`, as `answer` reads it.
-    async fn answer_of(pieces: Vec<&'static [u8]>) -> io::Result<Vec<u8>> {
+    async fn answer_of(pieces: Vec<&[u8]>) -> io::Result<Vec<u8>> {
+        let pieces: Vec<Vec<u8>> = pieces.into_iter().map(<[u8]>::to_vec).collect();
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let c = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
         let (mut s, _) = l.accept().await.unwrap();
         let writer = tokio::spawn(async move {
             for p in pieces {
-                s.write_all(p).await.unwrap();
+                // The reader may give up first (an over-long head): later writes may fail.
+                if s.write_all(&p).await.is_err() {
+                    break;
+                }
                 s.flush().await.unwrap();
                 tokio::task::yield_now().await;
             }
@@ -265,6 +269,12 @@ mod tests {
         assert!(e.to_string().contains("not HTTP/1.x"), "{e}");
         let e = answer_of(vec![b"HTTP/1.1 200 OK\r\n"]).await.unwrap_err();
         assert!(e.to_string().contains("before answering"), "{e}");
+        // A head that never ends is read up to its bound, not without end.
+        let endless = vec![b'x'; MAX_RESPONSE_HEAD + 4096];
+        let e = answer_of(vec![b"HTTP/1.1 200 OK\r\nx-pad: ", &endless])
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("head is over 16384 bytes"), "{e}");
     }
 
     #[test]
