@@ -8,10 +8,10 @@
 //! `splice` calls. Over `https://` the forward uses the native Dial API instead (TLS has to be
 //! done in user space).
 //!
-//! Per connection: connect to the broker ([`crate::proxy::BROKER_CONNECT_TIMEOUT`]), write the
+//! Per connection: connect to the broker (within [`PlainConnect::connect_timeout`]), write the
 //! CONNECT head with the bearer token, and start moving the local client's bytes at once (the
 //! broker sends early data with the dial request); the other direction waits for the broker's
-//! answer ([`crate::proxy::DIAL_TIMEOUT`]). A refusal is printed with the broker's status,
+//! answer (within [`PlainConnect::dial_timeout`]). A refusal is printed with the broker's status,
 //! `tether-error` and reason, and the local connection is reset.
 
 use std::io;
@@ -20,7 +20,6 @@ use std::net::SocketAddr;
 use tokio::net::TcpStream;
 
 use crate::kernel_relay::{self, reset, write_all};
-use crate::proxy::{BROKER_CONNECT_TIMEOUT, DIAL_TIMEOUT};
 
 /// Longest answer head read from the broker (its `200` is 39 bytes, refusals a few hundred).
 pub const MAX_RESPONSE_HEAD: usize = 16 * 1024;
@@ -33,6 +32,10 @@ pub struct PlainConnect {
     pub addr: String,
     /// The bearer token; sent in `Proxy-Authorization`, never printed.
     pub token: String,
+    /// Budget of the TCP connect to the broker.
+    pub connect_timeout: std::time::Duration,
+    /// Budget of the broker's answer to the CONNECT (its dial through the tunnel).
+    pub dial_timeout: std::time::Duration,
 }
 
 impl std::fmt::Debug for PlainConnect {
@@ -59,14 +62,14 @@ impl PlainConnect {
     }
 
     async fn connect(&self) -> io::Result<TcpStream> {
-        let s = tokio::time::timeout(BROKER_CONNECT_TIMEOUT, TcpStream::connect(&self.addr))
+        let s = tokio::time::timeout(self.connect_timeout, TcpStream::connect(&self.addr))
             .await
             .map_err(|_| {
                 io::Error::new(
                     io::ErrorKind::TimedOut,
                     format!(
-                        "connecting to {} timed out after {BROKER_CONNECT_TIMEOUT:?}",
-                        self.addr
+                        "connecting to {} timed out after {:?}",
+                        self.addr, self.connect_timeout
                     ),
                 )
             })?
@@ -95,12 +98,12 @@ impl PlainConnect {
             kernel_relay::one_way(&local, &remote).await
         };
         let down = async {
-            let early = tokio::time::timeout(DIAL_TIMEOUT, answer(&remote))
+            let early = tokio::time::timeout(self.dial_timeout, answer(&remote))
                 .await
                 .map_err(|_| {
                     io::Error::new(
                         io::ErrorKind::TimedOut,
-                        format!("the broker did not answer within {DIAL_TIMEOUT:?}"),
+                        format!("the broker did not answer within {:?}", self.dial_timeout),
                     )
                 })??;
             write_all(&local, &early).await?;

@@ -141,6 +141,8 @@ impl BrokerArgs {
         let up = PlainConnect {
             addr: hostport,
             token,
+            connect_timeout: BROKER_CONNECT_TIMEOUT,
+            dial_timeout: DIAL_TIMEOUT,
         };
         progress(
             &format!("connecting to broker http://{}", up.addr),
