@@ -62,7 +62,7 @@ pub async fn progress<T>(what: &str, fut: impl Future<Output = T>) -> T {
 #[derive(clap::Args, Debug, Clone)]
 pub struct BrokerArgs {
     /// Broker client TLS listener (native Dial API), https://host:port; or the plain client
-    /// listener, http://host:port (HTTP/2 without TLS, bearer token only).
+    /// listener, http://host:port (HTTP CONNECT without TLS, bearer token only).
     #[arg(long, env = "TETHER_BROKER")]
     pub broker: Option<String>,
     /// CA bundle that signed the broker's certificate [default: <hub dir>/ca.crt].
@@ -130,14 +130,28 @@ impl BrokerArgs {
     pub async fn upstream(&self, connections: usize) -> anyhow::Result<Upstream> {
         let (plain, hostport) = self.endpoint()?;
         if !plain {
-            return Ok(Upstream::Dial(self.dialer_pool(connections).await?));
+            return Ok(Upstream::Dial(
+                self.tls_dialer(&hostport, connections).await?,
+            ));
         }
-        self.refuse_cert_over_plain()?;
+        if self.client_cert.is_some() || self.client_key.is_some() {
+            bail!(
+                "--broker http://{hostport} is the plain client listener: a client certificate \
+                 needs https:// (use --token-file or TETHER_TOKEN with http://)"
+            );
+        }
         let Some(Token(token)) = self.token()? else {
             bail!(
                 "no broker credential: http:// takes a bearer token (--token-file or TETHER_TOKEN)"
             );
         };
+        // The token goes into the CONNECT head as it is: a line break in it would end the
+        // header and start another.
+        if token.bytes().any(|b| b.is_ascii_control()) {
+            bail!(
+                "the bearer token holds a control character (a line break?): check the token file"
+            );
+        }
         let up = PlainConnect {
             addr: hostport,
             token,
@@ -153,23 +167,10 @@ impl BrokerArgs {
         Ok(Upstream::Connect(Arc::new(up)))
     }
 
-    fn refuse_cert_over_plain(&self) -> anyhow::Result<()> {
-        if self.client_cert.is_some() || self.client_key.is_some() {
-            bail!(
-                "--broker {:?} is the plain client listener: a client certificate needs \
-                 https:// (use --token-file or TETHER_TOKEN with http://)",
-                self.broker.as_deref().unwrap_or_default()
-            );
-        }
-        Ok(())
-    }
-
-    /// Connects to the broker's native Dial API with `connections` HTTP/2 connections (new
-    /// streams go on the least busy one).
-    pub async fn dialer_pool(&self, connections: usize) -> anyhow::Result<Dialer> {
-        let (plain, hostport) = self.endpoint()?;
-        let endpoint = self.broker.clone().unwrap_or_default();
-        let hostport = hostport.as_str();
+    /// Connects to the broker's native Dial API at `https://hostport` with `connections`
+    /// HTTP/2 connections (new streams go on the least busy one).
+    async fn tls_dialer(&self, hostport: &str, connections: usize) -> anyhow::Result<Dialer> {
+        let endpoint = format!("https://{hostport}");
         let host = hostport
             .rsplit_once(':')
             .map(|(h, _)| h.trim_matches(['[', ']']))
@@ -179,9 +180,6 @@ impl BrokerArgs {
             .broker_ca
             .clone()
             .unwrap_or_else(|| self.hub_dir.join("ca.crt"));
-        if plain {
-            self.refuse_cert_over_plain()?;
-        }
         let client_cert = match (&self.client_cert, &self.client_key) {
             (Some(c), Some(k)) => Some(ClientCert {
                 cert_pem: read(c)?,
@@ -198,12 +196,7 @@ impl BrokerArgs {
         let cfg = DialerConfig {
             endpoint: endpoint.clone(),
             server_name: self.broker_server_name.clone().unwrap_or(host),
-            // Without TLS nothing is verified against the CA.
-            ca_pem: if plain {
-                String::new()
-            } else {
-                read(&ca).context("broker CA (--broker-ca)")?
-            },
+            ca_pem: read(&ca).context("broker CA (--broker-ca)")?,
             client_cert,
             token,
             connect_timeout: BROKER_CONNECT_TIMEOUT,
@@ -619,6 +612,30 @@ pub async fn kubectl(broker: &BrokerArgs, a: &KubectlArgs) -> anyhow::Result<i32
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A token with a line break would inject headers into the CONNECT head: refused by name
+    /// before anything is dialled (the broker address is never connected to).
+    #[tokio::test]
+    async fn a_token_with_a_line_break_is_refused_over_http() {
+        let dir = tempfile::tempdir().unwrap();
+        let token = dir.path().join("token");
+        std::fs::write(&token, "abc\r\nx-injected: 1\n").unwrap();
+        let args = BrokerArgs {
+            broker: Some("http://127.0.0.1:9".into()),
+            broker_ca: None,
+            broker_server_name: None,
+            client_cert: None,
+            client_key: None,
+            token_file: Some(token),
+            hub_dir: dir.path().into(),
+        };
+        let e = args
+            .upstream(1)
+            .await
+            .err()
+            .expect("the token was accepted");
+        assert!(e.to_string().contains("control character"), "{e:#}");
+    }
 
     #[test]
     fn targets_parse() {
