@@ -228,10 +228,21 @@ fn plain_forward(
     target: std::net::SocketAddr,
     log: &std::path::Path,
 ) -> anyhow::Result<(Guard, std::net::SocketAddr)> {
+    let args = vec!["--broker".into(), format!("http://{}", broker.client_addr)];
+    forward_with(&args, target, log)
+}
+
+/// Starts `tetherctl proxy connect c1 <target>` with the broker flags `broker`, its stderr in
+/// `log`; its local address.
+fn forward_with(
+    broker: &[String],
+    target: std::net::SocketAddr,
+    log: &std::path::Path,
+) -> anyhow::Result<(Guard, std::net::SocketAddr)> {
     let mut c = Command::new(bin("tetherctl")?);
     c.args(["proxy", "connect", "c1", &target.to_string()])
-        .args(["--local-port", "0", "--broker"])
-        .arg(format!("http://{}", broker.client_addr))
+        .args(["--local-port", "0"])
+        .args(broker)
         .env("TETHER_TOKEN", OPS_TOKEN)
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(log)?);
@@ -326,5 +337,78 @@ async fn proxy_connect_over_the_plain_port_keeps_refusals_and_resets() -> anyhow
     // The same target closing cleanly: all 300 KiB arrive, then EOF.
     let end = send_and_read_to_end(local, b"fin!").await?;
     assert_eq!(end?, 300 * 1024, "a clean close lost bytes");
+    Ok(())
+}
+
+/// A local client that half-closes during a download and then goes away ends the target's
+/// connection promptly through either port: the forward resets the tunnel stream instead of
+/// draining what a streaming target (a log follower, a watch) keeps sending for a client that
+/// is gone. Over the TLS port the SDK would otherwise read on, discarding, for up to
+/// `LINGER_AFTER_SHUTDOWN` (30 s) after the local client's EOF.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forward_whose_client_goes_away_mid_download_ends_the_target() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let hub = Hub::new()?;
+    let echo = echo_server().await?;
+    let broker = hub.start_broker("b1", "")?;
+    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&broker, "c1").await?;
+
+    // A target that streams until a write fails, then reports it.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let target = l.local_addr()?;
+    let (ended_tx, mut ended_rx) = tokio::sync::mpsc::channel::<std::io::Error>(4);
+    tokio::spawn(async move {
+        while let Ok((mut t, _)) = l.accept().await {
+            let ended = ended_tx.clone();
+            tokio::spawn(async move {
+                let chunk = vec![0x5au8; 64 * 1024];
+                loop {
+                    if let Err(e) = t.write_all(&chunk).await {
+                        let _ = ended.send(e).await;
+                        return;
+                    }
+                }
+            });
+        }
+    });
+
+    for (name, args) in [
+        ("tls", broker_args(&hub, &broker)),
+        (
+            "plain",
+            vec!["--broker".into(), format!("http://{}", broker.client_addr)],
+        ),
+    ] {
+        let log = hub.path().join(format!("forward-gone-{name}.log"));
+        let (_fwd, local) = forward_with(&args, target, &log)?;
+        let mut s = tokio::net::TcpStream::connect(local).await?;
+        let mut buf = vec![0u8; 256 * 1024];
+        let mut got = 0;
+        while got < (1 << 20) {
+            let n = tokio::time::timeout(Duration::from_secs(20), s.read(&mut buf)).await??;
+            anyhow::ensure!(n > 0, "{name}: the download ended after {got} bytes");
+            got += n;
+        }
+        // Half-close, then go away with the download still running.
+        s.shutdown().await?;
+        drop(s);
+        let e = tokio::time::timeout(Duration::from_secs(10), ended_rx.recv())
+            .await
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "{name}: the target was still streaming 10 s after the local client went away"
+                )
+            })?
+            .expect("the target server runs");
+        assert!(
+            matches!(
+                e.kind(),
+                std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+            ),
+            "{name}: the target's connection ended with {e}"
+        );
+    }
     Ok(())
 }

@@ -316,6 +316,10 @@ async fn forward_dial(
     let _ = local.set_nodelay(true);
     if let Err(e) = splice(local, &mut remote).await {
         tracing::debug!(%peer, error = %e, "forwarded connection ended");
+        // Broken on either side: reset the other at once. A plain drop after the local
+        // client's EOF would linger, reading whatever the target still sends (a log follower:
+        // up to LINGER_AFTER_SHUTDOWN of it) for a client that is gone.
+        remote.abort();
     }
 }
 

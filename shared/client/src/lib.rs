@@ -250,6 +250,9 @@ impl Dialer {
             .keep_alive_timeout(Duration::from_secs(5))
             .initial_stream_window_size(4 << 20)
             .initial_connection_window_size((1 << 31) - 1)
+            // The broker's frames towards us (downloads: kube watches, large GETs) as large as
+            // ours towards it; HTTP/2's default would cut them into 16 KiB frames.
+            .max_frame_size(MAX_FRAME_BYTES as u32)
             .connect()
             .await
             .map_err(|e| {
@@ -355,6 +358,7 @@ impl Dialer {
             unframed: true,
             load,
             pool: ChunkPool::default(),
+            linger: true,
         }))
     }
 
@@ -422,6 +426,7 @@ impl Dialer {
             unframed: false,
             load,
             pool: ChunkPool::default(),
+            linger: true,
         })
     }
 
@@ -684,6 +689,9 @@ pub struct DialStream {
     load: ConnLoad,
     /// Buffers for `poll_write`'s copies.
     pool: ChunkPool,
+    /// Whether a drop after `shutdown()` reads on until the target's EOF (cleared by
+    /// [`DialStream::abort`]).
+    linger: bool,
 }
 
 impl DialStream {
@@ -705,6 +713,16 @@ impl DialStream {
     /// Index of the [`Dialer`]'s HTTP/2 connection this stream is on (0 without a pool).
     pub fn connection(&self) -> usize {
         self.load.1
+    }
+
+    /// Aborts the stream now, even after `shutdown()`: the broker resets the target's
+    /// connection, and nothing more is read. Dropping a stream that was shut down instead
+    /// reads on until the target's EOF (for at most [`LINGER_AFTER_SHUTDOWN`]), so that what
+    /// was written before `shutdown()` still arrives; a caller whose own peer is gone (a
+    /// forward whose local client reset) has nothing to wait for and must not keep a target
+    /// that streams, a log follower or a watch, sending into the tunnel meanwhile.
+    pub fn abort(mut self) {
+        self.linger = false;
     }
 
     /// Ready once [`DialStream::send`] may queue a chunk (the owned-buffer form of
@@ -831,7 +849,9 @@ impl Drop for DialStream {
             let _ = abort.send(());
             return;
         }
-        if self.eof {
+        if self.eof || !self.linger {
+            // Dropping the response stream cancels the call (RST_STREAM once the request side
+            // has gone out): the broker resets the target's connection.
             return;
         }
         // Shut down gracefully but dropped before the target's EOF: dropping the response

@@ -427,6 +427,49 @@ where
     Ok((total, (end - start).as_secs_f64()))
 }
 
+/// Downloads from every socket (target mode `G`: the target writes until the stream ends) for
+/// `dur`; total bytes read and the seconds they took. The streams are dropped (aborted) after.
+async fn download_streams<S>(socks: Vec<S>, dur: Duration) -> anyhow::Result<(u64, f64)>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let mut socks = socks;
+    for s in &mut socks {
+        s.write_all(b"G").await?;
+    }
+    let start = Instant::now();
+    let deadline = start + dur;
+    let tasks: Vec<_> = socks
+        .into_iter()
+        .map(|mut s| {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; BUF];
+                let mut n = 0u64;
+                while Instant::now() < deadline {
+                    match tokio::time::timeout_at(deadline.into(), s.read(&mut buf)).await {
+                        Ok(Ok(0)) => anyhow::bail!("the target ended a download early"),
+                        Ok(Ok(k)) => n += k as u64,
+                        Ok(Err(e)) => return Err(e.into()),
+                        Err(_) => break,
+                    }
+                }
+                anyhow::Ok((n, Instant::now(), s))
+            })
+        })
+        .collect();
+    let mut total = 0u64;
+    let mut end = start;
+    let mut done = Vec::new();
+    for t in tasks {
+        let (n, at, s) = t.await??;
+        total += n;
+        end = end.max(at);
+        done.push(s);
+    }
+    drop(done);
+    Ok((total, (end - start).as_secs_f64()))
+}
+
 /// A path counts as quiet below this share of one CPU ...
 const STALL_QUIET_CPU: f64 = 0.05;
 /// ... over this window (twice in a row).

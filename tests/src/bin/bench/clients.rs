@@ -17,7 +17,9 @@
 //!   with `splice(2)`; and CONNECT via a local relay (a user-space copy in a process of its
 //!   own), the topology of `proxy connect` to the plain port with an ordinary relay.
 //!
-//! Each is measured with 1 and 8 streams (bulk upload to the target's sink). CPU-s/GB counts
+//! Each is measured with 1 and 8 streams, bulk upload to the target's sink (the rows per path)
+//! and bulk download from the target (one row for all paths: kube watches, large GETs and
+//! logs are downloads, the receive side of the SDK and of `proxy connect`). CPU-s/GB counts
 //! every process on the path, the same set for every row: this process (bench client, and the
 //! SDK for the gRPC path), the target, broker, agent and tetherctl (idle outside its row). The
 //! SDK and `proxy connect` rows also give their CPU-s/GB against TLS CONNECT, the path with the
@@ -43,7 +45,7 @@ use tether_e2e::benchkit::{cpu_secs, median, range_note};
 use tether_e2e::{Broker, Hub, OPS_TOKEN};
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use super::{CLUSTER, Row, Setup, gbit, upload_streams};
+use super::{CLUSTER, Row, Setup, download_streams, gbit, upload_streams};
 
 /// A stream of any client path.
 trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
@@ -269,41 +271,8 @@ pub async fn section(
         upload_streams(socks, Duration::from_millis(200)).await?;
     }
 
-    // [path][streams index]: rates per round, CPU seconds, GB.
-    let mut rate = vec![[Vec::new(), Vec::new()]; PATHS.len()];
-    let mut cpu_s = vec![[0.0f64; 2]; PATHS.len()];
-    let mut gb = vec![[0.0f64; 2]; PATHS.len()];
-    for round in 0..setup.rounds {
-        let mut order: Vec<usize> = (0..PATHS.len()).collect();
-        order.rotate_left(round % PATHS.len());
-        for (si, &streams) in STREAMS.iter().enumerate() {
-            for &p in &order {
-                let mut socks = Vec::new();
-                for _ in 0..streams {
-                    socks.push(clients.open(PATHS[p]).await?);
-                }
-                let c0 = cpu();
-                let (bytes, secs) = upload_streams(socks, setup.secs).await?;
-                cpu_s[p][si] += cpu() - c0;
-                gb[p][si] += bytes as f64 / 1e9;
-                rate[p][si].push(bytes as f64 / secs);
-            }
-            println!(
-                "  clients, {streams} stream(s), round {}: {}",
-                round + 1,
-                PATHS
-                    .iter()
-                    .enumerate()
-                    .map(|(p, path)| format!(
-                        "{} {}",
-                        path.name(),
-                        gbit(*rate[p][si].last().expect("measured"))
-                    ))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-        }
-    }
+    let (rate, cpu_s, gb) = measure(&clients, setup, Direction::Upload, &cpu).await?;
+    let down = measure(&clients, setup, Direction::Download, &cpu).await?;
     drop((forward_proc, forward_plain_proc));
     drop((relay_proc, plain_relay_proc));
     let floor = tokio::task::spawn_blocking({
@@ -410,7 +379,124 @@ pub async fn section(
         });
     }
     rows.push(floors_row(floor, &per_gb, &rate));
+    rows.push(download_row(&down));
     Ok(rows)
+}
+
+/// Which way the bulk data goes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    /// Client → target (the target's sink counts).
+    Upload,
+    /// Target → client (kube watches, large GETs, logs): the SDK's and `proxy connect`'s
+    /// receive side.
+    Download,
+}
+
+/// [path][streams index]: throughput per round (bytes/s), CPU seconds, GB.
+type Measured = (Vec<[Vec<f64>; 2]>, Vec<[f64; 2]>, Vec<[f64; 2]>);
+
+/// Every path with 1 and 8 streams in `direction`, `setup.rounds` rounds in rotating order.
+async fn measure(
+    clients: &Clients,
+    setup: &Setup,
+    direction: Direction,
+    cpu: &dyn Fn() -> f64,
+) -> anyhow::Result<Measured> {
+    let mut rate = vec![[Vec::new(), Vec::new()]; PATHS.len()];
+    let mut cpu_s = vec![[0.0f64; 2]; PATHS.len()];
+    let mut gb = vec![[0.0f64; 2]; PATHS.len()];
+    for round in 0..setup.rounds {
+        let mut order: Vec<usize> = (0..PATHS.len()).collect();
+        order.rotate_left(round % PATHS.len());
+        for (si, &streams) in STREAMS.iter().enumerate() {
+            for &p in &order {
+                let mut socks = Vec::new();
+                for _ in 0..streams {
+                    socks.push(clients.open(PATHS[p]).await?);
+                }
+                let c0 = cpu();
+                let (bytes, secs) = match direction {
+                    Direction::Upload => upload_streams(socks, setup.secs).await?,
+                    Direction::Download => download_streams(socks, setup.secs).await?,
+                };
+                cpu_s[p][si] += cpu() - c0;
+                gb[p][si] += bytes as f64 / 1e9;
+                rate[p][si].push(bytes as f64 / secs);
+            }
+            println!(
+                "  clients{}, {streams} stream(s), round {}: {}",
+                if direction == Direction::Download {
+                    " (download)"
+                } else {
+                    ""
+                },
+                round + 1,
+                PATHS
+                    .iter()
+                    .enumerate()
+                    .map(|(p, path)| format!(
+                        "{} {}",
+                        path.name(),
+                        gbit(*rate[p][si].last().expect("measured"))
+                    ))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+    }
+    Ok((rate, cpu_s, gb))
+}
+
+/// Downloads (target → client): every client path against CONNECT, throughput and CPU-s/GB
+/// with 1 and 8 streams, judged like uploads (within 10 %), the floors as information.
+fn download_row((rate, cpu_s, gb): &Measured) -> Row {
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let per_gb = |p: usize, si: usize| cpu_s[p][si] / gb[p][si];
+    let mut ok = true;
+    let mut notes = vec![format!(
+        "CONNECT {} / {}, CPU-s/GB {:.2} / {:.2}",
+        gbit(mean(&rate[CONNECT][0])),
+        gbit(mean(&rate[CONNECT][1])),
+        per_gb(CONNECT, 0),
+        per_gb(CONNECT, 1)
+    )];
+    for (p, path) in PATHS.iter().enumerate().skip(1) {
+        let ratios = [0, 1].map(|si| {
+            let vs: Vec<f64> = rate[p][si]
+                .iter()
+                .zip(&rate[CONNECT][si])
+                .map(|(x, c)| x / c)
+                .collect();
+            (median(&vs), per_gb(p, si) / per_gb(CONNECT, si))
+        });
+        if !path.is_floor() {
+            ok &= ratios
+                .iter()
+                .all(|&(r, c)| r >= 1.0 - TOLERANCE && c <= 1.0 + TOLERANCE);
+        }
+        notes.push(format!(
+            "{}: throughput {:.2} / {:.2}×, CPU-s/GB {:.2} / {:.2}×{}",
+            path.name(),
+            ratios[0].0,
+            ratios[1].0,
+            ratios[0].1,
+            ratios[1].1,
+            if path.is_floor() { " (a floor)" } else { "" }
+        ));
+    }
+    Row {
+        what: "client paths, download (target → client), vs CONNECT, 1 / 8 streams".into(),
+        tunnel: format!(
+            "{} / {}",
+            gbit(mean(&rate[CONNECT][0])),
+            gbit(mean(&rate[CONNECT][1]))
+        ),
+        result: notes.join("; "),
+        target: "within 10 % of CONNECT (tput, CPU-s/GB)".into(),
+        ok: Some(ok),
+        ..Row::default()
+    }
 }
 
 /// Each path against the cheapest path of its own topology (CPU-s/GB, 1 and 8 streams): TLS
