@@ -408,3 +408,72 @@ async fn sdk_over_the_plain_port_and_connect_share_it() -> anyhow::Result<()> {
     drop(d);
     Ok(())
 }
+
+/// A stream shut down and then dropped while the target keeps sending (a log follower, a
+/// watch) lingers only for the bytes it sent: after `LINGER_MAX_BYTES` from the target it is
+/// aborted and the target's connection is reset, well before `LINGER_AFTER_SHUTDOWN` (30 s).
+/// Both framings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_dropped_after_shutdown_does_not_drain_an_endless_target() -> anyhow::Result<()> {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let target = l.local_addr()?;
+    // Streams until a write fails; reports what it read first and how its writes ended.
+    let (ended_tx, mut ended) = tokio::sync::mpsc::channel::<(Vec<u8>, std::io::ErrorKind)>(4);
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let ended_tx = ended_tx.clone();
+            tokio::spawn(async move {
+                let mut first = vec![0u8; 5];
+                if s.read_exact(&mut first).await.is_err() {
+                    return;
+                }
+                let chunk = vec![0x5au8; 64 * 1024];
+                let e = loop {
+                    if let Err(e) = s.write_all(&chunk).await {
+                        break e.kind();
+                    }
+                };
+                let _ = ended_tx.send((first, e)).await;
+            });
+        }
+    });
+    let (hub, broker, _agent) = one_cluster(target).await?;
+    let d = dialer(&hub, &broker).await?;
+    for framed in [false, true] {
+        let mut s = if framed {
+            d.dial_framed("c1", "", 0).await?
+        } else {
+            d.dial_api_server("c1").await?
+        };
+        s.write_all(b"hello").await?;
+        let mut buf = vec![0u8; 256 * 1024];
+        let mut got = 0;
+        while got < (1 << 20) {
+            let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf)).await??;
+            anyhow::ensure!(
+                n > 0,
+                "framed: {framed}: the stream ended after {got} bytes"
+            );
+            got += n;
+        }
+        s.shutdown().await?;
+        drop(s);
+        let (first, e) = tokio::time::timeout(Duration::from_secs(10), ended.recv())
+            .await
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "framed: {framed}: the target was still streaming 10 s after the stream was dropped"
+                )
+            })?
+            .expect("the target runs");
+        assert_eq!(first, b"hello", "framed: {framed}");
+        assert!(
+            matches!(
+                e,
+                std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+            ),
+            "framed: {framed}: the target's writes ended with {e:?}"
+        );
+    }
+    Ok(())
+}

@@ -57,6 +57,14 @@ pub const POOLED_CHUNKS: usize = SEND_QUEUE_FRAMES + 2;
 /// How long a stream dropped after `shutdown()` (before the target's EOF) keeps its call open
 /// so that everything written before `shutdown()` still reaches the target.
 pub const LINGER_AFTER_SHUTDOWN: Duration = Duration::from_secs(30);
+/// ... and for at most this many bytes from the target (the stream window this client
+/// advertises): the linger is there for the bytes going out, and a target that keeps sending
+/// (a log follower, a watch) would otherwise stream into the tunnel for the whole
+/// [`LINGER_AFTER_SHUTDOWN`] for a reader that is gone. Past it the stream is aborted.
+pub const LINGER_MAX_BYTES: usize = STREAM_WINDOW_BYTES as usize;
+/// The HTTP/2 stream window this client advertises (bytes the broker may send ahead per
+/// stream).
+pub const STREAM_WINDOW_BYTES: u32 = 4 << 20;
 
 /// A bearer token. `Debug` never shows it.
 #[derive(Clone)]
@@ -248,7 +256,7 @@ impl Dialer {
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(10))
             .keep_alive_timeout(Duration::from_secs(5))
-            .initial_stream_window_size(4 << 20)
+            .initial_stream_window_size(STREAM_WINDOW_BYTES)
             .initial_connection_window_size((1 << 31) - 1)
             // The broker's frames towards us (downloads: kube watches, large GETs) as large as
             // ours towards it; HTTP/2's default would cut them into 16 KiB frames.
@@ -717,7 +725,8 @@ impl DialStream {
 
     /// Aborts the stream now, even after `shutdown()`: the broker resets the target's
     /// connection, and nothing more is read. Dropping a stream that was shut down instead
-    /// reads on until the target's EOF (for at most [`LINGER_AFTER_SHUTDOWN`]), so that what
+    /// reads on until the target's EOF (for at most [`LINGER_AFTER_SHUTDOWN`] and
+    /// [`LINGER_MAX_BYTES`]), so that what
     /// was written before `shutdown()` still arrives; a caller whose own peer is gone (a
     /// forward whose local client reset) has nothing to wait for and must not keep a target
     /// that streams, a log follower or a watch, sending into the tunnel meanwhile.
@@ -857,7 +866,8 @@ impl Drop for DialStream {
         // Shut down gracefully but dropped before the target's EOF: dropping the response
         // stream now would cancel the call and the frames still queued (written before
         // `shutdown()`) would never reach the target. Read on, discarding, until the broker
-        // ends the call, for at most `LINGER_AFTER_SHUTDOWN`.
+        // ends the call, for at most `LINGER_AFTER_SHUTDOWN` and `LINGER_MAX_BYTES`; then
+        // dropping the response stream cancels the call (an abort).
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -866,7 +876,13 @@ impl Drop for DialStream {
         };
         rt.spawn(async move {
             let _ = tokio::time::timeout(LINGER_AFTER_SHUTDOWN, async {
-                while let Some(Ok(_)) = rx.next().await {}
+                let mut discarded = 0;
+                while let Some(Ok(b)) = rx.next().await {
+                    discarded += b.len();
+                    if discarded > LINGER_MAX_BYTES {
+                        break;
+                    }
+                }
             })
             .await;
         });
