@@ -221,6 +221,18 @@ async fn proxy_connect_round_trip_and_kubectl_through_the_tunnel() -> anyhow::Re
     Ok(())
 }
 
+/// A hub with broker `b1` and cluster `c1` (API server: an echo server), once its tunnel is
+/// up; the forwards name their targets themselves. Keep the agent alive while the tunnel is used.
+async fn hub_with_c1() -> anyhow::Result<(Hub, Broker, tether_e2e::Agent)> {
+    let hub = Hub::new()?;
+    let echo = echo_server().await?;
+    let broker = hub.start_broker("b1", "")?;
+    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&broker, "c1").await?;
+    Ok((hub, broker, agent))
+}
+
 /// Starts `tetherctl proxy connect c1 <target>` over the broker's plain port (HTTP CONNECT,
 /// bytes moved by the kernel), its stderr in `log`; its local address.
 fn plain_forward(
@@ -283,12 +295,7 @@ fn is_reset(end: &std::io::Result<usize>) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_connect_over_the_plain_port_keeps_refusals_and_resets() -> anyhow::Result<()> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let hub = Hub::new()?;
-    let echo = echo_server().await?;
-    let broker = hub.start_broker("b1", "")?;
-    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
-    wait_agent_ready(&agent).await?;
-    wait_tunnel(&broker, "c1").await?;
+    let (hub, broker, _agent) = hub_with_c1().await?;
 
     // A refused target: nothing listens there.
     let closed = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
@@ -348,12 +355,7 @@ async fn proxy_connect_over_the_plain_port_keeps_refusals_and_resets() -> anyhow
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forward_whose_client_goes_away_mid_download_ends_the_target() -> anyhow::Result<()> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let hub = Hub::new()?;
-    let echo = echo_server().await?;
-    let broker = hub.start_broker("b1", "")?;
-    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
-    wait_agent_ready(&agent).await?;
-    wait_tunnel(&broker, "c1").await?;
+    let (hub, broker, _agent) = hub_with_c1().await?;
 
     // A target that streams until a write fails, then reports it.
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

@@ -390,32 +390,69 @@ async fn upload(
     upload_streams(socks, dur).await
 }
 
-/// Bulk upload to sinks on open streams (`S` not sent yet) for `dur`; returns the bytes the
-/// sinks counted and the seconds until the last sink confirmed them.
+/// Uploads through every socket (target mode `S`: the target counts and answers the count after
+/// the client's half-close) for `dur`; total bytes the target received and the seconds until
+/// the last count arrived.
 async fn upload_streams<S>(socks: Vec<S>, dur: Duration) -> anyhow::Result<(u64, f64)>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let mut socks = socks;
+    run_streams(socks, b'S', dur, |mut s, deadline| async move {
+        let buf = vec![0u8; BUF];
+        while Instant::now() < deadline {
+            s.write_all(&buf).await?;
+        }
+        s.shutdown().await?;
+        let mut count = [0u8; 8];
+        s.read_exact(&mut count).await?;
+        anyhow::Ok((u64::from_le_bytes(count), Instant::now()))
+    })
+    .await
+}
+
+/// Downloads from every socket (target mode `G`: the target writes until the stream ends) for
+/// `dur`; total bytes read and the seconds they took. Each stream is dropped (aborted) after.
+async fn download_streams<S>(socks: Vec<S>, dur: Duration) -> anyhow::Result<(u64, f64)>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    run_streams(socks, b'G', dur, |mut s, deadline| async move {
+        let mut buf = vec![0u8; BUF];
+        let mut n = 0u64;
+        while Instant::now() < deadline {
+            match tokio::time::timeout_at(deadline.into(), s.read(&mut buf)).await {
+                Ok(Ok(0)) => anyhow::bail!("the target ended a download early"),
+                Ok(Ok(k)) => n += k as u64,
+                Ok(Err(e)) => return Err(e.into()),
+                Err(_) => break,
+            }
+        }
+        anyhow::Ok((n, Instant::now()))
+    })
+    .await
+}
+
+/// Sends the target `mode` on every socket, then runs `each(socket, deadline)` for all of them
+/// at once; the sum of the bytes they report and the seconds until the last one finished.
+async fn run_streams<S, F, Fut>(
+    mut socks: Vec<S>,
+    mode: u8,
+    dur: Duration,
+    each: F,
+) -> anyhow::Result<(u64, f64)>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    F: Fn(S, Instant) -> Fut,
+    Fut: Future<Output = anyhow::Result<(u64, Instant)>> + Send + 'static,
+{
     for s in &mut socks {
-        s.write_all(b"S").await?;
+        s.write_all(&[mode]).await?;
     }
     let start = Instant::now();
     let deadline = start + dur;
     let tasks: Vec<_> = socks
         .into_iter()
-        .map(|mut s| {
-            tokio::spawn(async move {
-                let buf = vec![0u8; BUF];
-                while Instant::now() < deadline {
-                    s.write_all(&buf).await?;
-                }
-                s.shutdown().await?;
-                let mut count = [0u8; 8];
-                s.read_exact(&mut count).await?;
-                anyhow::Ok((u64::from_le_bytes(count), Instant::now()))
-            })
-        })
+        .map(|s| tokio::spawn(each(s, deadline)))
         .collect();
     let mut total = 0u64;
     let mut end = start;
@@ -424,49 +461,6 @@ where
         total += n;
         end = end.max(at);
     }
-    Ok((total, (end - start).as_secs_f64()))
-}
-
-/// Downloads from every socket (target mode `G`: the target writes until the stream ends) for
-/// `dur`; total bytes read and the seconds they took. The streams are dropped (aborted) after.
-async fn download_streams<S>(socks: Vec<S>, dur: Duration) -> anyhow::Result<(u64, f64)>
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let mut socks = socks;
-    for s in &mut socks {
-        s.write_all(b"G").await?;
-    }
-    let start = Instant::now();
-    let deadline = start + dur;
-    let tasks: Vec<_> = socks
-        .into_iter()
-        .map(|mut s| {
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; BUF];
-                let mut n = 0u64;
-                while Instant::now() < deadline {
-                    match tokio::time::timeout_at(deadline.into(), s.read(&mut buf)).await {
-                        Ok(Ok(0)) => anyhow::bail!("the target ended a download early"),
-                        Ok(Ok(k)) => n += k as u64,
-                        Ok(Err(e)) => return Err(e.into()),
-                        Err(_) => break,
-                    }
-                }
-                anyhow::Ok((n, Instant::now(), s))
-            })
-        })
-        .collect();
-    let mut total = 0u64;
-    let mut end = start;
-    let mut done = Vec::new();
-    for t in tasks {
-        let (n, at, s) = t.await??;
-        total += n;
-        end = end.max(at);
-        done.push(s);
-    }
-    drop(done);
     Ok((total, (end - start).as_secs_f64()))
 }
 
