@@ -57,14 +57,15 @@ pub const POOLED_CHUNKS: usize = SEND_QUEUE_FRAMES + 2;
 /// How long a stream dropped after `shutdown()` (before the target's EOF) keeps its call open
 /// so that everything written before `shutdown()` still reaches the target.
 pub const LINGER_AFTER_SHUTDOWN: Duration = Duration::from_secs(30);
-/// ... and for at most this many bytes from the target (the stream window this client
-/// advertises): the linger is there for the bytes going out, and a target that keeps sending
-/// (a log follower, a watch) would otherwise stream into the tunnel for the whole
-/// [`LINGER_AFTER_SHUTDOWN`] for a reader that is gone. Past it the stream is aborted.
-pub const LINGER_MAX_BYTES: usize = STREAM_WINDOW_BYTES as usize;
 /// The HTTP/2 stream window this client advertises (bytes the broker may send ahead per
 /// stream).
 pub const STREAM_WINDOW_BYTES: u32 = 4 << 20;
+/// Most bytes from the target a stream dropped after `shutdown()` reads (and discards) while it
+/// lingers, besides [`LINGER_AFTER_SHUTDOWN`]; past it the stream is aborted. The linger is there
+/// for the bytes going out: a target that keeps sending (a log follower, a watch) would
+/// otherwise stream into the tunnel for the whole linger, for a reader that is gone. One
+/// stream window.
+pub const LINGER_MAX_BYTES: usize = STREAM_WINDOW_BYTES as usize;
 
 /// A bearer token. `Debug` never shows it.
 #[derive(Clone)]
@@ -724,12 +725,12 @@ impl DialStream {
     }
 
     /// Aborts the stream now, even after `shutdown()`: the broker resets the target's
-    /// connection, and nothing more is read. Dropping a stream that was shut down instead
-    /// reads on until the target's EOF (for at most [`LINGER_AFTER_SHUTDOWN`] and
-    /// [`LINGER_MAX_BYTES`]), so that what
-    /// was written before `shutdown()` still arrives; a caller whose own peer is gone (a
-    /// forward whose local client reset) has nothing to wait for and must not keep a target
-    /// that streams, a log follower or a watch, sending into the tunnel meanwhile.
+    /// connection, and nothing more is read. Dropping a stream that was shut down instead reads
+    /// on until the target's EOF (for at most [`LINGER_AFTER_SHUTDOWN`] and
+    /// [`LINGER_MAX_BYTES`]), so that what was written before `shutdown()` still arrives; a
+    /// caller whose own peer is gone (a forward whose local client reset) has nothing to wait
+    /// for and must not keep a target that streams, a log follower or a watch, sending into the
+    /// tunnel meanwhile.
     pub fn abort(mut self) {
         self.linger = false;
     }

@@ -41,7 +41,7 @@
 use std::time::Duration;
 
 use anyhow::Context as _;
-use tether_e2e::benchkit::{cpu_secs, median, range_note};
+use tether_e2e::benchkit::{cpu_secs, mean, median, range_note};
 use tether_e2e::{Broker, Hub, OPS_TOKEN};
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -294,7 +294,6 @@ pub async fn section(
     let per_gb = |p: usize, si: usize| cpu_s[p][si] / gb[p][si];
     let mut rows = Vec::new();
     for (p, path) in PATHS.iter().enumerate() {
-        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
         let tput = format!("{} / {}", gbit(mean(&rate[p][0])), gbit(mean(&rate[p][1])));
         let mut notes = Vec::new();
         let mut ok = true;
@@ -451,7 +450,6 @@ async fn measure(
 /// Downloads (target → client): every client path against CONNECT, throughput and CPU-s/GB
 /// with 1 and 8 streams, judged like uploads (within 10 %), the floors as information.
 fn download_row((rate, cpu_s, gb): &Measured) -> Row {
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     let per_gb = |p: usize, si: usize| cpu_s[p][si] / gb[p][si];
     let mut ok = true;
     let mut notes = vec![format!(
@@ -510,7 +508,6 @@ fn floors_row(floor: f64, per_gb: &dyn Fn(usize, usize) -> f64, rate: &[[Vec<f64
             .position(|p| *p == path)
             .expect("a measured path")
     };
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     let mut notes = vec![format!(
         "client-side TLS floor {floor:.2} CPU-s/GB = {:.2} / {:.2}× CONNECT's (1 / 8 streams): \
          no path over the client TLS port can come within 10 % of plain CONNECT while this is \
