@@ -477,3 +477,158 @@ async fn a_stream_dropped_after_shutdown_does_not_drain_an_endless_target() -> a
     }
     Ok(())
 }
+
+/// A TCP relay to `to` whose relayed connections can all be cut at once (a load balancer
+/// restarting, a network dropping its flows) while it keeps accepting new ones.
+struct CuttableRelay {
+    addr: std::net::SocketAddr,
+    conns: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::AbortHandle>>>,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl CuttableRelay {
+    async fn start(to: std::net::SocketAddr) -> anyhow::Result<Self> {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = l.local_addr()?;
+        let conns = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (c, a) = (conns.clone(), accepted.clone());
+        let accept = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = l.accept().await {
+                a.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let task = tokio::spawn(async move {
+                    if let Ok(mut out) = tokio::net::TcpStream::connect(to).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
+                    }
+                });
+                c.lock().unwrap().push(task.abort_handle());
+            }
+        });
+        Ok(Self {
+            addr,
+            conns,
+            accepted,
+            accept,
+        })
+    }
+
+    fn cut(&self) {
+        for c in self.conns.lock().unwrap().drain(..) {
+            c.abort();
+        }
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for CuttableRelay {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut();
+    }
+}
+
+/// A `Dialer` whose HTTP/2 connection broke under it (here a relay in front of the broker cuts
+/// it) dials on a new connection: the open stream fails with an error, never a clean EOF, and
+/// the next dial on the same `Dialer` succeeds without the caller reconnecting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dialer_whose_connection_broke_dials_on_a_new_one() -> anyhow::Result<()> {
+    let echo = echo_server().await?;
+    let (_hub, broker, _agent) = one_cluster(echo).await?;
+    let relay = CuttableRelay::start(broker.client_addr).await?;
+    let d = Dialer::connect(DialerConfig {
+        endpoint: format!("http://{}", relay.addr),
+        server_name: String::new(),
+        ca_pem: String::new(),
+        client_cert: None,
+        token: Some(Token(OPS_TOKEN.into())),
+        connect_timeout: Duration::from_secs(5),
+    })
+    .await?;
+    let round_trip = |mut s: tether_client::DialStream, msg: &'static [u8]| async move {
+        s.write_all(msg).await?;
+        let mut back = vec![0u8; msg.len()];
+        tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut back)).await??;
+        assert_eq!(back, msg);
+        anyhow::Ok(s)
+    };
+    let mut s = round_trip(d.dial("c1", "127.0.0.1", echo.port()).await?, b"before").await?;
+    assert_eq!(relay.accepted(), 1);
+
+    relay.cut();
+    let mut one = [0u8; 1];
+    match tokio::time::timeout(Duration::from_secs(10), s.read(&mut one)).await? {
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}"),
+        Ok(n) => panic!("a stream on a broken connection read {n} bytes (0: a clean EOF)"),
+    }
+
+    let s2 = tokio::time::timeout(
+        Duration::from_secs(10),
+        d.dial("c1", "127.0.0.1", echo.port()),
+    )
+    .await??;
+    round_trip(s2, b"after").await?;
+    assert_eq!(
+        relay.accepted(),
+        2,
+        "the second dial opened one new connection"
+    );
+    Ok(())
+}
+
+/// `Dialer::connect` fails with what is wrong: a broker certificate from another CA, a name the
+/// certificate does not carry, a CA bundle that is not PEM, nothing listening.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dialer_connect_errors_name_what_is_wrong() -> anyhow::Result<()> {
+    let hub = Hub::new()?;
+    let broker = hub.start_broker("b1", "")?;
+    let other_ca = std::fs::read_to_string(Hub::new()?.pki.ca_path())?;
+    let cfg = |ca_pem: String, server_name: &str| DialerConfig {
+        endpoint: format!("https://{}", broker.client_tls_addr),
+        server_name: server_name.into(),
+        ca_pem,
+        client_cert: None,
+        token: Some(Token(OPS_TOKEN.into())),
+        connect_timeout: Duration::from_secs(5),
+    };
+    let ca = std::fs::read_to_string(hub.pki.ca_path())?;
+    let err = |r: Result<Dialer, ClientError>| match r {
+        Ok(_) => panic!("connected"),
+        Err(e) => e.to_string(),
+    };
+
+    let e = err(Dialer::connect(cfg(other_ca, "localhost")).await);
+    // (the other CA has the same name as the broker's: the signature is what fails)
+    assert!(
+        e.contains("TLS handshake") && e.contains("invalid peer certificate"),
+        "{e}"
+    );
+    let e = err(Dialer::connect(cfg(ca.clone(), "not-the-broker.example")).await);
+    assert!(
+        e.contains("TLS handshake") && e.contains("not valid for name"),
+        "{e}"
+    );
+    let e = err(Dialer::connect(cfg("not a certificate".into(), "localhost")).await);
+    assert!(
+        e.contains("CA bundle") && e.contains("no CERTIFICATE"),
+        "{e}"
+    );
+
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await?
+        .local_addr()?;
+    let mut nowhere = cfg(ca.clone(), "localhost");
+    nowhere.endpoint = format!("https://{closed}");
+    let e = err(Dialer::connect(nowhere).await);
+    assert!(
+        e.contains("TCP connect") && e.contains(&closed.to_string()),
+        "{e}"
+    );
+
+    // The right CA and name still connect.
+    Dialer::connect(cfg(ca, "localhost")).await?;
+    Ok(())
+}

@@ -23,6 +23,10 @@
 
 #![forbid(unsafe_code)]
 
+mod raw;
+
+pub use raw::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, SEND_BUFFER_BYTES};
+
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -143,8 +147,10 @@ pub struct Dialer {
 
 /// One HTTP/2 connection of a [`Dialer`] and the streams open on it.
 struct Conn {
+    /// The unframed Dial's connection, driven with h2 directly ([`raw`]).
+    raw: raw::RawConn,
+    /// The framed gRPC `Dial` (older brokers): a second connection, opened on first use.
     client: pb::dialer_client::DialerClient<Channel>,
-    channel: Channel,
     /// Open [`DialStream`]s on this connection (each holds a [`ConnLoad`]).
     open: Arc<AtomicUsize>,
 }
@@ -252,6 +258,7 @@ impl Dialer {
                 )));
             }
         };
+        let raw = raw::RawConn::open(cfg, endpoint.uri()).await?;
         let channel = endpoint
             .connect_timeout(cfg.connect_timeout)
             .tcp_nodelay(true)
@@ -262,15 +269,11 @@ impl Dialer {
             // The broker's frames towards us (downloads: kube watches, large GETs) as large as
             // ours towards it; HTTP/2's default would cut them into 16 KiB frames.
             .max_frame_size(MAX_FRAME_BYTES as u32)
-            .connect()
-            .await
-            .map_err(|e| {
-                ClientError::Connect(format!("{e}: {:?}", std::error::Error::source(&e)))
-            })?;
+            .connect_lazy();
         Ok(Conn {
-            client: pb::dialer_client::DialerClient::new(channel.clone())
+            raw,
+            client: pb::dialer_client::DialerClient::new(channel)
                 .max_decoding_message_size(4 * MAX_FRAME_BYTES),
-            channel,
             open: Arc::new(AtomicUsize::new(0)),
         })
     }
@@ -299,36 +302,22 @@ impl Dialer {
         host: &str,
         port: u16,
     ) -> Result<Option<DialStream>, ClientError> {
-        use tower::ServiceExt as _;
         let (conn, load) = self.pick();
-        let (tx, rx) = mpsc::channel(SEND_QUEUE_FRAMES);
-        let (abort_tx, abort_rx) = tokio::sync::oneshot::channel();
-        let body = RawRequestBody {
-            frames: rx,
-            abort: Some(abort_rx),
-        };
-        let mut req = http::Request::builder()
-            .method(http::Method::POST)
-            .uri(RAW_DIAL_PATH)
-            .header("content-type", "application/octet-stream")
-            .header("tether-cluster", cluster)
-            .header("tether-host", host)
-            .header("tether-port", port.to_string());
-        if let Some(t) = &self.token {
-            req = req.header("authorization", t.as_encoded_bytes());
-        }
-        let req = req
-            .body(tonic::body::Body::new(body))
-            .map_err(|e| ClientError::Endpoint {
-                endpoint: RAW_DIAL_PATH.into(),
-                reason: e.to_string(),
-            })?;
-        let resp = conn
-            .channel
-            .clone()
-            .oneshot(req)
-            .await
-            .map_err(|e| ClientError::Connect(e.to_string()))?;
+        let port = port.to_string();
+        let (resp, tx) = conn
+            .raw
+            .request(|req| {
+                let req = req
+                    .header("content-type", "application/octet-stream")
+                    .header("tether-cluster", cluster)
+                    .header("tether-host", host)
+                    .header("tether-port", port.as_str());
+                match &self.token {
+                    Some(t) => req.header("authorization", t.as_encoded_bytes()),
+                    None => req,
+                }
+            })
+            .await?;
         let (head, mut body) = resp.into_parts();
         if head.headers.contains_key("grpc-status") {
             return Ok(None); // an older broker: unknown gRPC method
@@ -357,14 +346,12 @@ impl Dialer {
         let stream_id = text("tether-stream-id").parse().unwrap_or(0);
         let rtt: u64 = text("tether-tunnel-rtt-micros").parse().unwrap_or(0);
         Ok(Some(DialStream {
-            abort: Some(abort_tx),
-            tx: PollSender::new(tx),
-            rx: Some(raw_inbound(body)),
+            out: Outbound::Raw { tx, shut: false },
+            rx: Some(Inbound::Raw(body)),
             pending: Bytes::new(),
             eof: false,
             stream_id,
             tunnel_rtt: (rtt > 0).then(|| Duration::from_micros(rtt)),
-            unframed: true,
             load,
             pool: ChunkPool::default(),
             linger: true,
@@ -424,15 +411,16 @@ impl Dialer {
             })
             .boxed();
         Ok(DialStream {
-            abort: Some(abort_tx),
-            tx: PollSender::new(tx),
-            rx: Some(inbound),
+            out: Outbound::Framed {
+                tx: PollSender::new(tx),
+                abort: Some(abort_tx),
+            },
+            rx: Some(Inbound::Framed(inbound)),
             pending: Bytes::new(),
             eof: false,
             stream_id: result.stream_id,
             tunnel_rtt: (result.tunnel_rtt_micros > 0)
                 .then(|| Duration::from_micros(result.tunnel_rtt_micros)),
-            unframed: false,
             load,
             pool: ChunkPool::default(),
             linger: true,
@@ -547,81 +535,13 @@ impl Stream for RequestFrames {
     }
 }
 
-/// The request body of an unframed dial: queued chunks as DATA frames, END_STREAM on
-/// `shutdown()`; dropped without shutdown, a body error, which resets the HTTP/2 stream (the
-/// broker then resets the target's connection).
-struct RawRequestBody {
-    frames: mpsc::Receiver<Bytes>,
-    /// Fires on drop without shutdown; dropped unfired by `shutdown()`.
-    abort: Option<tokio::sync::oneshot::Receiver<()>>,
-}
-
-impl http_body::Body for RawRequestBody {
-    type Data = Bytes;
-    type Error = io::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, io::Error>>> {
-        if let Some(rx) = self.abort.as_mut() {
-            match Pin::new(rx).poll(cx) {
-                Poll::Ready(Ok(())) => {
-                    self.abort = None;
-                    return Poll::Ready(Some(Err(io::Error::new(
-                        io::ErrorKind::ConnectionAborted,
-                        "client dropped the stream",
-                    ))));
-                }
-                Poll::Ready(Err(_)) => self.abort = None, // shut down gracefully
-                Poll::Pending => {}
-            }
-        }
-        self.frames
-            .poll_recv(cx)
-            .map(|b| b.map(|b| Ok(http_body::Frame::data(b))))
-    }
-}
-
-/// The response body of an unframed dial as a stream of chunks; a body error (the broker reset
-/// the stream) is `ConnectionReset`.
-fn raw_inbound(body: tonic::body::Body) -> Inbound {
-    futures::stream::unfold(body, |mut body| async move {
-        loop {
-            let frame =
-                std::future::poll_fn(|cx| http_body::Body::poll_frame(Pin::new(&mut body), cx))
-                    .await?;
-            match frame {
-                Ok(f) => match f.into_data() {
-                    Ok(b) if !b.is_empty() => return Some((Ok(b), body)),
-                    _ => continue, // empty or trailers
-                },
-                Err(e) => {
-                    let e = io::Error::new(
-                        io::ErrorKind::ConnectionReset,
-                        format!("tunnel stream aborted: {e}"),
-                    );
-                    return Some((Err(e), body));
-                }
-            }
-        }
-    })
-    .boxed()
-}
-
 /// Reads a refusal's text (bounded in size and time).
-async fn read_refusal(body: &mut tonic::body::Body) -> String {
+async fn read_refusal(body: &mut h2::RecvStream) -> String {
     let mut out = Vec::new();
     let read = async {
         while out.len() < MAX_REFUSAL_BYTES {
-            match std::future::poll_fn(|cx| http_body::Body::poll_frame(Pin::new(&mut *body), cx))
-                .await
-            {
-                Some(Ok(f)) => {
-                    if let Ok(b) = f.into_data() {
-                        out.extend_from_slice(&b);
-                    }
-                }
+            match std::future::poll_fn(|cx| raw::poll_read_raw(body, cx)).await {
+                Some(Ok(b)) => out.extend_from_slice(&b),
                 _ => break,
             }
         }
@@ -679,21 +599,56 @@ impl ChunkPool {
     }
 }
 
-/// Chunks from the broker, either framing.
-type Inbound = Pin<Box<dyn Stream<Item = io::Result<Bytes>> + Send>>;
+/// The framed Dial's chunks from the broker.
+type FramedInbound = Pin<Box<dyn Stream<Item = io::Result<Bytes>> + Send>>;
+
+/// Where a stream's bytes from the target come from.
+enum Inbound {
+    /// The response body of an unframed dial, read from h2 directly.
+    Raw(h2::RecvStream),
+    Framed(FramedInbound),
+}
+
+impl Inbound {
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<Bytes>>> {
+        match self {
+            Inbound::Raw(rx) => raw::poll_read_raw(rx, cx),
+            Inbound::Framed(s) => s.as_mut().poll_next(cx),
+        }
+    }
+}
+
+/// Where a stream's bytes towards the target go.
+enum Outbound {
+    /// The request body of an unframed dial: h2's send half, written directly. END_STREAM on
+    /// `shutdown()`; a drop without shutdown resets the HTTP/2 stream (the broker then resets
+    /// the target's connection).
+    Raw {
+        tx: h2::SendStream<Bytes>,
+        /// END_STREAM sent.
+        shut: bool,
+    },
+    /// The framed dial's queue to its request stream ([`RequestFrames`]).
+    Framed {
+        tx: PollSender<Bytes>,
+        /// Fired on drop without shutdown; dropped unfired by `shutdown()`.
+        abort: Option<tokio::sync::oneshot::Sender<()>>,
+    },
+}
+
+fn closed() -> io::Error {
+    io::Error::new(io::ErrorKind::BrokenPipe, "stream closed")
+}
 
 /// One tunnelled TCP connection.
 pub struct DialStream {
-    /// Fired on drop without shutdown (see [`RequestFrames`]).
-    abort: Option<tokio::sync::oneshot::Sender<()>>,
-    tx: PollSender<Bytes>,
-    /// The response stream; taken only by `Drop`.
+    out: Outbound,
+    /// The response side; taken only by `Drop`.
     rx: Option<Inbound>,
     pending: Bytes,
     eof: bool,
     stream_id: u64,
     tunnel_rtt: Option<Duration>,
-    unframed: bool,
     /// Counts this stream on its connection until dropped.
     load: ConnLoad,
     /// Buffers for `poll_write`'s copies.
@@ -706,7 +661,7 @@ pub struct DialStream {
 impl DialStream {
     /// Whether this stream uses the unframed Dial (`DialRaw`) rather than the framed gRPC one.
     pub fn is_unframed(&self) -> bool {
-        self.unframed
+        matches!(self.out, Outbound::Raw { .. })
     }
 
     /// The broker's last measured round trip of the tunnel carrying this stream.
@@ -738,9 +693,10 @@ impl DialStream {
     /// Ready once [`DialStream::send`] may queue a chunk (the owned-buffer form of
     /// `poll_write`, for callers that read into their own `Bytes`: no copy here).
     pub fn poll_send_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        self.tx
-            .poll_reserve(cx)
-            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "stream closed"))
+        match &mut self.out {
+            Outbound::Raw { tx, .. } => raw::poll_send_ready_raw(tx, cx, MAX_FRAME_BYTES),
+            Outbound::Framed { tx, .. } => tx.poll_reserve(cx).map_err(|_| closed()),
+        }
     }
 
     /// Queues `data` (at most [`MAX_FRAME_BYTES`]) towards the target as it is, without
@@ -755,9 +711,14 @@ impl DialStream {
         if data.is_empty() {
             return Ok(());
         }
-        self.tx
-            .send_item(data)
-            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "stream closed"))
+        match &mut self.out {
+            // Beyond the capacity granted, h2 queues the rest of the chunk: at most one chunk
+            // over [`raw::SEND_BUFFER_BYTES`].
+            Outbound::Raw { tx, .. } => tx
+                .send_data(data, false)
+                .map_err(|e| io::Error::new(io::ErrorKind::BrokenPipe, e.to_string())),
+            Outbound::Framed { tx, .. } => tx.send_item(data).map_err(|_| closed()),
+        }
     }
 
     /// The next chunk from the target as the broker sent it (the owned-buffer form of
@@ -773,7 +734,7 @@ impl DialStream {
         let Some(rx) = self.rx.as_mut() else {
             return Poll::Ready(None);
         };
-        match ready!(rx.as_mut().poll_next(cx)) {
+        match ready!(rx.poll_next(cx)) {
             Some(r) => Poll::Ready(Some(r)),
             None => {
                 self.eof = true;
@@ -808,7 +769,7 @@ impl AsyncRead for DialStream {
             let Some(rx) = self.rx.as_mut() else {
                 return Poll::Ready(Ok(()));
             };
-            match ready!(rx.as_mut().poll_next(cx)) {
+            match ready!(rx.poll_next(cx)) {
                 Some(Ok(b)) => self.pending = b,
                 Some(Err(e)) => return Poll::Ready(Err(e)),
                 None => self.eof = true,
@@ -823,19 +784,24 @@ impl AsyncWrite for DialStream {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        ready!(self.tx.poll_reserve(cx))
-            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "stream closed"))?;
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        let this = &mut *self;
+        let tx = match &mut this.out {
+            Outbound::Raw { tx, .. } => return raw::poll_write_raw(tx, &this.pool, cx, buf),
+            Outbound::Framed { tx, .. } => tx,
+        };
+        ready!(tx.poll_reserve(cx)).map_err(|_| closed())?;
         let n = buf.len().min(MAX_FRAME_BYTES);
         let chunk = if n < COPY_BELOW {
             Bytes::copy_from_slice(&buf[..n])
         } else {
-            let mut b = self.pool.take();
+            let mut b = this.pool.take();
             b.extend_from_slice(&buf[..n]);
-            self.pool.lend(b)
+            this.pool.lend(b)
         };
-        self.tx
-            .send_item(chunk)
-            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "stream closed"))?;
+        tx.send_item(chunk).map_err(|_| closed())?;
         Poll::Ready(Ok(n))
     }
 
@@ -844,8 +810,19 @@ impl AsyncWrite for DialStream {
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-        self.abort = None; // a graceful end, not an abort
-        self.tx.close();
+        match &mut self.out {
+            Outbound::Raw { tx, shut } => {
+                if !*shut {
+                    *shut = true;
+                    // An error means the stream is already reset: the next read reports it.
+                    let _ = tx.send_data(Bytes::new(), true);
+                }
+            }
+            Outbound::Framed { tx, abort } => {
+                *abort = None; // a graceful end, not an abort
+                tx.close();
+            }
+        }
         Poll::Ready(Ok(()))
     }
 }
@@ -855,11 +832,23 @@ impl Drop for DialStream {
         // Not shut down: an abort, even after the target's EOF. The target having finished its
         // side says nothing about ours: ending the request stream instead would read as a clean
         // EOF at the target, after however many bytes had been written (a silent truncation).
-        if let Some(abort) = self.abort.take() {
-            let _ = abort.send(());
-            return;
-        }
-        if self.eof || !self.linger {
+        let shut = match &mut self.out {
+            Outbound::Raw { tx, shut } => {
+                if !*shut || !self.linger {
+                    tx.send_reset(h2::Reason::CANCEL);
+                    return;
+                }
+                true
+            }
+            Outbound::Framed { abort, .. } => match abort.take() {
+                Some(abort) => {
+                    let _ = abort.send(());
+                    return;
+                }
+                None => true,
+            },
+        };
+        if !shut || self.eof || !self.linger {
             // Dropping the response stream cancels the call (RST_STREAM once the request side
             // has gone out): the broker resets the target's connection.
             return;
@@ -878,7 +867,7 @@ impl Drop for DialStream {
         rt.spawn(async move {
             let _ = tokio::time::timeout(LINGER_AFTER_SHUTDOWN, async {
                 let mut discarded = 0;
-                while let Some(Ok(b)) = rx.next().await {
+                while let Some(Ok(b)) = std::future::poll_fn(|cx| rx.poll_next(cx)).await {
                     discarded += b.len();
                     if discarded > LINGER_MAX_BYTES {
                         break;

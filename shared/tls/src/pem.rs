@@ -29,10 +29,15 @@ pub fn certs_from_pem(data: &[u8]) -> Result<Vec<CertificateDer<'static>>, Certs
 /// Reads the first private key (PKCS#8, SEC1 or PKCS#1) in a PEM file.
 pub fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     let data = read(path)?;
-    PrivateKeyDer::from_pem_slice(&data).map_err(|e| TlsError::Pem {
+    key_from_pem(&data).map_err(|reason| TlsError::Pem {
         path: path.to_owned(),
-        reason: format!("no usable private key: {e}"),
+        reason,
     })
+}
+
+/// The first private key (PKCS#8, SEC1 or PKCS#1) in PEM text.
+pub fn key_from_pem(data: &[u8]) -> Result<PrivateKeyDer<'static>, String> {
+    PrivateKeyDer::from_pem_slice(data).map_err(|e| format!("no usable private key: {e}"))
 }
 
 pub(crate) fn read(path: &Path) -> Result<Vec<u8>, TlsError> {

@@ -1,0 +1,359 @@
+//! The unframed Dial (`DialRaw`) on HTTP/2 driven directly with `h2`.
+//!
+//! A `DialRaw` stream is one HTTP/2 request whose body is the connection's bytes upstream and
+//! whose response body is its bytes downstream, so the stream's reads and writes go straight to
+//! h2's [`SendStream`] and [`RecvStream`]: no request-body pipe task between the caller and h2,
+//! no body adapters on the way back (what tonic's channel and hyper's client put there). The
+//! framed gRPC `Dial` (older brokers) keeps tonic's channel, opened only when used.
+//!
+//! - [`RawConn`]: one HTTP/2 connection (TCP, TLS with ALPN `h2` for `https://`), opened within
+//!   the connect timeout, kept alive with PINGs, reopened on the next dial after it broke.
+//! - [`poll_write_raw`] / [`poll_read_raw`]: a stream's writes bounded by the broker's window
+//!   and [`SEND_BUFFER_BYTES`]; reads that return the window as the caller takes the bytes.
+
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::Bytes;
+use h2::client::{ResponseFuture, SendRequest};
+use h2::{Reason, RecvStream, SendStream};
+use tokio::net::TcpStream;
+
+use crate::{
+    COPY_BELOW, ChunkPool, ClientError, DialerConfig, MAX_FRAME_BYTES, STREAM_WINDOW_BYTES,
+};
+
+/// Bytes one stream may have queued in h2 beyond what the broker's window lets out (h2's
+/// `max_send_buffer_size`); a write waits past it. Two frames: enough to keep the connection
+/// busy, small enough that eight busy streams on one connection do not queue megabytes ahead
+/// of each other (docs/benchmarks.md, issue 16).
+pub const SEND_BUFFER_BYTES: usize = 2 * MAX_FRAME_BYTES;
+/// Interval between HTTP/2 PINGs on an idle or busy connection to the broker.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// A PING not answered within this much marks the connection dead.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How to open a connection to the broker (parsed once from [`DialerConfig`]).
+struct Opener {
+    host: String,
+    port: u16,
+    /// `https://…:port` or `http://…:port`: the `:scheme` and `:authority` of each request.
+    base: String,
+    tls: Option<(
+        tokio_rustls::TlsConnector,
+        rustls::pki_types::ServerName<'static>,
+    )>,
+    timeout: Duration,
+}
+
+/// One HTTP/2 connection to a broker for unframed dials, reopened on demand once broken.
+pub(crate) struct RawConn {
+    opener: Arc<Opener>,
+    live: tokio::sync::Mutex<Option<Live>>,
+}
+
+/// An open connection: its request handle, and whether its task has ended.
+struct Live {
+    send: SendRequest<Bytes>,
+    ended: Arc<AtomicBool>,
+}
+
+impl RawConn {
+    /// Opens the first connection now (so a wrong address, CA or certificate fails `connect`).
+    pub(crate) async fn open(cfg: &DialerConfig, uri: &http::Uri) -> Result<Self, ClientError> {
+        let opener = Arc::new(Opener::new(cfg, uri)?);
+        let live = opener.connect().await?;
+        Ok(Self {
+            opener,
+            live: tokio::sync::Mutex::new(Some(live)),
+        })
+    }
+
+    /// A request handle ready for one more stream, on the current connection or a new one.
+    async fn ready(&self, fresh: bool) -> Result<SendRequest<Bytes>, ClientError> {
+        let mut live = self.live.lock().await;
+        if let Some(l) = live.as_ref()
+            && !fresh
+            && !l.ended.load(Ordering::Acquire)
+            && let Ok(send) = l.send.clone().ready().await
+        {
+            return Ok(send);
+        }
+        *live = None;
+        let l = self.opener.connect().await?;
+        let send = l.send.clone();
+        *live = Some(l);
+        send.ready().await.map_err(|e| {
+            ClientError::Connect(format!("new HTTP/2 connection refused a stream: {e}"))
+        })
+    }
+
+    /// Sends a request whose body stays open for the stream's bytes; retried once on a new
+    /// connection when the current one is gone or the broker refused the stream unprocessed
+    /// (`GOAWAY` while draining, `REFUSED_STREAM`).
+    pub(crate) async fn request(
+        &self,
+        headers: impl Fn(http::request::Builder) -> http::request::Builder,
+    ) -> Result<(http::Response<RecvStream>, SendStream<Bytes>), ClientError> {
+        let mut last = None;
+        for attempt in 0..2 {
+            let mut send = self.ready(attempt > 0).await?;
+            let req = headers(
+                http::Request::builder()
+                    .method(http::Method::POST)
+                    .uri(format!("{}{}", self.opener.base, crate::RAW_DIAL_PATH)),
+            )
+            .body(())
+            .map_err(|e| ClientError::Endpoint {
+                endpoint: self.opener.base.clone(),
+                reason: e.to_string(),
+            })?;
+            let (resp, body): (ResponseFuture, SendStream<Bytes>) =
+                match send.send_request(req, false) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        last = Some(e);
+                        continue;
+                    }
+                };
+            match resp.await {
+                Ok(r) => return Ok((r, body)),
+                Err(e) if retryable(&e) => last = Some(e),
+                Err(e) => return Err(ClientError::Connect(format!("dial request failed: {e}"))),
+            }
+        }
+        Err(ClientError::Connect(format!(
+            "dial request failed: {}",
+            last.map(|e| e.to_string()).unwrap_or_default()
+        )))
+    }
+}
+
+/// Whether a failed request was certainly not processed by the broker.
+fn retryable(e: &h2::Error) -> bool {
+    e.reason() == Some(Reason::REFUSED_STREAM) || e.is_go_away() || e.is_io()
+}
+
+impl Opener {
+    fn new(cfg: &DialerConfig, uri: &http::Uri) -> Result<Self, ClientError> {
+        let bad = |reason: String| ClientError::Endpoint {
+            endpoint: cfg.endpoint.clone(),
+            reason,
+        };
+        let host = uri
+            .host()
+            .ok_or_else(|| bad("no host".into()))?
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
+        let https = uri.scheme_str() == Some("https");
+        let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
+        let authority = uri
+            .authority()
+            .map(|a| a.as_str().to_owned())
+            .unwrap_or_default();
+        let tls = if https {
+            Some(tls_connector(cfg).map_err(bad)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            host,
+            port,
+            base: format!("{}://{authority}", if https { "https" } else { "http" }),
+            tls,
+            timeout: cfg.connect_timeout,
+        })
+    }
+
+    /// TCP, TLS when configured, and the HTTP/2 handshake, all within the connect timeout;
+    /// the connection and its keepalive then run on their own task.
+    async fn connect(&self) -> Result<Live, ClientError> {
+        let addr = format!("{}:{}", self.host, self.port);
+        let fail = |what: &str, e: &dyn std::fmt::Display| {
+            ClientError::Connect(format!("{what} {addr}: {e}"))
+        };
+        let open = async {
+            let tcp = TcpStream::connect((self.host.as_str(), self.port))
+                .await
+                .map_err(|e| fail("TCP connect to", &e))?;
+            let _ = tcp.set_nodelay(true);
+            match &self.tls {
+                Some((connector, name)) => {
+                    let tls = connector
+                        .connect(name.clone(), tcp)
+                        .await
+                        .map_err(|e| fail("TLS handshake with", &e))?;
+                    handshake(tls)
+                        .await
+                        .map_err(|e| fail("HTTP/2 handshake with", &e))
+                }
+                None => handshake(tcp)
+                    .await
+                    .map_err(|e| fail("HTTP/2 handshake with", &e)),
+            }
+        };
+        tokio::time::timeout(self.timeout, open)
+            .await
+            .map_err(|_| {
+                fail(
+                    "timed out connecting to",
+                    &format_args!("{:?}", self.timeout),
+                )
+            })?
+    }
+}
+
+/// The HTTP/2 client handshake on `io`; spawns the connection task.
+async fn handshake<T>(io: T) -> Result<Live, h2::Error>
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (send, mut conn) = h2::client::Builder::new()
+        .initial_window_size(STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(tether_tunnel::settings::MAX_WINDOW)
+        // The broker's frames towards us (downloads: kube watches, large GETs) as large as ours
+        // towards it; HTTP/2's default would cut them into 16 KiB frames.
+        .max_frame_size(MAX_FRAME_BYTES as u32)
+        .max_send_buffer_size(SEND_BUFFER_BYTES)
+        .max_header_list_size(16 << 10)
+        .enable_push(false)
+        .handshake::<_, Bytes>(io)
+        .await?;
+    let ended = Arc::new(AtomicBool::new(false));
+    let pings = conn.ping_pong();
+    let flag = Arc::clone(&ended);
+    tokio::spawn(async move {
+        match pings {
+            Some(pp) => {
+                tokio::select! {
+                    _ = &mut conn => {}
+                    _ = tether_tunnel::keepalive::run(pp, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT) => {}
+                }
+            }
+            None => {
+                let _ = conn.await;
+            }
+        }
+        flag.store(true, Ordering::Release);
+    });
+    Ok(Live { send, ended })
+}
+
+/// rustls client configuration for the broker's client TLS listener: its CA, the expected name,
+/// the client certificate if any, ALPN `h2`.
+fn tls_connector(
+    cfg: &DialerConfig,
+) -> Result<
+    (
+        tokio_rustls::TlsConnector,
+        rustls::pki_types::ServerName<'static>,
+    ),
+    String,
+> {
+    let mut roots = rustls::RootCertStore::empty();
+    let cas = tether_tls::pem::certs_from_pem(cfg.ca_pem.as_bytes())
+        .map_err(|e| format!("CA bundle: {e}"))?;
+    for ca in cas {
+        roots
+            .add(ca)
+            .map_err(|e| format!("CA bundle: certificate not usable as a root: {e}"))?;
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots);
+    let mut config = match &cfg.client_cert {
+        Some(c) => {
+            let chain = tether_tls::pem::certs_from_pem(c.cert_pem.as_bytes())
+                .map_err(|e| format!("client certificate: {e}"))?;
+            let key = tether_tls::pem::key_from_pem(c.key_pem.as_bytes())
+                .map_err(|e| format!("client key: {e}"))?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|e| format!("client certificate and key: {e}"))?
+        }
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let name = rustls::pki_types::ServerName::try_from(cfg.server_name.clone())
+        .map_err(|e| format!("server name {:?}: {e}", cfg.server_name))?;
+    Ok((tokio_rustls::TlsConnector::from(Arc::new(config)), name))
+}
+
+/// `poll_write` on a raw stream: copies up to the capacity h2 granted (the broker's window,
+/// at most [`SEND_BUFFER_BYTES`] queued) into one chunk.
+pub(crate) fn poll_write_raw(
+    tx: &mut SendStream<Bytes>,
+    pool: &ChunkPool,
+    cx: &mut Context<'_>,
+    buf: &[u8],
+) -> Poll<io::Result<usize>> {
+    ready!(poll_send_ready_raw(tx, cx, buf.len()))?;
+    let n = buf.len().min(tx.capacity()).min(MAX_FRAME_BYTES);
+    let chunk = if n < COPY_BELOW {
+        Bytes::copy_from_slice(&buf[..n])
+    } else {
+        let mut b = pool.take();
+        b.extend_from_slice(&buf[..n]);
+        pool.lend(b)
+    };
+    tx.send_data(chunk, false).map_err(write_error)?;
+    Poll::Ready(Ok(n))
+}
+
+/// Ready once h2 granted the stream some capacity (up to `want` bytes are asked for).
+pub(crate) fn poll_send_ready_raw(
+    tx: &mut SendStream<Bytes>,
+    cx: &mut Context<'_>,
+    want: usize,
+) -> Poll<io::Result<()>> {
+    loop {
+        if tx.capacity() > 0 {
+            return Poll::Ready(Ok(()));
+        }
+        tx.reserve_capacity(want.clamp(1, MAX_FRAME_BYTES));
+        match ready!(tx.poll_capacity(cx)) {
+            Some(Ok(_)) => continue,
+            Some(Err(e)) => return Poll::Ready(Err(write_error(e))),
+            None => {
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::BrokenPipe,
+                    "stream closed",
+                )));
+            }
+        }
+    }
+}
+
+fn write_error(e: h2::Error) -> io::Error {
+    io::Error::new(io::ErrorKind::BrokenPipe, format!("stream closed: {e}"))
+}
+
+/// The next chunk from the broker; its window goes back to the broker as it is handed out.
+/// A reset (or a broken connection) is `ConnectionReset`, never an EOF.
+pub(crate) fn poll_read_raw(
+    rx: &mut RecvStream,
+    cx: &mut Context<'_>,
+) -> Poll<Option<io::Result<Bytes>>> {
+    loop {
+        return match ready!(rx.poll_data(cx)) {
+            Some(Ok(b)) => {
+                let _ = rx.flow_control().release_capacity(b.len());
+                if b.is_empty() {
+                    continue;
+                }
+                Poll::Ready(Some(Ok(b)))
+            }
+            Some(Err(e)) => Poll::Ready(Some(Err(io::Error::new(
+                io::ErrorKind::ConnectionReset,
+                format!("tunnel stream aborted: {e}"),
+            )))),
+            None => Poll::Ready(None),
+        };
+    }
+}
