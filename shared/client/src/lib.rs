@@ -16,6 +16,13 @@
 //! extra copies), falling back to the framed gRPC `Dial` RPC when the broker does not serve it
 //! (an older broker); [`Dialer::dial_framed`] always uses the framed RPC.
 //!
+//! Allocator: h2 (below the SDK) allocates a buffer per DATA frame it receives, up to
+//! [`MAX_FRAME_BYTES`]; glibc's allocator trims and re-faults such buffers, which cost the SDK's
+//! receive side 5–15 % more CPU per GB in `tether-bench` (docs/benchmarks.md). An application
+//! that moves bulk data through the SDK should use mimalloc (as `tetherctl` does, with
+//! `tether_runtime::data_plane_allocator!()`), or run with
+//! `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=1048576:glibc.malloc.trim_threshold=16777216`.
+//!
 //! Semantics: `shutdown()` on a [`DialStream`] half-closes (the target sees EOF, its reply still
 //! arrives); a stream that breaks yields an `io::Error` (`ConnectionReset`), never a clean EOF;
 //! dropping a stream without shutdown aborts it: an `abort` frame goes to the broker, which

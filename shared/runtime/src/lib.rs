@@ -32,14 +32,15 @@ pub use shutdown::shutdown_token;
 #[doc(hidden)]
 pub use mimalloc::MiMalloc;
 
-/// Makes mimalloc the global allocator of a data-plane binary (broker, agent); invoke it once
-/// at the top of its `main.rs`.
+/// Makes mimalloc the global allocator of a data-plane binary (broker, agent, `tetherctl` for
+/// `proxy connect`, an application moving bulk data through the SDK); invoke it once at the top
+/// of its `main.rs`.
 ///
 /// Why: h2 allocates a buffer per received DATA frame, and glibc malloc trims and re-faults
 /// that memory constantly (~110k page faults per 3 s of one-stream traffic, 15–25 % of the
 /// tunnel's CPU per GB; see docs/benchmarks.md). A macro, not a function, because the
-/// `#[global_allocator]` static has to be declared in the binary; the other services keep
-/// glibc's allocator.
+/// `#[global_allocator]` static has to be declared in the binary; the control-plane services
+/// keep glibc's allocator.
 #[macro_export]
 macro_rules! data_plane_allocator {
     () => {

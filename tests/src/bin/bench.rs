@@ -50,6 +50,11 @@ use tether_e2e::{Hub, OPS_TOKEN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+// The SDK's rows run the SDK in this process, on the allocator its docs recommend for an
+// application that moves bulk data (as `tetherctl proxy connect`, the broker and the agent do):
+// h2 allocates a buffer per received DATA frame, which glibc trims and re-faults.
+tether_runtime::data_plane_allocator!();
+
 #[path = "bench/clients.rs"]
 mod clients;
 #[path = "bench/ssh.rs"]
