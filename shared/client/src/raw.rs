@@ -27,10 +27,10 @@ use crate::{
 };
 
 /// Bytes one stream may have queued in h2 beyond what the broker's window lets out (h2's
-/// `max_send_buffer_size`); a write waits past it. Two frames: enough to keep the connection
-/// busy, small enough that eight busy streams on one connection do not queue megabytes ahead
-/// of each other (docs/benchmarks.md, issue 16).
-pub const SEND_BUFFER_BYTES: usize = 2 * MAX_FRAME_BYTES;
+/// `max_send_buffer_size`); a write waits past it. Four frames, hyper's default. One A/B pair
+/// of `tether-bench --only clients` (plain port, one stream's upload): two frames 0.81× CONNECT
+/// at 1.18× its CPU per GB, four 0.86× at 1.10×; eight streams level either way.
+pub const SEND_BUFFER_BYTES: usize = 4 * MAX_FRAME_BYTES;
 /// Interval between HTTP/2 PINGs on an idle or busy connection to the broker.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// A PING not answered within this much marks the connection dead.
