@@ -632,3 +632,49 @@ async fn dialer_connect_errors_name_what_is_wrong() -> anyhow::Result<()> {
     Dialer::connect(cfg(ca, "localhost")).await?;
     Ok(())
 }
+
+/// Writes to a target that never reads stop once the windows and buffers on the way are full:
+/// the SDK queues at most its per-stream send buffer ahead of HTTP/2 flow control, both
+/// framings. (h2 itself would queue every byte handed to it: an SDK that did not wait for
+/// capacity would take all it is offered at once.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_to_a_target_that_never_reads_stop_at_the_windows() -> anyhow::Result<()> {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let target = l.local_addr()?;
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = l.accept().await {
+            held.push(s); // accepted, never read
+        }
+    });
+    let (hub, broker, _agent) = one_cluster(target).await?;
+    let d = dialer(&hub, &broker).await?;
+    // What a full path can hold: the broker's window towards the client (4 MiB) and its send
+    // buffer, the agent's window (4, adaptive up to 16 MiB), two socket buffers (a few MiB
+    // each) and the SDK's own send buffer; far below what is offered.
+    const OFFERED: usize = 256 << 20;
+    const BOUND: usize = 64 << 20;
+    let chunk = vec![7u8; 256 << 10];
+    for framed in [false, true] {
+        let mut s = if framed {
+            d.dial_framed("c1", "", 0).await?
+        } else {
+            d.dial("c1", "", 0).await?
+        };
+        let mut written = 0;
+        // Until a write makes no progress for 2 s (the path is full), or all was taken.
+        while written < OFFERED {
+            match tokio::time::timeout(Duration::from_secs(2), s.write(&chunk)).await {
+                Ok(n) => written += n?,
+                Err(_) => break,
+            }
+        }
+        assert!(
+            written < BOUND,
+            "framed={framed}: {written} bytes taken for a target that reads nothing"
+        );
+        assert!(written >= 1 << 20, "framed={framed}: only {written} bytes");
+    }
+    holder.abort();
+    Ok(())
+}
