@@ -1,9 +1,9 @@
 //! Rust client for the tunnel-broker's native gRPC Dial API.
 //!
-//! - [`Dialer`]: one gRPC channel (HTTP/2 over TLS, or without TLS to the broker's plain client
+//! - [`Dialer`]: one HTTP/2 connection (over TLS, or without TLS to the broker's plain client
 //!   port with a bearer token) to a broker; [`Dialer::dial`] opens a TCP
 //!   connection to a target inside a managed cluster and returns a [`DialStream`] that
-//!   implements `AsyncRead + AsyncWrite`. Many streams share the channel;
+//!   implements `AsyncRead + AsyncWrite`. Many streams share the connection;
 //!   [`Dialer::connect_pool`] opens several HTTP/2 connections and puts each new stream on the
 //!   least busy one. [`DialStream::send`] / [`DialStream::poll_recv`] move owned `Bytes`
 //!   without the copy that `AsyncWrite`/`AsyncRead` make (used by `tetherctl proxy connect`).
@@ -14,7 +14,9 @@
 //! Framing: [`Dialer::dial`] uses the broker's unframed Dial (`DialRaw`: the dial in request
 //! headers, the connection's bytes as plain HTTP/2 DATA, no protobuf message per chunk and no
 //! extra copies), falling back to the framed gRPC `Dial` RPC when the broker does not serve it
-//! (an older broker); [`Dialer::dial_framed`] always uses the framed RPC.
+//! (an older broker); [`Dialer::dial_framed`] always uses the framed RPC. The unframed Dial runs
+//! on h2 directly (module `raw`: no body pipe task or body adapters between a stream and h2); the
+//! framed one on a tonic channel opened on first use.
 //!
 //! Allocator: h2 (below the SDK) allocates a buffer per DATA frame it receives, up to
 //! [`MAX_FRAME_BYTES`]; glibc's allocator trims and re-faults such buffers, which cost the SDK's
@@ -25,8 +27,9 @@
 //!
 //! Semantics: `shutdown()` on a [`DialStream`] half-closes (the target sees EOF, its reply still
 //! arrives); a stream that breaks yields an `io::Error` (`ConnectionReset`), never a clean EOF;
-//! dropping a stream without shutdown aborts it: an `abort` frame goes to the broker, which
-//! resets the target's connection (ending the request stream would read as EOF there).
+//! dropping a stream without shutdown aborts it: its HTTP/2 stream is reset (an `abort` frame on
+//! the framed Dial), and the broker resets the target's connection (ending the request stream
+//! would read as EOF there).
 
 #![forbid(unsafe_code)]
 
@@ -50,8 +53,9 @@ use tokio_util::sync::PollSender;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
-/// Frames queued towards the broker per stream before writes wait (at most 2 ×
-/// [`MAX_FRAME_BYTES`] per stream beyond its HTTP/2 window). With 8, eight busy streams on one
+/// Frames queued towards the broker per stream on the framed Dial before writes wait (at most 2
+/// × [`MAX_FRAME_BYTES`] per stream beyond its HTTP/2 window; the unframed Dial bounds its queue
+/// inside h2, [`SEND_BUFFER_BYTES`]). With 8, eight busy streams on one
 /// connection could queue 16 MiB, and `tetherctl proxy connect` ran 8 streams at 0.5× the speed
 /// of one; with 2, 0.88× (docs/benchmarks.md, issue 16).
 pub const SEND_QUEUE_FRAMES: usize = 2;
@@ -61,8 +65,8 @@ pub const MAX_FRAME_BYTES: usize = 256 * 1024;
 /// Writes up to this size are copied into a right-sized buffer; larger ones into a pooled
 /// [`MAX_FRAME_BYTES`] buffer ([`ChunkPool`]).
 pub const COPY_BELOW: usize = 16 * 1024;
-/// Buffers a [`ChunkPool`] keeps for reuse: the send queue, the chunk h2 is writing, and one
-/// being filled.
+/// Buffers a [`ChunkPool`] keeps for reuse (more are freed when they come back): the framed
+/// Dial's send queue, the chunk h2 is writing, and one being filled.
 pub const POOLED_CHUNKS: usize = SEND_QUEUE_FRAMES + 2;
 
 /// How long a stream dropped after `shutdown()` (before the target's EOF) keeps its call open

@@ -72,23 +72,30 @@ impl RawConn {
         })
     }
 
-    /// A request handle ready for one more stream, on the current connection or a new one.
-    async fn ready(&self, fresh: bool) -> Result<SendRequest<Bytes>, ClientError> {
+    /// A request handle ready for one more stream, and its connection's end flag (the
+    /// connection's identity): the current connection, or a new one when it has ended, cannot
+    /// take a stream, or is `failed` (a request on it was refused unprocessed). Concurrent
+    /// dials refused by the same connection reopen it once between them.
+    async fn ready(
+        &self,
+        failed: Option<&Arc<AtomicBool>>,
+    ) -> Result<(SendRequest<Bytes>, Arc<AtomicBool>), ClientError> {
         let mut live = self.live.lock().await;
         if let Some(l) = live.as_ref()
-            && !fresh
+            && !failed.is_some_and(|f| Arc::ptr_eq(f, &l.ended))
             && !l.ended.load(Ordering::Acquire)
             && let Ok(send) = l.send.clone().ready().await
         {
-            return Ok(send);
+            return Ok((send, Arc::clone(&l.ended)));
         }
         *live = None;
         let l = self.opener.connect().await?;
-        let send = l.send.clone();
+        let (send, ended) = (l.send.clone(), Arc::clone(&l.ended));
         *live = Some(l);
-        send.ready().await.map_err(|e| {
+        let send = send.ready().await.map_err(|e| {
             ClientError::Connect(format!("new HTTP/2 connection refused a stream: {e}"))
-        })
+        })?;
+        Ok((send, ended))
     }
 
     /// Sends a request whose body stays open for the stream's bytes; retried once on a new
@@ -99,8 +106,9 @@ impl RawConn {
         headers: impl Fn(http::request::Builder) -> http::request::Builder,
     ) -> Result<(http::Response<RecvStream>, SendStream<Bytes>), ClientError> {
         let mut last = None;
-        for attempt in 0..2 {
-            let mut send = self.ready(attempt > 0).await?;
+        let mut failed = None;
+        for _ in 0..2 {
+            let (mut send, conn) = self.ready(failed.as_ref()).await?;
             let req = headers(
                 http::Request::builder()
                     .method(http::Method::POST)
@@ -115,13 +123,13 @@ impl RawConn {
                 match send.send_request(req, false) {
                     Ok(r) => r,
                     Err(e) => {
-                        last = Some(e);
+                        (last, failed) = (Some(e), Some(conn));
                         continue;
                     }
                 };
             match resp.await {
                 Ok(r) => return Ok((r, body)),
-                Err(e) if retryable(&e) => last = Some(e),
+                Err(e) if retryable(&e) => (last, failed) = (Some(e), Some(conn)),
                 Err(e) => return Err(ClientError::Connect(format!("dial request failed: {e}"))),
             }
         }
