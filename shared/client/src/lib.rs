@@ -180,6 +180,17 @@ pub const MAX_CONNECTIONS: usize = 16;
 
 /// Path of the unframed Dial (`docs/tunnel-protocol.md`).
 pub const RAW_DIAL_PATH: &str = "/tether.tunnel.v1.Dialer/DialRaw";
+/// Longest wait for the broker's answer to a dial (brokers cap a dial at 60 s, then answer
+/// with a timeout error): past it the broker is taken as wedged and the dial fails, where a
+/// connection that merely died is caught by the keepalive sooner.
+pub const DIAL_ANSWER_TIMEOUT: Duration = Duration::from_secs(75);
+
+fn no_answer_in_time() -> ClientError {
+    ClientError::Connect(format!(
+        "broker did not answer the dial within {DIAL_ANSWER_TIMEOUT:?}"
+    ))
+}
+
 /// Largest refusal message read from the broker.
 const MAX_REFUSAL_BYTES: usize = 16 * 1024;
 /// Budget for reading a refusal's message once its head arrived.
@@ -396,8 +407,14 @@ impl Dialer {
             req.metadata_mut().insert("authorization", t.clone());
         }
         let (conn, load) = self.pick();
-        let mut inbound = conn.client.clone().dial(req).await?.into_inner();
-        let first = inbound.message().await?.ok_or(ClientError::NoAnswer)?;
+        let answer = async {
+            let mut inbound = conn.client.clone().dial(req).await?.into_inner();
+            let first = inbound.message().await?.ok_or(ClientError::NoAnswer)?;
+            Ok::<_, ClientError>((inbound, first))
+        };
+        let (inbound, first) = tokio::time::timeout(DIAL_ANSWER_TIMEOUT, answer)
+            .await
+            .map_err(|_| no_answer_in_time())??;
         let Some(pb::dial_frame::Kind::Result(result)) = first.kind else {
             return Err(ClientError::NoAnswer);
         };
@@ -598,6 +615,17 @@ impl ChunkPool {
         self.0.take(MAX_FRAME_BYTES)
     }
 
+    /// A copy of `buf` (at most [`MAX_FRAME_BYTES`]) as a chunk to send: into a right-sized
+    /// buffer below [`COPY_BELOW`], else into a pooled one.
+    pub fn copy(&self, buf: &[u8]) -> Bytes {
+        if buf.len() < COPY_BELOW {
+            return Bytes::copy_from_slice(buf);
+        }
+        let mut b = self.take();
+        b.extend_from_slice(buf);
+        self.lend(b)
+    }
+
     /// `buf`'s bytes as `Bytes` without a copy; the buffer returns to this pool when the last
     /// `Bytes` cut from it is dropped.
     pub fn lend(&self, buf: Vec<u8>) -> Bytes {
@@ -725,9 +753,7 @@ impl DialStream {
         match &mut self.out {
             // Beyond the capacity granted, h2 queues the rest of the chunk: at most one chunk
             // over [`raw::SEND_BUFFER_BYTES`].
-            Outbound::Raw { tx, .. } => tx
-                .send_data(data, false)
-                .map_err(|e| io::Error::new(io::ErrorKind::BrokenPipe, e.to_string())),
+            Outbound::Raw { tx, .. } => tx.send_data(data, false).map_err(raw::write_error),
             Outbound::Framed { tx, .. } => tx.send_item(data).map_err(|_| closed()),
         }
     }
@@ -805,14 +831,8 @@ impl AsyncWrite for DialStream {
         };
         ready!(tx.poll_reserve(cx)).map_err(|_| closed())?;
         let n = buf.len().min(MAX_FRAME_BYTES);
-        let chunk = if n < COPY_BELOW {
-            Bytes::copy_from_slice(&buf[..n])
-        } else {
-            let mut b = this.pool.take();
-            b.extend_from_slice(&buf[..n]);
-            this.pool.lend(b)
-        };
-        tx.send_item(chunk).map_err(|_| closed())?;
+        tx.send_item(this.pool.copy(&buf[..n]))
+            .map_err(|_| closed())?;
         Poll::Ready(Ok(n))
     }
 

@@ -22,9 +22,7 @@ use h2::client::{ResponseFuture, SendRequest};
 use h2::{Reason, RecvStream, SendStream};
 use tokio::net::TcpStream;
 
-use crate::{
-    COPY_BELOW, ChunkPool, ClientError, DialerConfig, MAX_FRAME_BYTES, STREAM_WINDOW_BYTES,
-};
+use crate::{ChunkPool, ClientError, DialerConfig, MAX_FRAME_BYTES, STREAM_WINDOW_BYTES};
 
 /// Bytes one stream may have queued in h2 beyond what the broker's window lets out (h2's
 /// `max_send_buffer_size`); a write waits past it. Four frames, hyper's default. One A/B pair
@@ -127,7 +125,10 @@ impl RawConn {
                         continue;
                     }
                 };
-            match resp.await {
+            let answer = tokio::time::timeout(crate::DIAL_ANSWER_TIMEOUT, resp)
+                .await
+                .map_err(|_| crate::no_answer_in_time())?;
+            match answer {
                 Ok(r) => return Ok((r, body)),
                 Err(e) if retryable(&e) => (last, failed) = (Some(e), Some(conn)),
                 Err(e) => return Err(ClientError::Connect(format!("dial request failed: {e}"))),
@@ -140,7 +141,9 @@ impl RawConn {
     }
 }
 
-/// Whether a failed request was certainly not processed by the broker.
+/// Whether a failed dial request may go again on a new connection: the broker refused it
+/// unprocessed (`REFUSED_STREAM`, `GOAWAY`), or the connection died before the answer. No byte
+/// of the stream has been sent before the answer, so a retry cannot duplicate data.
 fn retryable(e: &h2::Error) -> bool {
     e.reason() == Some(Reason::REFUSED_STREAM) || e.is_go_away() || e.is_io()
 }
@@ -303,14 +306,8 @@ pub(crate) fn poll_write_raw(
 ) -> Poll<io::Result<usize>> {
     ready!(poll_send_ready_raw(tx, cx, buf.len()))?;
     let n = buf.len().min(tx.capacity()).min(MAX_FRAME_BYTES);
-    let chunk = if n < COPY_BELOW {
-        Bytes::copy_from_slice(&buf[..n])
-    } else {
-        let mut b = pool.take();
-        b.extend_from_slice(&buf[..n]);
-        pool.lend(b)
-    };
-    tx.send_data(chunk, false).map_err(write_error)?;
+    tx.send_data(pool.copy(&buf[..n]), false)
+        .map_err(write_error)?;
     Poll::Ready(Ok(n))
 }
 
@@ -338,7 +335,8 @@ pub(crate) fn poll_send_ready_raw(
     }
 }
 
-fn write_error(e: h2::Error) -> io::Error {
+/// A failed write on a raw stream (reset, or its connection gone).
+pub(crate) fn write_error(e: h2::Error) -> io::Error {
     io::Error::new(io::ErrorKind::BrokenPipe, format!("stream closed: {e}"))
 }
 
@@ -349,19 +347,19 @@ pub(crate) fn poll_read_raw(
     cx: &mut Context<'_>,
 ) -> Poll<Option<io::Result<Bytes>>> {
     loop {
-        return match ready!(rx.poll_data(cx)) {
+        match ready!(rx.poll_data(cx)) {
+            Some(Ok(b)) if b.is_empty() => {}
             Some(Ok(b)) => {
                 let _ = rx.flow_control().release_capacity(b.len());
-                if b.is_empty() {
-                    continue;
-                }
-                Poll::Ready(Some(Ok(b)))
+                return Poll::Ready(Some(Ok(b)));
             }
-            Some(Err(e)) => Poll::Ready(Some(Err(io::Error::new(
-                io::ErrorKind::ConnectionReset,
-                format!("tunnel stream aborted: {e}"),
-            )))),
-            None => Poll::Ready(None),
-        };
+            Some(Err(e)) => {
+                return Poll::Ready(Some(Err(io::Error::new(
+                    io::ErrorKind::ConnectionReset,
+                    format!("tunnel stream aborted: {e}"),
+                ))));
+            }
+            None => return Poll::Ready(None),
+        }
     }
 }
