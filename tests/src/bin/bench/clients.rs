@@ -17,7 +17,7 @@
 //!   with `splice(2)`; and CONNECT via a local relay (a user-space copy in a process of its
 //!   own), the topology of `proxy connect` to the plain port with an ordinary relay.
 //!
-//! Each is measured with 1 and 8 streams, bulk upload to the target's sink (the rows per path)
+//! Each is measured with 1 and 8 streams (back to back, the order alternating by round), bulk upload to the target's sink (the rows per path)
 //! and bulk download from the target (one row for all paths: kube watches, large GETs and
 //! logs are downloads, the receive side of the SDK and of `proxy connect`). CPU-s/GB counts
 //! every process on the path, the same set for every row: this process (bench client, and the
@@ -408,8 +408,17 @@ async fn measure(
     for round in 0..setup.rounds {
         let mut order: Vec<usize> = (0..PATHS.len()).collect();
         order.rotate_left(round % PATHS.len());
-        for (si, &streams) in STREAMS.iter().enumerate() {
-            for &p in &order {
+        // Each path's 1- and 8-stream measurements run back to back (their order alternating by
+        // round), so the 8 vs 1 ratio compares two figures seconds apart rather than two
+        // halves of the round: the machine's drift over a round (CONNECT's own 8 vs 1 moved
+        // 0.82–0.94× between runs when all 1-stream runs came first) stays out of it.
+        let mut stream_order: Vec<usize> = (0..STREAMS.len()).collect();
+        if round % 2 == 1 {
+            stream_order.reverse();
+        }
+        for &p in &order {
+            for &si in &stream_order {
+                let streams = STREAMS[si];
                 let mut socks = Vec::new();
                 for _ in 0..streams {
                     socks.push(clients.open(PATHS[p]).await?);
@@ -423,6 +432,8 @@ async fn measure(
                 gb[p][si] += bytes as f64 / 1e9;
                 rate[p][si].push(bytes as f64 / secs);
             }
+        }
+        for (si, &streams) in STREAMS.iter().enumerate() {
             println!(
                 "  clients{}, {streams} stream(s), round {}: {}",
                 if direction == Direction::Download {
