@@ -17,13 +17,14 @@
 //!   with `splice(2)`; and CONNECT via a local relay (a user-space copy in a process of its
 //!   own), the topology of `proxy connect` to the plain port with an ordinary relay.
 //!
-//! Each is measured with 1 and 8 streams (back to back, the order alternating by round), bulk upload to the target's sink (the rows per path)
-//! and bulk download from the target (one row for all paths: kube watches, large GETs and
-//! logs are downloads, the receive side of the SDK and of `proxy connect`). CPU-s/GB counts
-//! every process on the path, the same set for every row: this process (bench client, and the
-//! SDK for the gRPC path), the target, broker, agent and tetherctl (idle outside its row). The
-//! SDK and `proxy connect` rows also give their CPU-s/GB against TLS CONNECT, the path with the
-//! same client-side TLS; the pass mark stays against plain CONNECT (issue 16).
+//! Each is measured with 1 and 8 streams (back to back, the order alternating by round), bulk
+//! upload to the target's sink (the rows per path) and bulk download from the target (one row for
+//! all paths: kube watches, large GETs and logs are downloads, the receive side of the SDK and of
+//! `proxy connect`). CPU-s/GB counts every process on the path, the same set for every row: this
+//! process (bench client, and the SDK for the gRPC path), the target, broker, agent and tetherctl
+//! (idle outside its row). The SDK and `proxy connect` rows also give their CPU-s/GB against TLS
+//! CONNECT, the path with the same client-side TLS; the pass mark stays against plain CONNECT
+//! (issue 16).
 //!
 //! Floors. Two measurements say how close a path can come to plain CONNECT at all:
 //!
@@ -409,9 +410,8 @@ async fn measure(
         let mut order: Vec<usize> = (0..PATHS.len()).collect();
         order.rotate_left(round % PATHS.len());
         // Each path's 1- and 8-stream measurements run back to back (their order alternating by
-        // round), so the 8 vs 1 ratio compares two figures seconds apart rather than two
-        // halves of the round: the machine's drift over a round (CONNECT's own 8 vs 1 moved
-        // 0.82–0.94× between runs when all 1-stream runs came first) stays out of it.
+        // round), so its 8 vs 1 ratio compares two figures seconds apart rather than two halves
+        // of the round, and the machine's drift over a round does not enter it.
         let mut stream_order: Vec<usize> = (0..STREAMS.len()).collect();
         if round % 2 == 1 {
             stream_order.reverse();
