@@ -139,6 +139,9 @@ pub enum ClientError {
     Status(#[from] tonic::Status),
     #[error("broker ended the stream before answering the dial")]
     NoAnswer,
+    /// Connected, but no answer to the dial came within [`DIAL_ANSWER_TIMEOUT`].
+    #[error("broker did not answer the dial within {0:?}")]
+    NoAnswerWithin(Duration),
     #[error("broker answered the dial with HTTP {0} and no Tether error")]
     BadAnswer(u16),
     #[error("kube client: {0}")]
@@ -184,12 +187,6 @@ pub const RAW_DIAL_PATH: &str = "/tether.tunnel.v1.Dialer/DialRaw";
 /// with a timeout error): past it the broker is taken as wedged and the dial fails, where a
 /// connection that merely died is caught by the keepalive sooner.
 pub const DIAL_ANSWER_TIMEOUT: Duration = Duration::from_secs(75);
-
-fn no_answer_in_time() -> ClientError {
-    ClientError::Connect(format!(
-        "broker did not answer the dial within {DIAL_ANSWER_TIMEOUT:?}"
-    ))
-}
 
 /// Largest refusal message read from the broker.
 const MAX_REFUSAL_BYTES: usize = 16 * 1024;
@@ -414,7 +411,7 @@ impl Dialer {
         };
         let (inbound, first) = tokio::time::timeout(DIAL_ANSWER_TIMEOUT, answer)
             .await
-            .map_err(|_| no_answer_in_time())??;
+            .map_err(|_| ClientError::NoAnswerWithin(DIAL_ANSWER_TIMEOUT))??;
         let Some(pb::dial_frame::Kind::Result(result)) = first.kind else {
             return Err(ClientError::NoAnswer);
         };

@@ -127,7 +127,7 @@ impl RawConn {
                 };
             let answer = tokio::time::timeout(crate::DIAL_ANSWER_TIMEOUT, resp)
                 .await
-                .map_err(|_| crate::no_answer_in_time())?;
+                .map_err(|_| ClientError::NoAnswerWithin(crate::DIAL_ANSWER_TIMEOUT))?;
             match answer {
                 Ok(r) => return Ok((r, body)),
                 Err(e) if retryable(&e) => (last, failed) = (Some(e), Some(conn)),
