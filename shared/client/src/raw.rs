@@ -273,7 +273,7 @@ fn tls_connector(
             .add(ca)
             .map_err(|e| format!("CA bundle: certificate not usable as a root: {e}"))?;
     }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = tether_tls::crypto_provider();
     let builder = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?

@@ -175,7 +175,9 @@ impl TlsMaterial {
             material: Arc::clone(self),
             required: require_client_cert,
         });
-        let mut cfg = ServerConfig::builder_with_protocol_versions(&[&rustls::version::TLS13])
+        let mut cfg = ServerConfig::builder_with_provider(crate::crypto_provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| TlsError::Config(e.to_string()))?
             .with_client_cert_verifier(verifier)
             .with_cert_resolver(Arc::new(ReloadingResolver(Arc::clone(self))));
         cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
@@ -185,7 +187,9 @@ impl TlsMaterial {
     /// A TLS 1.3 client config presenting the current certificate and verifying servers
     /// against the current CA bundle.
     pub fn client_config(self: &Arc<Self>, alpn: &[&[u8]]) -> Result<ClientConfig, TlsError> {
-        let mut cfg = ClientConfig::builder_with_protocol_versions(&[&rustls::version::TLS13])
+        let mut cfg = ClientConfig::builder_with_provider(crate::crypto_provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| TlsError::Config(e.to_string()))?
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(ReloadingServerVerifier(Arc::clone(self))))
             .with_client_cert_resolver(Arc::new(ReloadingResolver(Arc::clone(self))));
@@ -208,7 +212,7 @@ fn load_snapshot(files: &TlsFiles) -> Result<Snapshot, TlsError> {
     let digest = files_digest(files)?;
     let chain = pem::read_certs(&files.cert)?;
     let key_der = pem::read_key(&files.key)?;
-    let provider = rustls::crypto::ring::default_provider();
+    let provider = crate::crypto_provider();
     let signing = provider
         .key_provider
         .load_private_key(key_der)
@@ -231,16 +235,19 @@ fn load_snapshot(files: &TlsFiles) -> Result<Snapshot, TlsError> {
         path: files.ca.clone(),
         reason: e.to_string(),
     };
-    let client_verifier = WebPkiClientVerifier::builder(Arc::clone(&roots))
-        .build()
-        .map_err(|e| ca_err(&e))?;
-    let optional_client_verifier = WebPkiClientVerifier::builder(Arc::clone(&roots))
-        .allow_unauthenticated()
-        .build()
-        .map_err(|e| ca_err(&e))?;
-    let server_verifier = WebPkiServerVerifier::builder(Arc::clone(&roots))
-        .build()
-        .map_err(|e| ca_err(&e))?;
+    let client_verifier =
+        WebPkiClientVerifier::builder_with_provider(Arc::clone(&roots), Arc::clone(&provider))
+            .build()
+            .map_err(|e| ca_err(&e))?;
+    let optional_client_verifier =
+        WebPkiClientVerifier::builder_with_provider(Arc::clone(&roots), Arc::clone(&provider))
+            .allow_unauthenticated()
+            .build()
+            .map_err(|e| ca_err(&e))?;
+    let server_verifier =
+        WebPkiServerVerifier::builder_with_provider(Arc::clone(&roots), Arc::clone(&provider))
+            .build()
+            .map_err(|e| ca_err(&e))?;
     Ok(Snapshot {
         key: Arc::new(key),
         client_verifier,

@@ -611,7 +611,8 @@ fn tls_floor(
     use std::io::{Read as _, Write as _};
     use std::sync::Arc;
     let client_cfg = tether_e2e::client_tls_config(ca, &[b"http/1.1"], None)?;
-    let server_cfg = rustls::ServerConfig::builder()
+    let server_cfg = rustls::ServerConfig::builder_with_provider(tether_tls::crypto_provider())
+        .with_safe_default_protocol_versions()?
         .with_no_client_auth()
         .with_single_cert(
             tether_tls::pem::read_certs(&leaf.cert)?,
