@@ -267,9 +267,12 @@ fn tls_config(
     endpoint: &HubEndpoint,
     roots: Arc<rustls::RootCertStore>,
 ) -> Result<rustls::ClientConfig, ControlError> {
-    let inner = rustls::client::WebPkiServerVerifier::builder(roots)
-        .build()
-        .map_err(|e| ControlError::CaBundle(e.to_string()))?;
+    let inner = rustls::client::WebPkiServerVerifier::builder_with_provider(
+        roots,
+        tether_tls::crypto_provider(),
+    )
+    .build()
+    .map_err(|e| ControlError::CaBundle(e.to_string()))?;
     let name = ServerName::try_from(endpoint.tls_name().to_string()).map_err(|e| {
         ControlError::Connect {
             server: endpoint.server.clone(),
