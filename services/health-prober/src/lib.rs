@@ -144,31 +144,24 @@ async fn start(
         connect_timeout: cfg.timeout,
     };
     let provider = tether_tls::crypto_provider();
+    let builder = rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| {
+            fatal(ProberError::Tls(tether_tls::TlsError::Config(
+                e.to_string(),
+            )))
+        })?;
     let (tls, tls_verified) = match &cfg.apiserver_ca {
         Some(ca) => {
             let roots =
                 tether_tls::reload::load_roots(ca).map_err(|e| fatal(ProberError::from(e)))?;
             (
-                rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))
-                    .with_safe_default_protocol_versions()
-                    .map_err(|e| {
-                        fatal(ProberError::Tls(tether_tls::TlsError::Config(
-                            e.to_string(),
-                        )))
-                    })?
-                    .with_root_certificates(roots)
-                    .with_no_client_auth(),
+                builder.with_root_certificates(roots).with_no_client_auth(),
                 true,
             )
         }
         None => (
-            rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))
-                .with_safe_default_protocol_versions()
-                .map_err(|e| {
-                    fatal(ProberError::Tls(tether_tls::TlsError::Config(
-                        e.to_string(),
-                    )))
-                })?
+            builder
                 .dangerous()
                 .with_custom_certificate_verifier(Arc::new(UnverifiedProbeTls(provider)))
                 .with_no_client_auth(),
