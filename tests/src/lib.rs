@@ -574,9 +574,7 @@ pub fn client_tls_config(
 ) -> anyhow::Result<rustls::ClientConfig> {
     tether_tls::install_default_crypto();
     let roots = tether_tls::reload::load_roots(ca)?;
-    let b = rustls::ClientConfig::builder_with_provider(tether_tls::crypto_provider())
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots);
+    let b = tether_tls::client_config_builder().with_root_certificates(roots);
     let mut cfg = match client_cert {
         Some(leaf) => b.with_client_auth_cert(
             tether_tls::pem::read_certs(&leaf.cert)?,

@@ -144,13 +144,7 @@ async fn start(
         connect_timeout: cfg.timeout,
     };
     let provider = tether_tls::crypto_provider();
-    let builder = rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))
-        .with_safe_default_protocol_versions()
-        .map_err(|e| {
-            fatal(ProberError::Tls(tether_tls::TlsError::Config(
-                e.to_string(),
-            )))
-        })?;
+    let builder = tether_tls::client_config_builder();
     let (tls, tls_verified) = match &cfg.apiserver_ca {
         Some(ca) => {
             let roots =

@@ -96,12 +96,9 @@ impl ServiceProxy {
         };
         let tls = |alpn: &[&[u8]]| {
             let mk = |r: &Arc<rustls::RootCertStore>| {
-                let mut c =
-                    rustls::ClientConfig::builder_with_provider(tether_tls::crypto_provider())
-                        .with_safe_default_protocol_versions()
-                        .expect("the provider supports TLS 1.2 and 1.3")
-                        .with_root_certificates(Arc::clone(r))
-                        .with_no_client_auth();
+                let mut c = tether_tls::client_config_builder()
+                    .with_root_certificates(Arc::clone(r))
+                    .with_no_client_auth();
                 c.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
                 Arc::new(c)
             };

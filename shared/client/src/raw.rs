@@ -273,11 +273,7 @@ fn tls_connector(
             .add(ca)
             .map_err(|e| format!("CA bundle: certificate not usable as a root: {e}"))?;
     }
-    let provider = tether_tls::crypto_provider();
-    let builder = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_root_certificates(roots);
+    let builder = tether_tls::client_config_builder().with_root_certificates(roots);
     let mut config = match &cfg.client_cert {
         Some(c) => {
             let chain = tether_tls::pem::certs_from_pem(c.cert_pem.as_bytes())

@@ -279,14 +279,10 @@ fn tls_config(
             reason: format!("invalid host name: {e}"),
         }
     })?;
-    Ok(
-        rustls::ClientConfig::builder_with_provider(tether_tls::crypto_provider())
-            .with_safe_default_protocol_versions()
-            .map_err(|e| ControlError::CaBundle(e.to_string()))?
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(FixedNameVerifier { inner, name }))
-            .with_no_client_auth(),
-    )
+    Ok(tether_tls::client_config_builder()
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(FixedNameVerifier { inner, name }))
+        .with_no_client_auth())
 }
 
 fn jittered_reconnect_delay(attempts: usize) -> Duration {

@@ -316,9 +316,7 @@ impl ProxyDialer {
     /// `roots` verifies an https:// proxy's certificate (the merged CA bundle).
     pub fn new(proxy: ProxyUrl, roots: Arc<rustls::RootCertStore>) -> Self {
         let tls = (proxy.scheme == ProxyScheme::Https).then(|| {
-            let cfg = rustls::ClientConfig::builder_with_provider(tether_tls::crypto_provider())
-                .with_safe_default_protocol_versions()
-                .expect("the provider supports TLS 1.2 and 1.3")
+            let cfg = tether_tls::client_config_builder()
                 .with_root_certificates(roots)
                 .with_no_client_auth();
             TlsConnector::from(Arc::new(cfg))

@@ -40,6 +40,18 @@ pub fn crypto_provider() -> Arc<CryptoProvider> {
     Arc::clone(PROVIDER.get_or_init(|| Arc::new(rustls::crypto::aws_lc_rs::default_provider())))
 }
 
+/// A rustls client-config builder on [`crypto_provider`] with rustls' safe default protocol
+/// versions (TLS 1.3 and 1.2): the start of every client config Tether builds outside
+/// [`reload`] (which pins TLS 1.3 for its own links).
+pub fn client_config_builder() -> rustls::ConfigBuilder<rustls::ClientConfig, rustls::WantsVerifier>
+{
+    rustls::ClientConfig::builder_with_provider(crypto_provider())
+        .with_safe_default_protocol_versions()
+        // Fails only for a provider without cipher suites for those versions; this one is fixed
+        // and has both (the unit test below builds it).
+        .expect("aws-lc-rs's default provider has TLS 1.3 and TLS 1.2 cipher suites")
+}
+
 /// Installs [`crypto_provider`] as the process-wide rustls default. Idempotent; call at the
 /// start of every `main` and test harness: with two providers compiled in, rustls refuses to
 /// pick one for configs built by dependencies (kube, async-nats, tonic's server) that ask for
@@ -52,4 +64,28 @@ pub fn install_default_crypto() {
 pub fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
     hex::encode(sha2::Sha256::digest(bytes))
+}
+
+#[cfg(test)]
+mod provider_tests {
+    use super::*;
+
+    #[test]
+    fn client_configs_use_aws_lc_rs_and_offer_tls13_and_tls12() {
+        let cfg = client_config_builder()
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        let aws = rustls::crypto::aws_lc_rs::default_provider();
+        let names =
+            |p: &CryptoProvider| -> Vec<_> { p.cipher_suites.iter().map(|s| s.suite()).collect() };
+        assert_eq!(names(cfg.crypto_provider()), names(&aws));
+        let versions: Vec<_> = cfg
+            .crypto_provider()
+            .cipher_suites
+            .iter()
+            .map(|s| s.version().version)
+            .collect();
+        assert!(versions.contains(&rustls::ProtocolVersion::TLSv1_3));
+        assert!(versions.contains(&rustls::ProtocolVersion::TLSv1_2));
+    }
 }
