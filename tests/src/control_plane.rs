@@ -133,7 +133,7 @@ impl ControlPlane {
 /// (`ca.crt`, `ca.key`): brokers and API-server stand-ins get certificates the add-on agents
 /// (which trust the hub CA bundle) accept, and brokers accept the add-on certificates.
 pub fn tunnel_hub_from_ca(hub_dir: &Path) -> anyhow::Result<crate::Hub> {
-    tether_tls::install_default_crypto();
+    tether_tls::install_default_crypto()?;
     let dir = tempfile::tempdir()?;
     let pki_dir = dir.path().join("pki");
     std::fs::create_dir_all(&pki_dir)?;

@@ -72,7 +72,7 @@ fn addr(v: &serde_json::Value, key: &str) -> anyhow::Result<SocketAddr> {
 
 impl Hub {
     pub fn new() -> anyhow::Result<Self> {
-        tether_tls::install_default_crypto();
+        tether_tls::install_default_crypto()?;
         let dir = tempfile::tempdir()?;
         let pki = Pki::new(&dir.path().join("pki"))?;
         Ok(Self {
@@ -572,7 +572,7 @@ pub fn client_tls_config(
     alpn: &[&[u8]],
     client_cert: Option<&LeafFiles>,
 ) -> anyhow::Result<rustls::ClientConfig> {
-    tether_tls::install_default_crypto();
+    tether_tls::install_default_crypto()?;
     let roots = tether_tls::reload::load_roots(ca)?;
     let b = tether_tls::client_config_builder().with_root_certificates(roots);
     let mut cfg = match client_cert {

@@ -161,7 +161,7 @@ pub struct Hub {
 
 impl Hub {
     pub fn start(opts: HubOpts) -> anyhow::Result<Self> {
-        tether_tls::install_default_crypto();
+        tether_tls::install_default_crypto()?;
         let tmp = tempfile::tempdir()?;
         let dir = tmp.path().to_path_buf();
         let logs = dir.join("logs");

@@ -25,7 +25,7 @@ struct Setup {
 }
 
 fn setup() -> anyhow::Result<Setup> {
-    tether_tls::install_default_crypto();
+    tether_tls::install_default_crypto()?;
     let dir = tempfile::tempdir()?;
     let pki = Pki::new(dir.path())?;
     let leaf = pki.issue("b", Identity::Broker { id: "b".into() }, &["localhost"])?;

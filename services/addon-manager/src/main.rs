@@ -26,11 +26,12 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    tether_tls::install_default_crypto();
+    let aead = tether_tls::install_default_crypto()?;
     let hub = tether_control::hub::HubDir::load(&args.hub_dir)
         .with_context(|| format!("invalid hub directory {}", args.hub_dir.display()))?;
     tether_runtime::actix_system(args.process.worker_threads).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("addon-manager");
+        tracing::info!(aead = %aead, "TLS record encryption");
         let shutdown = tether_runtime::shutdown_token();
         let listeners = addon_manager::bind(
             args.admin_listen

@@ -21,11 +21,12 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    tether_tls::install_default_crypto();
+    let aead = tether_tls::install_default_crypto()?;
     let cfg: health_prober::config::ProberConfig =
         tether_config::load(&args.config).context("invalid health-prober configuration")?;
     tether_runtime::actix_system(None).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("health-prober");
+        tracing::info!(aead = %aead, "TLS record encryption");
         let shutdown = tether_runtime::shutdown_token();
         let admin =
             tether_runtime::bind_admin(cfg.admin_listen, args.ready_file.as_deref()).await?;

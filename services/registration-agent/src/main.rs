@@ -105,7 +105,7 @@ fn pairs(v: &[String], what: &str) -> anyhow::Result<Vec<(String, String)>> {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    tether_tls::install_default_crypto();
+    let aead = tether_tls::install_default_crypto()?;
     if !tether_pki::subject::is_dns_label(&args.cluster_name) {
         anyhow::bail!(
             "--cluster-name {:?} is not a DNS-1123 label",
@@ -154,6 +154,7 @@ fn main() -> anyhow::Result<()> {
     };
     tether_runtime::actix_system(args.worker_threads).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("registration-agent");
+        tracing::info!(aead = %aead, "TLS record encryption");
         let shutdown = tether_runtime::shutdown_token();
         let listeners = service::bind(args.admin_listen.as_deref()).await?;
         service::run(cfg, listeners, shutdown).await?;

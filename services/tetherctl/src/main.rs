@@ -316,7 +316,10 @@ enum TokenCmd {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    tether_tls::install_default_crypto();
+    if let Err(e) = tether_tls::install_default_crypto() {
+        eprintln!("tetherctl: {e}");
+        std::process::exit(2);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -12,11 +12,12 @@ fn main() -> anyhow::Result<()> {
         "Tether tunnel-agent: keeps reverse tunnels from a managed cluster to the hub's brokers.",
         "TETHER_AGENT_CONFIG",
     );
-    tether_tls::install_default_crypto();
+    let aead = tether_tls::install_default_crypto()?;
     let cfg: tunnel_agent::config::AgentConfig =
         tether_config::load(&args.config).context("invalid tunnel-agent configuration")?;
     tether_runtime::actix_system(Some(args.process.data_plane_workers())).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("tunnel-agent");
+        tracing::info!(aead = %aead, "TLS record encryption");
         let shutdown = tether_runtime::shutdown_token();
         let admin =
             tether_runtime::bind_admin(cfg.admin_listen, args.process.ready_file.as_deref())

@@ -13,12 +13,13 @@ fn main() -> anyhow::Result<()> {
         "Tether tunnel-broker: accepts agent tunnels and routes hub clients to clusters.",
         "TETHER_BROKER_CONFIG",
     );
-    tether_tls::install_default_crypto();
+    let aead = tether_tls::install_default_crypto()?;
     let cfg: tunnel_broker::config::BrokerConfig =
         tether_config::load(&args.config).context("invalid tunnel-broker configuration")?;
     let bind = tether_runtime::bind;
     tether_runtime::actix_system(Some(args.process.data_plane_workers())).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("tunnel-broker");
+        tracing::info!(aead = %aead, "TLS record encryption");
         let shutdown = tether_runtime::shutdown_token();
         let listeners = tunnel_broker::Listeners {
             agent: bind(cfg.agent_listen, "agent_listen").await?,

@@ -7,6 +7,8 @@
 //!   managed-cluster agents, `tether:client:<name>` / `tether:broker:<id>` for hub components).
 //! - [`error`]: [`TlsError`], naming the file or the reason.
 //! - [`pem`]: reading certificate chains, keys and CA bundles, with errors naming the file.
+//! - [`provider`]: the crypto provider of every config: aws-lc-rs, with the record encryption of
+//!   aws-lc-rs or ring, whichever is faster on this CPU (or `TETHER_TLS_AEAD`).
 //! - [`reload`]: [`reload::TlsMaterial`] — the current cert/key/CA, re-read from disk when the
 //!   files change; the rustls configs built from it resolve the certificate and verify peers
 //!   through it on every handshake, so a rotation never touches live connections.
@@ -14,31 +16,19 @@
 pub mod error;
 pub mod identity;
 pub mod pem;
+pub mod provider;
 pub mod reload;
-
-use std::sync::{Arc, OnceLock};
 
 use rustls::crypto::CryptoProvider;
 
 pub use identity::{Identity, IdentityError};
+pub use provider::{AeadChoice, AeadImpl, aead_choice, crypto_provider};
 pub use reload::{TlsError, TlsFiles, TlsMaterial};
 
 /// ALPN protocol of the broker↔agent tunnel (HTTP/2 with Tether's stream semantics).
 pub const ALPN_TUNNEL: &[u8] = b"tether-tunnel/1";
 /// ALPN protocol of broker→broker relay connections (the dialling broker is the HTTP/2 client).
 pub const ALPN_RELAY: &[u8] = b"tether-relay/1";
-
-/// The rustls crypto provider of every Tether TLS config: aws-lc-rs.
-///
-/// Its AES-GCM uses the CPU's wide vector units (VAES with AVX-512 where present): encrypting
-/// and decrypting a GB of 256 KiB TLS 1.3 writes in memory took 0.14–0.15 CPU-s with it against
-/// 0.23–0.25 with ring's on the benchmark machine (same suite, same run; docs/benchmarks.md),
-/// and every tunnelled byte crosses at least one TLS link. ring stays compiled in for the
-/// dependencies that select it themselves (tonic, kube, async-nats) and for `tether-pki`.
-pub fn crypto_provider() -> Arc<CryptoProvider> {
-    static PROVIDER: OnceLock<Arc<CryptoProvider>> = OnceLock::new();
-    Arc::clone(PROVIDER.get_or_init(|| Arc::new(rustls::crypto::aws_lc_rs::default_provider())))
-}
 
 /// A rustls client-config builder on [`crypto_provider`] with rustls' safe default protocol
 /// versions (TLS 1.3 and 1.2): the start of every client config Tether builds outside
@@ -47,17 +37,20 @@ pub fn client_config_builder() -> rustls::ConfigBuilder<rustls::ClientConfig, ru
 {
     rustls::ClientConfig::builder_with_provider(crypto_provider())
         .with_safe_default_protocol_versions()
-        // Fails only for a provider without cipher suites for those versions; this one is fixed
-        // and has both (the unit test below builds it).
-        .expect("aws-lc-rs's default provider has TLS 1.3 and TLS 1.2 cipher suites")
+        // Fails only for a provider without cipher suites for those versions; both libraries'
+        // suites have both (the unit test below builds it).
+        .expect("aws-lc-rs's and ring's cipher suites cover TLS 1.3 and TLS 1.2")
 }
 
-/// Installs [`crypto_provider`] as the process-wide rustls default. Idempotent; call at the
-/// start of every `main` and test harness: with two providers compiled in, rustls refuses to
-/// pick one for configs built by dependencies (kube, async-nats, tonic's server) that ask for
-/// the process default.
-pub fn install_default_crypto() {
+/// Installs [`crypto_provider`] as the process-wide rustls default and returns how its record
+/// encryption was chosen (log it once tracing is up). Idempotent; call at the start of every
+/// `main` and test harness: with two providers compiled in, rustls refuses to pick one for
+/// configs built by dependencies (kube, async-nats, tonic's server) that ask for the process
+/// default. Fails only for an invalid `TETHER_TLS_AEAD`, naming the value.
+pub fn install_default_crypto() -> Result<&'static AeadChoice, TlsError> {
+    provider::check_env()?;
     let _ = CryptoProvider::install_default((*crypto_provider()).clone());
+    Ok(provider::aead_choice())
 }
 
 /// Lower-case hex SHA-256 of `bytes`: config and file fingerprints, token hashes.
@@ -68,13 +61,16 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 
 #[cfg(test)]
 mod provider_tests {
+    use std::sync::Arc;
+
     use super::*;
 
     #[test]
-    fn client_configs_use_aws_lc_rs_and_offer_tls13_and_tls12() {
+    fn client_configs_use_tethers_provider_and_offer_tls13_and_tls12() {
         let cfg = client_config_builder()
             .with_root_certificates(rustls::RootCertStore::empty())
             .with_no_client_auth();
+        assert!(Arc::ptr_eq(cfg.crypto_provider(), &crypto_provider()));
         let aws = rustls::crypto::aws_lc_rs::default_provider();
         let names =
             |p: &CryptoProvider| -> Vec<_> { p.cipher_suites.iter().map(|s| s.suite()).collect() };

@@ -950,6 +950,12 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
             .or(inherited.as_deref())
             .unwrap_or("(unset: glibc defaults)")
     );
+    // Each process calibrates on its own; the bench's choice shows what this machine favours
+    // (TETHER_TLS_AEAD, inherited by broker and agent, forces all of them).
+    println!(
+        "TLS record encryption (bench process): {}",
+        tether_tls::aead_choice()
+    );
     let (target_proc, target) = spawn_server(&hub, "bench-target", &["--target-server"])?;
     // The relay floor: relay 1 → relay 2 → target.
     let ((relay1_proc, relay1), (relay2_proc, _relay2)) = match args.relay {
@@ -1692,7 +1698,7 @@ mod fleet {
 
     /// Runs every agent config (`*.json`) in `dir` until killed (or until the parent is gone).
     pub fn agent_fleet(dir: PathBuf, workers: usize) -> anyhow::Result<()> {
-        tether_tls::install_default_crypto();
+        tether_tls::install_default_crypto()?;
         let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)?
             .flatten()
             .map(|e| e.path())

@@ -336,7 +336,7 @@ async fn main() -> anyhow::Result<()> {
     anyhow::ensure!(args.clusters > 0, "--clusters must be at least 1");
     anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
     anyhow::ensure!(args.nats_nodes > 0, "--nats-nodes must be at least 1");
-    tether_tls::install_default_crypto();
+    tether_tls::install_default_crypto()?;
     raise_fd_limit();
     let tmp;
     let work = match &args.work_dir {
