@@ -158,3 +158,48 @@ fn agent_config_errors_name_the_field() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// `TETHER_TLS_AEAD` (tether_tls::provider) with a value no library answers to stops every
+/// binary before it does anything, naming the variable, the value and the accepted ones.
+#[test]
+fn an_unknown_tls_aead_is_named() -> anyhow::Result<()> {
+    let s = setup()?;
+    let path = s.dir.path().join("broker-aead.yaml");
+    std::fs::write(&path, format!("{BROKER_BASE}{}", s.tls))?;
+    // With the check gone the broker would serve this valid config: bound the wait.
+    let mut child = Command::new(bin("tunnel-broker")?)
+        .arg("--config")
+        .arg(&path)
+        .env("TETHER_TLS_AEAD", "openssl")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while child.try_wait()?.is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill()?;
+            child.wait()?;
+            anyhow::bail!("tunnel-broker kept running with TETHER_TLS_AEAD=openssl");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let broker = child.wait_with_output()?;
+    let tetherctl = Command::new(bin("tetherctl")?)
+        .arg("--help")
+        .env("TETHER_TLS_AEAD", "openssl")
+        .output()?;
+    for (name, out) in [("tunnel-broker", broker), ("tetherctl", tetherctl)] {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "{name} accepted TETHER_TLS_AEAD=openssl"
+        );
+        assert!(
+            stderr.contains("TETHER_TLS_AEAD=\"openssl\"")
+                && stderr.contains("aws-lc-rs")
+                && stderr.contains("ring"),
+            "{name}: {stderr}"
+        );
+    }
+    Ok(())
+}
