@@ -166,34 +166,25 @@ fn an_unknown_tls_aead_is_named() -> anyhow::Result<()> {
     let s = setup()?;
     let path = s.dir.path().join("broker-aead.yaml");
     std::fs::write(&path, format!("{BROKER_BASE}{}", s.tls))?;
-    // With the check gone the broker would serve this valid config: bound the wait.
-    let mut child = Command::new(bin("tunnel-broker")?)
-        .arg("--config")
+    // With the check gone the broker would serve this valid config: bound the wait (the
+    // child is stopped when dropped).
+    let mut cmd = Command::new(bin("tunnel-broker")?);
+    cmd.arg("--config")
         .arg(&path)
-        .env("TETHER_TLS_AEAD", "openssl")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()?;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while child.try_wait()?.is_none() {
-        if std::time::Instant::now() > deadline {
-            child.kill()?;
-            child.wait()?;
-            anyhow::bail!("tunnel-broker kept running with TETHER_TLS_AEAD=openssl");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    let broker = child.wait_with_output()?;
+        .env("TETHER_TLS_AEAD", "openssl");
+    let mut broker = tether_test_support::Child::spawn("tunnel-broker", cmd, s.dir.path())?;
+    let broker_status = broker.wait_exit(std::time::Duration::from_secs(30))?;
+    let broker_stderr = std::fs::read_to_string(broker.log_path())?;
     let tetherctl = Command::new(bin("tetherctl")?)
         .arg("--help")
         .env("TETHER_TLS_AEAD", "openssl")
         .output()?;
-    for (name, out) in [("tunnel-broker", broker), ("tetherctl", tetherctl)] {
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            !out.status.success(),
-            "{name} accepted TETHER_TLS_AEAD=openssl"
-        );
+    let tetherctl_stderr = String::from_utf8_lossy(&tetherctl.stderr);
+    for (name, status, stderr) in [
+        ("tunnel-broker", broker_status, broker_stderr.as_str()),
+        ("tetherctl", tetherctl.status, &*tetherctl_stderr),
+    ] {
+        assert!(!status.success(), "{name} accepted TETHER_TLS_AEAD=openssl");
         assert!(
             stderr.contains("TETHER_TLS_AEAD=\"openssl\"")
                 && stderr.contains("aws-lc-rs")

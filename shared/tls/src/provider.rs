@@ -41,10 +41,11 @@ impl AeadImpl {
         }
     }
 
-    fn cipher_suites(self) -> Vec<rustls::SupportedCipherSuite> {
+    /// The library's default cipher suites (the same suites in the same order for both).
+    fn cipher_suites(self) -> &'static [rustls::SupportedCipherSuite] {
         match self {
-            Self::AwsLcRs => rustls::crypto::aws_lc_rs::default_provider().cipher_suites,
-            Self::Ring => rustls::crypto::ring::default_provider().cipher_suites,
+            Self::AwsLcRs => rustls::crypto::aws_lc_rs::DEFAULT_CIPHER_SUITES,
+            Self::Ring => rustls::crypto::ring::DEFAULT_CIPHER_SUITES,
         }
     }
 }
@@ -122,7 +123,7 @@ pub(crate) fn check_env() -> Result<(), TlsError> {
 /// aws-lc-rs's provider with the record encryption of `aead`.
 pub fn provider_with(aead: AeadImpl) -> CryptoProvider {
     CryptoProvider {
-        cipher_suites: aead.cipher_suites(),
+        cipher_suites: aead.cipher_suites().to_vec(),
         ..rustls::crypto::aws_lc_rs::default_provider()
     }
 }
@@ -178,7 +179,7 @@ fn seal_open(aead: AeadImpl, records: u64) -> Option<Duration> {
         AeadKey, InboundOpaqueMessage, Iv, OutboundChunks, OutboundPlainMessage,
     };
     use rustls::{CipherSuite, ContentType, ProtocolVersion, SupportedCipherSuite};
-    let suite = aead.cipher_suites().into_iter().find_map(|s| match s {
+    let suite = aead.cipher_suites().iter().find_map(|s| match *s {
         SupportedCipherSuite::Tls13(s)
             if s.common.suite == CipherSuite::TLS13_AES_256_GCM_SHA384 =>
         {
@@ -231,7 +232,7 @@ mod tests {
             && provider
                 .cipher_suites
                 .iter()
-                .zip(&theirs)
+                .zip(theirs)
                 .all(|(a, b)| match (a, b) {
                     (
                         rustls::SupportedCipherSuite::Tls13(a),
