@@ -1141,12 +1141,35 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
             socks.push((via, s));
         }
         let mut samples: [Vec<Duration>; PATHS] = per_path();
+        // CPU of each path's two hops over its blocks: the work per message, next to the time.
+        let mut hop_cpu = [0.0f64; PATHS];
         for block in 0..blocks {
             for via in Setup::order(&ends, block) {
                 let s = &mut socks.iter_mut().find(|(v, _)| *v == via).expect("opened").1;
+                let c0 = cpu_of(&hops(via));
                 request_response(s, per_block, &mut samples[via as usize]).await?;
+                hop_cpu[via as usize] += (cpu_of(&hops(via)) - c0).max(0.0);
             }
         }
+        let per_rt = |via: Via| hop_cpu[via as usize] / (blocks * per_block) as f64 * 1e6;
+        let per_path: Vec<String> = ends
+            .vias()
+            .into_iter()
+            .filter(|v| *v != Via::Direct)
+            .map(|v| format!("{} {:.1} µs", v.name(), per_rt(v)))
+            .collect();
+        let vs_ssh = if ends.ssh.is_some() {
+            format!(
+                " (tunnel/ssh {:.2}×)",
+                per_rt(Via::Tunnel) / per_rt(Via::Ssh)
+            )
+        } else {
+            String::new()
+        };
+        println!(
+            "  64 B request/response, CPU of the two hops per round trip: {}{vs_ssh}",
+            per_path.join(", ")
+        );
         for s in &mut samples {
             s.sort();
         }

@@ -1,0 +1,498 @@
+//! `tether-frame-cost`: what one small message costs in each layer of the tunnel's stack.
+//!
+//! Two threads of one process, each with its own single-threaded tokio runtime (as broker and
+//! agent run by default on two CPUs), ping-pong a 64-byte message over one loopback TCP
+//! connection, in four framings measured in alternating rounds:
+//!
+//! - `tcp`: the bytes on the socket (the floor of two tokio tasks and the kernel);
+//! - `tls`: the same over rustls (Tether's provider), no framing: TLS's own per-record cost;
+//! - `h2`: one HTTP/2 stream over that TLS connection, echoed by a stream task on the server as
+//!   the agent's pump does (h2's connection task, stream state, flow control, the hand-off);
+//! - `mux`: a minimal length-prefixed multiplexer over the same TLS connection with the same
+//!   task shape as `h2` (a connection task reads frames and hands each to its stream's task
+//!   through a bounded channel; replies go back through the connection's writer): what a
+//!   lighter stream protocol than HTTP/2 would cost per message with nothing else changed.
+//!
+//! Per framing: the round trip's p50 and the CPU of both threads per round trip (schedstat of
+//! the two threads), so the difference between rows is the per-message work of one layer.
+//! docs/benchmarks.md ("per-message cost by layer") has the method and the figures.
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use clap::Parser;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+#[derive(Parser, Debug)]
+#[command(about = "Per-message cost of TCP, TLS, HTTP/2 and a minimal multiplexer")]
+struct Args {
+    /// Round trips per framing and round.
+    #[arg(long, default_value_t = 20_000)]
+    messages: usize,
+    /// Rounds (framings alternate within each round).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+}
+
+/// Size of the message sent each way.
+const MESSAGE: usize = 64;
+/// Bound of the per-stream and writer channels of the `mux` framing.
+const MUX_CHANNEL: usize = 64;
+/// Longest wait for one reply before the run fails.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Framing {
+    Tcp,
+    Tls,
+    H2,
+    Mux,
+}
+
+impl Framing {
+    const ALL: [Framing; 4] = [Framing::Tcp, Framing::Tls, Framing::H2, Framing::Mux];
+    fn name(self) -> &'static str {
+        match self {
+            Framing::Tcp => "tcp",
+            Framing::Tls => "tls",
+            Framing::H2 => "h2",
+            Framing::Mux => "mux",
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let aead = tether_tls::install_default_crypto()?;
+    println!(
+        "tether-frame-cost: {MESSAGE} B round trips, {} per framing and round, {} rounds; TLS record encryption {aead}",
+        args.messages, args.rounds
+    );
+    let tls = TlsPair::new()?;
+    let mut results: Vec<(Framing, Vec<Duration>, f64)> =
+        Framing::ALL.iter().map(|f| (*f, Vec::new(), 0.0)).collect();
+    for round in 0..args.rounds {
+        let mut order = Framing::ALL.to_vec();
+        let n = order.len();
+        order.rotate_left(round % n);
+        for framing in order {
+            eprintln!("  round {} {}", round + 1, framing.name());
+            let (samples, cpu) = run_one(framing, &tls, args.messages)?;
+            let r = results.iter_mut().find(|r| r.0 == framing).expect("listed");
+            r.1.extend(samples);
+            r.2 += cpu;
+        }
+    }
+    println!(
+        "| framing | round trip p50 | p99 | CPU per round trip (both ends) | vs the layer below |"
+    );
+    println!("|---|---:|---:|---:|---|");
+    let per_rt = |cpu: f64| cpu / (args.messages * args.rounds) as f64 * 1e6;
+    let mut below: Option<f64> = None;
+    let tls_cpu = per_rt(
+        results
+            .iter()
+            .find(|r| r.0 == Framing::Tls)
+            .expect("listed")
+            .2,
+    );
+    for (framing, samples, cpu) in &mut results {
+        let framing = *framing;
+        samples.sort();
+        let p = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
+        let c = per_rt(*cpu);
+        // The multiplexer replaces HTTP/2, so it is compared with TLS like HTTP/2 is.
+        let vs = match (framing, below) {
+            (Framing::Mux, _) => format!("+{:.1} µs over tls", c - tls_cpu),
+            (_, Some(b)) => format!("+{:.1} µs", c - b),
+            _ => String::new(),
+        };
+        println!(
+            "| {} | {} µs | {} µs | {:.1} µs | {vs} |",
+            framing.name(),
+            p(0.5).as_micros(),
+            p(0.99).as_micros(),
+            c
+        );
+        if framing != Framing::Mux {
+            below = Some(c);
+        }
+    }
+    let cpu = |f: Framing| per_rt(results.iter().find(|r| r.0 == f).expect("listed").2);
+    println!(
+        "HTTP/2 over TLS: +{:.1} µs CPU per round trip; the minimal multiplexer over TLS: +{:.1} µs ({:.0} % of HTTP/2's)",
+        cpu(Framing::H2) - cpu(Framing::Tls),
+        cpu(Framing::Mux) - cpu(Framing::Tls),
+        (cpu(Framing::Mux) - cpu(Framing::Tls)) / (cpu(Framing::H2) - cpu(Framing::Tls)) * 100.0
+    );
+    Ok(())
+}
+
+/// Runs `messages` round trips in one framing; returns the samples and the CPU seconds of both
+/// threads during them.
+fn run_one(
+    framing: Framing,
+    tls: &TlsPair,
+    messages: usize,
+) -> anyhow::Result<(Vec<Duration>, f64)> {
+    let std_listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    std_listener.set_nonblocking(true)?;
+    let addr = std_listener.local_addr()?;
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::clone(&tls.server));
+    let (tid_tx, tid_rx) = std::sync::mpsc::sync_channel(1);
+    let server = std::thread::spawn(move || -> anyhow::Result<()> {
+        tid_tx.send(thread_id()).ok();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(async move {
+            let listener = TcpListener::from_std(std_listener)?;
+            let (tcp, _) = listener.accept().await?;
+            tcp.set_nodelay(true)?;
+            match framing {
+                Framing::Tcp => echo(tcp).await,
+                Framing::Tls => echo(acceptor.accept(tcp).await?).await,
+                Framing::H2 => h2_server(acceptor.accept(tcp).await?).await,
+                Framing::Mux => mux_server(acceptor.accept(tcp).await?).await,
+            }
+        })
+    });
+    let server_tid = tid_rx.recv().context("server thread")?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let client_tid = thread_id();
+    let result = rt.block_on(async {
+        let tcp = TcpStream::connect(addr).await?;
+        tcp.set_nodelay(true)?;
+        let name = rustls::pki_types::ServerName::try_from("localhost")?;
+        let connector = tokio_rustls::TlsConnector::from(Arc::clone(&tls.client));
+        let cpu = || thread_cpu(server_tid) + thread_cpu(client_tid);
+        match framing {
+            Framing::Tcp => ping_pong(tcp, messages, cpu).await,
+            Framing::Tls => ping_pong(connector.connect(name, tcp).await?, messages, cpu).await,
+            Framing::H2 => {
+                let tls = connector
+                    .with_alpn(vec![b"h2".to_vec()])
+                    .connect(name, tcp)
+                    .await?;
+                h2_client(tls, messages, cpu).await
+            }
+            Framing::Mux => mux_client(connector.connect(name, tcp).await?, messages, cpu).await,
+        }
+    });
+    drop(rt);
+    match server.join() {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => bail!("{} server: {e:#}", framing.name()),
+        Err(_) => bail!("{} server panicked", framing.name()),
+    }
+    result
+}
+
+/// Sends a message, waits for its echo, `messages` times after a warm-up; the connection is
+/// closed at the end (the server ends on EOF).
+async fn ping_pong<S: AsyncRead + AsyncWrite + Unpin>(
+    mut s: S,
+    messages: usize,
+    cpu: impl Fn() -> f64,
+) -> anyhow::Result<(Vec<Duration>, f64)> {
+    let msg = [7u8; MESSAGE];
+    let mut back = [0u8; MESSAGE];
+    let mut samples = Vec::with_capacity(messages);
+    let mut c0 = 0.0;
+    for i in 0..messages + WARM_UP {
+        if i == WARM_UP {
+            c0 = cpu();
+        }
+        let t = Instant::now();
+        s.write_all(&msg).await?;
+        s.flush().await?;
+        tokio::time::timeout(REPLY_TIMEOUT, s.read_exact(&mut back)).await??;
+        if i >= WARM_UP {
+            samples.push(t.elapsed());
+        }
+    }
+    let used = cpu() - c0;
+    s.shutdown().await?;
+    Ok((samples, used))
+}
+
+/// Round trips before measuring.
+const WARM_UP: usize = 500;
+
+/// Echoes until EOF.
+async fn echo<S: AsyncRead + AsyncWrite + Unpin>(mut s: S) -> anyhow::Result<()> {
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = s.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        s.write_all(&buf[..n]).await?;
+        s.flush().await?;
+    }
+}
+
+async fn h2_server<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(s: S) -> anyhow::Result<()> {
+    let mut conn = h2::server::handshake(s).await?;
+    let Some(req) = conn.accept().await else {
+        bail!("no stream");
+    };
+    let (req, mut respond) = req?;
+    // The stream task, as the agent's pump: take a chunk, give back its window, send it on.
+    let stream = tokio::spawn(async move {
+        let mut body = req.into_body();
+        let mut send = respond.send_response(http::Response::new(()), false)?;
+        while let Some(chunk) = body.data().await {
+            let chunk = chunk?;
+            body.flow_control().release_capacity(chunk.len())?;
+            send.send_data(chunk, false)?;
+        }
+        send.send_data(Bytes::new(), true)?;
+        anyhow::Ok(())
+    });
+    // Drive the connection until the client goes away.
+    while let Some(r) = conn.accept().await {
+        r?;
+    }
+    stream.await??;
+    Ok(())
+}
+
+async fn h2_client<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+    s: S,
+    messages: usize,
+    cpu: impl Fn() -> f64,
+) -> anyhow::Result<(Vec<Duration>, f64)> {
+    let (mut client, conn) = h2::client::handshake(s).await?;
+    let driver = tokio::spawn(conn);
+    let req = http::Request::post("https://localhost/echo").body(())?;
+    let (resp, mut send) = client.send_request(req, false)?;
+    let mut body = resp.await?.into_body();
+    let msg = Bytes::from_static(&[7u8; MESSAGE]);
+    let mut samples = Vec::with_capacity(messages);
+    let mut c0 = 0.0;
+    for i in 0..messages + WARM_UP {
+        if i == WARM_UP {
+            c0 = cpu();
+        }
+        let t = Instant::now();
+        send.send_data(msg.clone(), false)?;
+        let mut got = 0;
+        while got < MESSAGE {
+            let chunk = tokio::time::timeout(REPLY_TIMEOUT, body.data())
+                .await?
+                .context("stream ended")??;
+            got += chunk.len();
+            body.flow_control().release_capacity(chunk.len())?;
+        }
+        if i >= WARM_UP {
+            samples.push(t.elapsed());
+        }
+    }
+    let used = cpu() - c0;
+    send.send_data(Bytes::new(), true)?;
+    while body.data().await.is_some() {}
+    // The connection ends once every handle to it is gone.
+    drop((client, send, body));
+    driver.await??;
+    Ok((samples, used))
+}
+
+/// A `mux` frame: stream id (u32), payload length (u32), payload. Length 0 ends the stream.
+fn mux_frame(stream: u32, payload: &[u8]) -> Bytes {
+    let mut b = BytesMut::with_capacity(8 + payload.len());
+    b.put_u32(stream);
+    b.put_u32(payload.len() as u32);
+    b.put_slice(payload);
+    b.freeze()
+}
+
+/// Reads one frame (`None` at EOF).
+async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut BytesMut,
+) -> anyhow::Result<Option<(u32, Bytes)>> {
+    loop {
+        if buf.len() >= 8 {
+            let len = u32::from_be_bytes(buf[4..8].try_into().expect("4 bytes")) as usize;
+            if buf.len() >= 8 + len {
+                let stream = buf.get_u32();
+                buf.advance(4);
+                return Ok(Some((stream, buf.split_to(len).freeze())));
+            }
+        }
+        if r.read_buf(buf).await? == 0 {
+            return Ok(None);
+        }
+    }
+}
+
+/// The connection's writer task: frames from every stream, written as they come.
+async fn mux_writer<W: AsyncWrite + Unpin>(
+    mut w: W,
+    mut frames: mpsc::Receiver<Bytes>,
+) -> anyhow::Result<()> {
+    while let Some(f) = frames.recv().await {
+        w.write_all(&f).await?;
+        w.flush().await?;
+    }
+    // close_notify, so the peer reads a clean end of the connection.
+    w.shutdown().await?;
+    Ok(())
+}
+
+async fn mux_server<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+    s: S,
+) -> anyhow::Result<()> {
+    let (mut rd, wr) = tokio::io::split(s);
+    let (out_tx, out_rx) = mpsc::channel::<Bytes>(MUX_CHANNEL);
+    let writer = tokio::spawn(mux_writer(wr, out_rx));
+    let mut streams: std::collections::HashMap<u32, mpsc::Sender<Bytes>> = Default::default();
+    let mut tasks = Vec::new();
+    let mut buf = BytesMut::with_capacity(64 << 10);
+    while let Some((id, payload)) = read_frame(&mut rd, &mut buf).await? {
+        let tx = match streams.get(&id) {
+            Some(tx) => tx.clone(),
+            None => {
+                // The stream task, as the agent's pump: take a chunk, send it back.
+                let (tx, mut rx) = mpsc::channel::<Bytes>(MUX_CHANNEL);
+                let out = out_tx.clone();
+                tasks.push(tokio::spawn(async move {
+                    while let Some(chunk) = rx.recv().await {
+                        let end = chunk.is_empty();
+                        out.send(mux_frame(id, &chunk)).await?;
+                        if end {
+                            break;
+                        }
+                    }
+                    anyhow::Ok(())
+                }));
+                streams.insert(id, tx.clone());
+                tx
+            }
+        };
+        let end = payload.is_empty();
+        tx.send(payload).await?;
+        if end {
+            streams.remove(&id);
+        }
+    }
+    drop((streams, out_tx));
+    for t in tasks {
+        t.await??;
+    }
+    writer.await??;
+    Ok(())
+}
+
+async fn mux_client<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+    s: S,
+    messages: usize,
+    cpu: impl Fn() -> f64,
+) -> anyhow::Result<(Vec<Duration>, f64)> {
+    const ID: u32 = 1;
+    let (mut rd, wr) = tokio::io::split(s);
+    let (out_tx, out_rx) = mpsc::channel::<Bytes>(MUX_CHANNEL);
+    let writer = tokio::spawn(mux_writer(wr, out_rx));
+    // The connection's reader task hands each frame to the stream (one stream here).
+    let (in_tx, mut in_rx) = mpsc::channel::<Bytes>(MUX_CHANNEL);
+    let reader = tokio::spawn(async move {
+        let mut buf = BytesMut::with_capacity(64 << 10);
+        while let Some((id, payload)) = read_frame(&mut rd, &mut buf).await? {
+            if id == ID && in_tx.send(payload).await.is_err() {
+                break;
+            }
+        }
+        anyhow::Ok(())
+    });
+    let msg = [7u8; MESSAGE];
+    let mut samples = Vec::with_capacity(messages);
+    let mut c0 = 0.0;
+    for i in 0..messages + WARM_UP {
+        if i == WARM_UP {
+            c0 = cpu();
+        }
+        let t = Instant::now();
+        out_tx.send(mux_frame(ID, &msg)).await?;
+        let mut got = 0;
+        while got < MESSAGE {
+            let chunk = tokio::time::timeout(REPLY_TIMEOUT, in_rx.recv())
+                .await?
+                .context("stream ended")?;
+            got += chunk.len();
+        }
+        if i >= WARM_UP {
+            samples.push(t.elapsed());
+        }
+    }
+    let used = cpu() - c0;
+    out_tx.send(mux_frame(ID, &[])).await?;
+    // The server's end-of-stream frame, then close.
+    while let Some(chunk) = in_rx.recv().await {
+        if chunk.is_empty() {
+            break;
+        }
+    }
+    drop((out_tx, in_rx));
+    writer.await??;
+    reader.abort();
+    Ok((samples, used))
+}
+
+/// The calling thread's kernel id.
+fn thread_id() -> i32 {
+    nix::unistd::gettid().as_raw()
+}
+
+/// CPU seconds a thread of this process has run (`schedstat`, nanoseconds).
+fn thread_cpu(tid: i32) -> f64 {
+    std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .map_or(0.0, |ns| ns as f64 / 1e9)
+}
+
+/// A server certificate for `localhost` from a throwaway CA, and configs trusting it.
+struct TlsPair {
+    server: Arc<rustls::ServerConfig>,
+    client: Arc<rustls::ClientConfig>,
+    _dir: tempfile::TempDir,
+}
+
+impl TlsPair {
+    fn new() -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let pki = tether_test_support::Pki::new(dir.path())?;
+        let leaf = pki.issue(
+            "server",
+            tether_tls::Identity::from_common_name("tether:broker:frame-cost")?,
+            &["localhost"],
+        )?;
+        let certs = tether_tls::pem::read_certs(&leaf.cert)?;
+        let key = tether_tls::pem::read_key(&leaf.key)?;
+        let mut server = rustls::ServerConfig::builder_with_provider(tether_tls::crypto_provider())
+            .with_safe_default_protocol_versions()?
+            .with_no_client_auth()
+            .with_single_cert(certs, key)?;
+        server.alpn_protocols = vec![b"h2".to_vec()];
+        let mut roots = rustls::RootCertStore::empty();
+        for c in tether_tls::pem::read_certs(&leaf.ca)? {
+            roots.add(c)?;
+        }
+        let client = tether_tls::client_config_builder()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        Ok(Self {
+            server: Arc::new(server),
+            client: Arc::new(client),
+            _dir: dir,
+        })
+    }
+}
