@@ -152,13 +152,13 @@ fn run_one(
             .build()?;
         rt.block_on(async move {
             let listener = TcpListener::from_std(std_listener)?;
-            let (tcp, _) = listener.accept().await?;
+            let (tcp, _) = within("accept", listener.accept()).await?;
             tcp.set_nodelay(true)?;
             match framing {
                 Framing::Tcp => echo(tcp).await,
-                Framing::Tls => echo(acceptor.accept(tcp).await?).await,
-                Framing::H2 => h2_server(acceptor.accept(tcp).await?).await,
-                Framing::Mux => mux_server(acceptor.accept(tcp).await?).await,
+                Framing::Tls => echo(within("TLS accept", acceptor.accept(tcp)).await?).await,
+                Framing::H2 => h2_server(within("TLS accept", acceptor.accept(tcp)).await?).await,
+                Framing::Mux => mux_server(within("TLS accept", acceptor.accept(tcp)).await?).await,
             }
         })
     });
@@ -168,22 +168,29 @@ fn run_one(
         .build()?;
     let client_tid = thread_id();
     let result = rt.block_on(async {
-        let tcp = TcpStream::connect(addr).await?;
+        let tcp = within("connect", TcpStream::connect(addr)).await?;
         tcp.set_nodelay(true)?;
         let name = rustls::pki_types::ServerName::try_from("localhost")?;
         let connector = tokio_rustls::TlsConnector::from(Arc::clone(&tls.client));
         let cpu = || thread_cpu(server_tid) + thread_cpu(client_tid);
         match framing {
             Framing::Tcp => ping_pong(tcp, messages, cpu).await,
-            Framing::Tls => ping_pong(connector.connect(name, tcp).await?, messages, cpu).await,
+            Framing::Tls => {
+                let tls = within("TLS connect", connector.connect(name, tcp)).await?;
+                ping_pong(tls, messages, cpu).await
+            }
             Framing::H2 => {
-                let tls = connector
-                    .with_alpn(vec![b"h2".to_vec()])
-                    .connect(name, tcp)
-                    .await?;
+                let tls = within(
+                    "TLS connect",
+                    connector.with_alpn(vec![b"h2".to_vec()]).connect(name, tcp),
+                )
+                .await?;
                 h2_client(tls, messages, cpu).await
             }
-            Framing::Mux => mux_client(connector.connect(name, tcp).await?, messages, cpu).await,
+            Framing::Mux => {
+                let tls = within("TLS connect", connector.connect(name, tcp)).await?;
+                mux_client(tls, messages, cpu).await
+            }
         }
     });
     drop(rt);
@@ -204,23 +211,80 @@ async fn ping_pong<S: AsyncRead + AsyncWrite + Unpin>(
 ) -> anyhow::Result<(Vec<Duration>, f64)> {
     let msg = [7u8; MESSAGE];
     let mut back = [0u8; MESSAGE];
-    let mut samples = Vec::with_capacity(messages);
-    let mut c0 = 0.0;
-    for i in 0..messages + WARM_UP {
-        if i == WARM_UP {
-            c0 = cpu();
-        }
-        let t = Instant::now();
+    let mut meter = Meter::new(messages, &cpu);
+    for _ in 0..meter.rounds() {
+        let t = meter.begin();
         s.write_all(&msg).await?;
         s.flush().await?;
         tokio::time::timeout(REPLY_TIMEOUT, s.read_exact(&mut back)).await??;
-        if i >= WARM_UP {
-            samples.push(t.elapsed());
-        }
+        meter.end(t);
     }
-    let used = cpu() - c0;
+    let (samples, used) = meter.finish();
     s.shutdown().await?;
     Ok((samples, used))
+}
+
+/// Longest wait for a connection step (connect, accept, TLS and HTTP/2 handshakes).
+const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `step` within [`SETUP_TIMEOUT`]; its error, or the timeout, names the step.
+async fn within<T, E: std::fmt::Display>(
+    what: &str,
+    step: impl std::future::Future<Output = Result<T, E>>,
+) -> anyhow::Result<T> {
+    match tokio::time::timeout(SETUP_TIMEOUT, step).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => bail!("{what}: {e}"),
+        Err(_) => bail!("{what}: no answer within {SETUP_TIMEOUT:?}"),
+    }
+}
+
+/// Times each round trip after the warm-up and the CPU spent over the measured ones.
+struct Meter<'a, C: Fn() -> f64> {
+    cpu: &'a C,
+    messages: usize,
+    done: usize,
+    samples: Vec<Duration>,
+    cpu_at_start: f64,
+}
+
+impl<'a, C: Fn() -> f64> Meter<'a, C> {
+    fn new(messages: usize, cpu: &'a C) -> Self {
+        Self {
+            cpu,
+            messages,
+            done: 0,
+            samples: Vec::with_capacity(messages),
+            cpu_at_start: 0.0,
+        }
+    }
+
+    /// Round trips to run, warm-up included.
+    fn rounds(&self) -> usize {
+        self.messages + WARM_UP
+    }
+
+    /// A round trip starts (the first measured one also starts the CPU count).
+    fn begin(&mut self) -> Instant {
+        if self.done == WARM_UP {
+            self.cpu_at_start = (self.cpu)();
+        }
+        Instant::now()
+    }
+
+    /// The round trip that began at `t` ended.
+    fn end(&mut self, t: Instant) {
+        if self.done >= WARM_UP {
+            self.samples.push(t.elapsed());
+        }
+        self.done += 1;
+    }
+
+    /// The measured round trips and the CPU seconds they took.
+    fn finish(self) -> (Vec<Duration>, f64) {
+        let used = (self.cpu)() - self.cpu_at_start;
+        (self.samples, used)
+    }
 }
 
 /// Round trips before measuring.
@@ -240,8 +304,8 @@ async fn echo<S: AsyncRead + AsyncWrite + Unpin>(mut s: S) -> anyhow::Result<()>
 }
 
 async fn h2_server<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(s: S) -> anyhow::Result<()> {
-    let mut conn = h2::server::handshake(s).await?;
-    let Some(req) = conn.accept().await else {
+    let mut conn = within("HTTP/2 handshake", h2::server::handshake(s)).await?;
+    let Some(req) = tokio::time::timeout(SETUP_TIMEOUT, conn.accept()).await? else {
         bail!("no stream");
     };
     let (req, mut respond) = req?;
@@ -270,19 +334,15 @@ async fn h2_client<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     messages: usize,
     cpu: impl Fn() -> f64,
 ) -> anyhow::Result<(Vec<Duration>, f64)> {
-    let (mut client, conn) = h2::client::handshake(s).await?;
+    let (mut client, conn) = within("HTTP/2 handshake", h2::client::handshake(s)).await?;
     let driver = tokio::spawn(conn);
     let req = http::Request::post("https://localhost/echo").body(())?;
     let (resp, mut send) = client.send_request(req, false)?;
-    let mut body = resp.await?.into_body();
+    let mut body = within("HTTP/2 response", resp).await?.into_body();
     let msg = Bytes::from_static(&[7u8; MESSAGE]);
-    let mut samples = Vec::with_capacity(messages);
-    let mut c0 = 0.0;
-    for i in 0..messages + WARM_UP {
-        if i == WARM_UP {
-            c0 = cpu();
-        }
-        let t = Instant::now();
+    let mut meter = Meter::new(messages, &cpu);
+    for _ in 0..meter.rounds() {
+        let t = meter.begin();
         send.send_data(msg.clone(), false)?;
         let mut got = 0;
         while got < MESSAGE {
@@ -292,11 +352,9 @@ async fn h2_client<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
             got += chunk.len();
             body.flow_control().release_capacity(chunk.len())?;
         }
-        if i >= WARM_UP {
-            samples.push(t.elapsed());
-        }
+        meter.end(t);
     }
-    let used = cpu() - c0;
+    let (samples, used) = meter.finish();
     send.send_data(Bytes::new(), true)?;
     while body.data().await.is_some() {}
     // The connection ends once every handle to it is gone.
@@ -413,13 +471,9 @@ async fn mux_client<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
         anyhow::Ok(())
     });
     let msg = [7u8; MESSAGE];
-    let mut samples = Vec::with_capacity(messages);
-    let mut c0 = 0.0;
-    for i in 0..messages + WARM_UP {
-        if i == WARM_UP {
-            c0 = cpu();
-        }
-        let t = Instant::now();
+    let mut meter = Meter::new(messages, &cpu);
+    for _ in 0..meter.rounds() {
+        let t = meter.begin();
         out_tx.send(mux_frame(ID, &msg)).await?;
         let mut got = 0;
         while got < MESSAGE {
@@ -428,11 +482,9 @@ async fn mux_client<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
                 .context("stream ended")?;
             got += chunk.len();
         }
-        if i >= WARM_UP {
-            samples.push(t.elapsed());
-        }
+        meter.end(t);
     }
-    let used = cpu() - c0;
+    let (samples, used) = meter.finish();
     out_tx.send(mux_frame(ID, &[])).await?;
     // The server's end-of-stream frame, then close.
     while let Some(chunk) = in_rx.recv().await {
