@@ -14,10 +14,27 @@ pub fn cpu_secs(pid: u32) -> f64 {
     };
     let ns: u64 = tasks
         .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .filter_map(|t| schedstat_ns(&t.path().join("schedstat")))
         .sum();
     ns as f64 / 1e9
+}
+
+/// CPU seconds one thread of this process has run (its kernel thread id; schedstat, in ns).
+pub fn thread_cpu_secs(tid: i32) -> f64 {
+    schedstat_ns(std::path::Path::new(&format!(
+        "/proc/self/task/{tid}/schedstat"
+    )))
+    .map_or(0.0, |ns| ns as f64 / 1e9)
+}
+
+/// The time on CPU a `schedstat` file reports (its first field, ns).
+fn schedstat_ns(path: &std::path::Path) -> Option<u64> {
+    std::fs::read_to_string(path)
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// The one-minute load average, as `/proc/loadavg` prints it.

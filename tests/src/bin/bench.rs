@@ -1152,7 +1152,7 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
             }
         }
         let per_rt = |via: Via| hop_cpu[via as usize] / (blocks * per_block) as f64 * 1e6;
-        let per_path: Vec<String> = ends
+        let hop_cells: Vec<String> = ends
             .vias()
             .into_iter()
             .filter(|v| *v != Via::Direct)
@@ -1168,7 +1168,7 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         };
         println!(
             "  64 B request/response, CPU of the two hops per round trip: {}{vs_ssh}",
-            per_path.join(", ")
+            hop_cells.join(", ")
         );
         for s in &mut samples {
             s.sort();

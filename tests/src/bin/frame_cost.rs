@@ -15,7 +15,7 @@
 //!
 //! Per framing: the round trip's p50 and the CPU of both threads per round trip (schedstat of
 //! the two threads), so the difference between rows is the per-message work of one layer.
-//! docs/benchmarks.md ("per-message cost by layer") has the method and the figures.
+//! docs/benchmarks.md (the thirteenth machine's section) has the method and the figures.
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
@@ -27,6 +27,8 @@ use clap::Parser;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
+
+use tether_e2e::benchkit::{percentile, thread_cpu_secs};
 
 #[derive(Parser, Debug)]
 #[command(about = "Per-message cost of TCP, TLS, HTTP/2 and a minimal multiplexer")]
@@ -43,8 +45,13 @@ struct Args {
 const MESSAGE: usize = 64;
 /// Bound of the per-stream and writer channels of the `mux` framing.
 const MUX_CHANNEL: usize = 64;
-/// Longest wait for one reply before the run fails.
+/// Longest wait for one reply (or for the peer's end at the close) before the run fails.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The error of a reply that did not come.
+fn no_reply() -> String {
+    format!("no reply within {REPLY_TIMEOUT:?}")
+}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Framing {
@@ -104,12 +111,12 @@ fn main() -> anyhow::Result<()> {
     for (framing, samples, cpu) in &mut results {
         let framing = *framing;
         samples.sort();
-        let p = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
+        let p = |q: f64| percentile(samples, q);
         let c = per_rt(*cpu);
         // The multiplexer replaces HTTP/2, so it is compared with TLS like HTTP/2 is.
         let vs = match (framing, below) {
-            (Framing::Mux, _) => format!("+{:.1} µs over tls", c - tls_cpu),
-            (_, Some(b)) => format!("+{:.1} µs", c - b),
+            (Framing::Mux, _) => format!("{:+.1} µs over tls", c - tls_cpu),
+            (_, Some(b)) => format!("{:+.1} µs", c - b),
             _ => String::new(),
         };
         println!(
@@ -125,7 +132,7 @@ fn main() -> anyhow::Result<()> {
     }
     let cpu = |f: Framing| per_rt(results.iter().find(|r| r.0 == f).expect("listed").2);
     println!(
-        "HTTP/2 over TLS: +{:.1} µs CPU per round trip; the minimal multiplexer over TLS: +{:.1} µs ({:.0} % of HTTP/2's)",
+        "HTTP/2 over TLS: {:+.1} µs CPU per round trip; the minimal multiplexer over TLS: {:+.1} µs ({:.0} % of HTTP/2's)",
         cpu(Framing::H2) - cpu(Framing::Tls),
         cpu(Framing::Mux) - cpu(Framing::Tls),
         (cpu(Framing::Mux) - cpu(Framing::Tls)) / (cpu(Framing::H2) - cpu(Framing::Tls)) * 100.0
@@ -172,7 +179,7 @@ fn run_one(
         tcp.set_nodelay(true)?;
         let name = rustls::pki_types::ServerName::try_from("localhost")?;
         let connector = tokio_rustls::TlsConnector::from(Arc::clone(&tls.client));
-        let cpu = || thread_cpu(server_tid) + thread_cpu(client_tid);
+        let cpu = || thread_cpu_secs(server_tid) + thread_cpu_secs(client_tid);
         match framing {
             Framing::Tcp => ping_pong(tcp, messages, cpu).await,
             Framing::Tls => {
@@ -216,7 +223,9 @@ async fn ping_pong<S: AsyncRead + AsyncWrite + Unpin>(
         let t = meter.begin();
         s.write_all(&msg).await?;
         s.flush().await?;
-        tokio::time::timeout(REPLY_TIMEOUT, s.read_exact(&mut back)).await??;
+        tokio::time::timeout(REPLY_TIMEOUT, s.read_exact(&mut back))
+            .await
+            .with_context(no_reply)??;
         meter.end(t);
     }
     let (samples, used) = meter.finish();
@@ -305,8 +314,11 @@ async fn echo<S: AsyncRead + AsyncWrite + Unpin>(mut s: S) -> anyhow::Result<()>
 
 async fn h2_server<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(s: S) -> anyhow::Result<()> {
     let mut conn = within("HTTP/2 handshake", h2::server::handshake(s)).await?;
-    let Some(req) = tokio::time::timeout(SETUP_TIMEOUT, conn.accept()).await? else {
-        bail!("no stream");
+    let Some(req) = tokio::time::timeout(SETUP_TIMEOUT, conn.accept())
+        .await
+        .with_context(|| format!("no HTTP/2 stream within {SETUP_TIMEOUT:?}"))?
+    else {
+        bail!("the client closed without opening a stream");
     };
     let (req, mut respond) = req?;
     // The stream task, as the agent's pump: take a chunk, give back its window, send it on.
@@ -347,7 +359,8 @@ async fn h2_client<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
         let mut got = 0;
         while got < MESSAGE {
             let chunk = tokio::time::timeout(REPLY_TIMEOUT, body.data())
-                .await?
+                .await
+                .with_context(no_reply)?
                 .context("stream ended")??;
             got += chunk.len();
             body.flow_control().release_capacity(chunk.len())?;
@@ -356,10 +369,15 @@ async fn h2_client<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     }
     let (samples, used) = meter.finish();
     send.send_data(Bytes::new(), true)?;
-    while body.data().await.is_some() {}
-    // The connection ends once every handle to it is gone.
-    drop((client, send, body));
-    driver.await??;
+    let close = async {
+        while body.data().await.is_some() {}
+        // The connection ends once every handle to it is gone.
+        drop((client, send, body));
+        anyhow::Ok(driver.await??)
+    };
+    tokio::time::timeout(REPLY_TIMEOUT, close)
+        .await
+        .with_context(|| format!("HTTP/2 close not done within {REPLY_TIMEOUT:?}"))??;
     Ok((samples, used))
 }
 
@@ -372,6 +390,9 @@ fn mux_frame(stream: u32, payload: &[u8]) -> Bytes {
     b.freeze()
 }
 
+/// Largest `mux` frame payload accepted (the messages are [`MESSAGE`] bytes).
+const MUX_MAX_FRAME: usize = 64 << 10;
+
 /// Reads one frame (`None` at EOF).
 async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,
@@ -380,6 +401,9 @@ async fn read_frame<R: AsyncRead + Unpin>(
     loop {
         if buf.len() >= 8 {
             let len = u32::from_be_bytes(buf[4..8].try_into().expect("4 bytes")) as usize;
+            if len > MUX_MAX_FRAME {
+                bail!("mux frame of {len} bytes exceeds the limit of {MUX_MAX_FRAME}");
+            }
             if buf.len() >= 8 + len {
                 let stream = buf.get_u32();
                 buf.advance(4);
@@ -478,7 +502,8 @@ async fn mux_client<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
         let mut got = 0;
         while got < MESSAGE {
             let chunk = tokio::time::timeout(REPLY_TIMEOUT, in_rx.recv())
-                .await?
+                .await
+                .with_context(no_reply)?
                 .context("stream ended")?;
             got += chunk.len();
         }
@@ -486,29 +511,27 @@ async fn mux_client<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     }
     let (samples, used) = meter.finish();
     out_tx.send(mux_frame(ID, &[])).await?;
-    // The server's end-of-stream frame, then close.
-    while let Some(chunk) = in_rx.recv().await {
-        if chunk.is_empty() {
-            break;
+    let close = async {
+        // The server's end-of-stream frame, then close.
+        while let Some(chunk) = in_rx.recv().await {
+            if chunk.is_empty() {
+                break;
+            }
         }
-    }
-    drop((out_tx, in_rx));
-    writer.await??;
+        drop((out_tx, in_rx));
+        anyhow::Ok(writer.await??)
+    };
+    let closed = tokio::time::timeout(REPLY_TIMEOUT, close)
+        .await
+        .with_context(|| format!("mux close not done within {REPLY_TIMEOUT:?}"));
     reader.abort();
+    closed??;
     Ok((samples, used))
 }
 
 /// The calling thread's kernel id.
 fn thread_id() -> i32 {
     nix::unistd::gettid().as_raw()
-}
-
-/// CPU seconds a thread of this process has run (`schedstat`, nanoseconds).
-fn thread_cpu(tid: i32) -> f64 {
-    std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat"))
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .map_or(0.0, |ns| ns as f64 / 1e9)
 }
 
 /// A server certificate for `localhost` from a throwaway CA, and configs trusting it.
