@@ -101,6 +101,35 @@ df = {
 for k, v in df.items():
     write("dial_frame", k, v)
 
+
+# tether-tunnel/2 byte streams (shared/tunnel/src/mux/frame.rs): kind, flags, stream u32, len u24
+def mux_frame(kind, stream, payload=b"", flags=0):
+    return bytes([kind, flags]) + stream.to_bytes(4, "big") + len(payload).to_bytes(3, "big") + payload
+
+
+def mux_str(s):
+    s = s.encode()
+    return len(s).to_bytes(2, "big") + s
+
+
+window = mux_frame(10, 0, (4 << 20).to_bytes(4, "big") + (1 << 30).to_bytes(4, "big") + (20000).to_bytes(4, "big"))
+hello = mux_frame(1, 0, mux_str("c1") + mux_str("tunnel-agent") + mux_str("broker-a"))
+open_ = mux_frame(4, 1, (3000).to_bytes(4, "big") + (42).to_bytes(8, "big") + mux_str("c1")
+                  + mux_str("db.ns.svc:5432") + bytes([1]) + mux_str("traceparent")
+                  + mux_str("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"))
+mux_seeds = {
+    "session": window + hello + open_ + mux_frame(7, 1, b"GET / HTTP/1.1\r\n\r\n")
+    + mux_frame(9, 1, (1 << 16).to_bytes(4, "big")) + mux_frame(11, 0, b"12345678")
+    + mux_frame(7, 1, b"", flags=1),
+    "reset-goaway": window + open_ + mux_frame(8, 1, bytes([0]) + mux_str("cancelled"))
+    + mux_frame(13, 0, (1).to_bytes(4, "big") + mux_str("agent shutting down")),
+    "answers": window + mux_frame(5, 1) + mux_frame(6, 3, mux_str("refused") + mux_str("dial db: refused"))
+    + mux_frame(2, 0, mux_str("c1") + mux_str("tunnel-agent")) + mux_frame(12, 0, b"12345678"),
+    "beyond-window": window + open_ + mux_frame(7, 1, b"x" * 70000),
+}
+for k, v in mux_seeds.items():
+    write("mux_frames", k, v)
+
 # tunnel_address: one input a line (address, then its forms and patterns)
 for k, lines in {
     "apiserver": ["c1:443", "apiserver", "*:*"],

@@ -17,6 +17,7 @@ pub const TARGETS: &[(&str, Harness)] = &[
     ("proxy_credentials", proxy_credentials),
     ("konnectivity_packet", konnectivity_packet),
     ("dial_frame", dial_frame),
+    ("mux_frames", mux_frames),
     ("tunnel_address", tunnel_address),
     ("kubeconfig", kubeconfig),
     ("apply_documents", apply_documents),
@@ -83,6 +84,76 @@ pub fn dial_frame(data: &[u8]) {
         && let Ok(t) = tether_tunnel::Target::from_parts(&d.cluster, &d.host, d.port)
     {
         round_trip(&t);
+    }
+}
+
+/// A byte stream from a `tether-tunnel/2` peer: every frame through its decoder (a decoded
+/// `OPEN` or `HELLO` re-encodes to itself), then the whole input into a real connection of
+/// each role (over an in-memory pipe), whose reader must end with a reason, never a panic.
+pub fn mux_frames(data: &[u8]) {
+    use tether_tunnel::mux::{self, frame};
+    let mut buf = data;
+    while buf.len() >= frame::HEADER_LEN {
+        let head: &[u8; frame::HEADER_LEN] = buf[..frame::HEADER_LEN].try_into().expect("header");
+        let Ok(h) = frame::parse_header(head, 1 << 20) else {
+            break;
+        };
+        buf = &buf[frame::HEADER_LEN..];
+        if buf.len() < h.len {
+            break;
+        }
+        let (p, rest) = buf.split_at(h.len);
+        buf = rest;
+        match h.kind {
+            frame::Kind::Open => {
+                if let Ok(o) = frame::Open::decode(p) {
+                    assert_eq!(frame::Open::decode(&o.encode()).as_ref(), Ok(&o));
+                }
+            }
+            frame::Kind::Hello => {
+                if let Ok(o) = frame::Hello::decode(p) {
+                    assert_eq!(frame::Hello::decode(&o.encode()).as_ref(), Ok(&o));
+                }
+            }
+            frame::Kind::OpenErr => drop(frame::decode_open_err(p)),
+            frame::Kind::Reset => drop(frame::decode_reset(p)),
+            frame::Kind::GoAway => drop(frame::decode_goaway(p)),
+            frame::Kind::Window => drop(frame::decode_window(p)),
+            frame::Kind::HelloOk => drop(frame::decode_pair(h.kind, p)),
+            _ => {}
+        }
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("runtime");
+    for role in [mux::Role::Acceptor, mux::Role::Opener] {
+        rt.block_on(async {
+            let (ours, mut theirs) = tokio::io::duplex(1 << 20);
+            let cfg = mux::Config {
+                max_frame_bytes: 64 << 10,
+                stream_window_bytes: 65_535,
+                connection_window_bytes: 1 << 20,
+                max_streams: 16,
+            };
+            let on_open: mux::OnOpen = std::sync::Arc::new(drop);
+            let (_conn, driver, _events) = mux::connect(ours, role, cfg, Some(on_open));
+            let run = tokio::spawn(driver.run());
+            use tokio::io::AsyncWriteExt as _;
+            let _ = theirs.write_all(data).await;
+            let _ = theirs.shutdown().await;
+            // Drain what the connection writes so it never blocks on a full pipe.
+            let drain = tokio::spawn(async move {
+                let mut sink = tokio::io::sink();
+                let _ = tokio::io::copy(&mut theirs, &mut sink).await;
+            });
+            let reason = tokio::time::timeout(std::time::Duration::from_secs(5), run)
+                .await
+                .expect("the reader ends at the end of its input")
+                .expect("the reader does not panic");
+            assert!(!reason.is_empty());
+            drain.abort();
+        });
     }
 }
 

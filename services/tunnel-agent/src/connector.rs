@@ -379,7 +379,7 @@ impl Connector {
                 return;
             }
         };
-        let connector = match self.tls.client_config(&[tether_tls::ALPN_TUNNEL]) {
+        let connector = match self.tls.client_config(self.shared.settings.protocol.alpn()) {
             Ok(c) => TlsConnector::from(Arc::new(c)),
             Err(e) => {
                 tracing::error!(error = %e, "cannot build TLS client config");

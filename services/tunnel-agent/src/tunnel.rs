@@ -1,8 +1,11 @@
-//! One tunnel: TCP + TLS to a broker, then HTTP/2 *server* on that connection.
+//! One tunnel: TCP + TLS to a broker, then the accepting end of `tether-tunnel/2` (the
+//! multiplexer, `tether_tunnel::mux`) or, with a broker that lacks it, an HTTP/2 *server*
+//! (`tether-tunnel/1`) on that connection.
 //!
 //! [`run_tunnel`] returns when the connection ends; the connector actor decides what next.
-//! Each broker request is handled in its own task: `hello` (identity check), `dial` (dial the
-//! target, answer, then splice bytes), `drain` (the broker is leaving).
+//! `hello` (identity check) and `drain` (the broker is leaving) are handled by the tunnel's
+//! loop; each `dial` runs in its own task (dial the target, answer, then splice bytes), the same
+//! for both protocols ([`serve_dial`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,7 +15,7 @@ use h2::server::SendResponse;
 use http::{Request, Response, StatusCode};
 use tether_tunnel::pump::{ByteCounters, TcpChunkReader, splice};
 use tether_tunnel::wire::{self, DialErrorKind, header_safe};
-use tether_tunnel::{DialError, TunnelSettings};
+use tether_tunnel::{DialError, StreamRx, StreamTx, TunnelSettings};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_rustls::TlsConnector;
@@ -49,8 +52,8 @@ impl AgentShared {
         &self,
         rd: R,
         wr: W,
-        send: h2::SendStream<Bytes>,
-        recv: h2::RecvStream,
+        send: StreamTx,
+        recv: StreamRx,
     ) -> Result<tether_tunnel::pump::SpliceStats, tether_tunnel::pump::SpliceError>
     where
         R: tether_tunnel::pump::ChunkReader,
@@ -178,6 +181,19 @@ pub async fn run_tunnel(
             })
             .await;
     }
+    if tls.get_ref().1.alpn_protocol() == Some(tether_tls::ALPN_TUNNEL_V2) {
+        let mux = MuxTunnel {
+            addr,
+            shared,
+            events,
+            shutdown,
+            grace,
+            window,
+            progress,
+            watchdog,
+        };
+        return mux.run(tls).await;
+    }
     let handshake = shared.settings.server_builder().handshake::<_, Bytes>(tls);
     let mut conn = within(hs, handshake, |reason| TunnelError::H2 {
         addr: addr.clone(),
@@ -252,6 +268,179 @@ pub async fn run_tunnel(
             }
         }
     }
+}
+
+/// A tunnel on `tether-tunnel/2`: everything [`run_tunnel`] set up below the protocol.
+struct MuxTunnel {
+    addr: String,
+    shared: Arc<AgentShared>,
+    events: mpsc::Sender<TunnelEvent>,
+    shutdown: CancellationToken,
+    grace: Duration,
+    window: Arc<tether_tunnel::window::AdaptiveWindow>,
+    progress: Arc<tether_tunnel::watchdog::Progress>,
+    watchdog: tether_tunnel::watchdog::Watchdog,
+}
+
+impl MuxTunnel {
+    /// Serves the connection until it ends: the reader spawns each `OPEN`'s handler itself;
+    /// this loop answers `HELLO`, passes on `DRAIN` and `REFUSED`, and runs the keepalive,
+    /// the watchdog, the adaptive window and the graceful close (GOAWAY, then the streams get
+    /// `grace`).
+    async fn run<T>(self, tls: T) -> Result<(), TunnelError>
+    where
+        T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
+    {
+        use tether_tunnel::mux::{self, Event, frame};
+        let Self {
+            addr,
+            shared,
+            events,
+            shutdown,
+            grace,
+            window,
+            progress,
+            watchdog,
+        } = self;
+        let hs = shared.settings.handshake_timeout;
+        let for_streams = Arc::clone(&shared);
+        let on_open: mux::OnOpen = Arc::new(move |incoming: mux::Incoming| {
+            tokio::spawn(handle_mux_dial(incoming, Arc::clone(&for_streams)));
+        });
+        let cfg = mux::Config::from_settings(&shared.settings);
+        let (conn, driver, mut conn_events) =
+            mux::connect(tls, mux::Role::Acceptor, cfg, Some(on_open));
+        let run = driver.run();
+        tokio::pin!(run);
+        let rtt = std::sync::atomic::AtomicU64::new(0);
+        let keepalive = tether_tunnel::keepalive::run_probed(
+            tether_tunnel::keepalive::Pinger::Mux(conn.clone()),
+            shared.settings.keepalive_interval,
+            shared.settings.keepalive_timeout,
+            &rtt,
+            Some(tether_tunnel::keepalive::WindowSampling {
+                window: Arc::clone(&window),
+                changes: Some(shared.metrics.tunnel_window_changes.clone()),
+            }),
+            Some(&progress),
+        );
+        tokio::pin!(keepalive);
+        let wedged = watchdog.run();
+        tokio::pin!(wedged);
+        let mut window_rx = window.changed();
+        let mut draining_since: Option<Instant> = None;
+        // Closed by us: only the driver's clean close (bounded by the lingering close) is left.
+        let mut closing = false;
+        loop {
+            let grace_left = draining_since
+                .filter(|_| !closing)
+                .map(|t| grace.saturating_sub(t.elapsed()));
+            tokio::select! {
+                reason = &mut run => {
+                    return if reason == mux::PEER_CLOSED || draining_since.is_some() {
+                        Ok(())
+                    } else {
+                        Err(TunnelError::Lost(reason))
+                    };
+                }
+                Some(ev) = conn_events.recv() => match ev {
+                    Event::Hello(hello) => {
+                        if hello.cluster != shared.cluster {
+                            let msg = format!(
+                                "certificate names cluster {:?}, agent is configured for {:?}",
+                                hello.cluster, shared.cluster
+                            );
+                            tracing::error!(broker = %hello.broker, "{msg}");
+                            let payload = frame::encode_text(&msg);
+                            let refused = conn.send_control(frame::Kind::Refused, &payload);
+                            let _ = tokio::time::timeout(hs, refused).await;
+                            conn.close("identity mismatch");
+                            return Err(TunnelError::IdentityMismatch {
+                                seen: format!("cluster {} agent {}", hello.cluster, hello.agent),
+                                configured: format!("cluster {}", shared.cluster),
+                            });
+                        }
+                        let payload = frame::encode_pair(&shared.cluster, &shared.agent);
+                        if let Err(e) = conn.send_control(frame::Kind::HelloOk, &payload).await {
+                            return Err(TunnelError::Lost(e.to_string()));
+                        }
+                        let _ = events.send(TunnelEvent::Established { broker: hello.broker }).await;
+                    }
+                    Event::Refused(reason) => {
+                        tracing::error!(cluster = %shared.cluster, %reason, "broker refused this cluster's tunnel");
+                        conn.close("refused by the broker");
+                        return Err(TunnelError::Refused(reason));
+                    }
+                    Event::Drain => {
+                        let _ = events.send(TunnelEvent::Drain).await;
+                    }
+                    Event::HelloOk { .. } | Event::GoAway { .. } => {
+                        tracing::debug!(%addr, event = ?ev, "unexpected tunnel event from the broker");
+                    }
+                },
+                e = &mut keepalive => {
+                    if matches!(e, tether_tunnel::keepalive::KeepaliveError::Timeout(_)) {
+                        shared.metrics.tunnel_wedged.with_label_values(&["keepalive"]).inc();
+                    }
+                    conn.close(e.to_string());
+                    return Err(TunnelError::Keepalive(e.to_string()));
+                }
+                w = &mut wedged => {
+                    shared.metrics.tunnel_wedged.with_label_values(&["watchdog"]).inc();
+                    tracing::warn!(%addr, reason = %w, "tunnel wedged: tearing it down");
+                    conn.close(w.to_string());
+                    return Err(TunnelError::Wedged(w.to_string()));
+                }
+                Ok(()) = window_rx.changed() => {
+                    let w = *window_rx.borrow_and_update();
+                    conn.set_recv_window(w);
+                    tracing::debug!(%addr, stream_window_bytes = w, "tunnel receive window changed");
+                }
+                _ = shutdown.cancelled(), if draining_since.is_none() => {
+                    let _ = tokio::time::timeout(hs, conn.go_away("agent shutting down")).await;
+                    draining_since = Some(Instant::now());
+                }
+                () = conn.idle(), if draining_since.is_some() && !closing => {
+                    // Every stream ended: close cleanly (close_notify, FIN, lingering).
+                    conn.close("drained");
+                    closing = true;
+                }
+                _ = tokio::time::sleep(grace_left.unwrap_or(Duration::MAX)), if grace_left.is_some() => {
+                    // Streams still open after the grace are reset.
+                    conn.close(format!("drain grace of {grace:?} over"));
+                    closing = true;
+                }
+            }
+        }
+    }
+}
+
+/// A `tether-tunnel/2` dial: the `OPEN`'s fields, then [`serve_dial`] as for HTTP/2.
+async fn handle_mux_dial(incoming: tether_tunnel::mux::Incoming, shared: Arc<AgentShared>) {
+    let tether_tunnel::mux::Incoming {
+        open,
+        responder,
+        send,
+        recv,
+    } = incoming;
+    let span = tracing::info_span!("agent_stream", cluster = %shared.cluster, stream = open.tag, target = %open.target);
+    tether_telemetry::propagation::set_parent(
+        &span,
+        open.trace.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+    );
+    let timeout = match open.dial_timeout_ms {
+        0 => shared.max_dial_timeout,
+        ms => Duration::from_millis(u64::from(ms)).min(shared.max_dial_timeout),
+    };
+    serve_dial(
+        open.target,
+        timeout,
+        Answer::Mux(responder, send),
+        recv.into(),
+        shared,
+    )
+    .instrument(span)
+    .await
 }
 
 /// TCP to the broker, directly or through the forward proxy that applies to it.
@@ -384,7 +573,7 @@ fn header<B>(req: &Request<B>, name: &str) -> String {
 
 async fn handle_dial(
     req: Request<h2::RecvStream>,
-    mut respond: SendResponse<Bytes>,
+    respond: SendResponse<Bytes>,
     shared: Arc<AgentShared>,
 ) {
     let h = |n: &str| header(&req, n);
@@ -402,9 +591,64 @@ async fn handle_dial(
         .map(Duration::from_millis)
         .unwrap_or(shared.max_dial_timeout)
         .min(shared.max_dial_timeout);
+    let body = StreamRx::from(req.into_body());
+    serve_dial(target, timeout, Answer::H2(respond), body, shared)
+        .instrument(span)
+        .await
+}
+
+/// How the agent answers a dial: an HTTP/2 response (`tether-tunnel/1`), or `OPEN_OK` /
+/// `OPEN_ERR` (`tether-tunnel/2`, whose stream exists before the answer).
+enum Answer {
+    H2(SendResponse<Bytes>),
+    Mux(tether_tunnel::mux::Responder, tether_tunnel::mux::SendHalf),
+}
+
+impl Answer {
+    /// The dial succeeded: the stream's sending half, unless the broker went away.
+    async fn ok(self) -> Option<StreamTx> {
+        match self {
+            Self::H2(mut respond) => match respond.send_response(Response::new(()), false) {
+                Ok(s) => Some(s.into()),
+                Err(e) => {
+                    tracing::debug!(error = %e, "broker went away before the dial answer");
+                    None
+                }
+            },
+            Self::Mux(responder, send) => match responder.ok().await {
+                Ok(()) => Some(send.into()),
+                Err(e) => {
+                    tracing::debug!(error = %e, "broker went away before the dial answer");
+                    None
+                }
+            },
+        }
+    }
+
+    async fn fail(self, e: &DialError) {
+        match self {
+            Self::H2(mut respond) => {
+                let _ = respond.send_response(wire::error_response(e), true);
+            }
+            Self::Mux(responder, _send) => {
+                let _ = responder.fail(e.kind.metric_label(), &e.message).await;
+            }
+        }
+    }
+}
+
+/// Dials `target` for a broker's stream, answers, then splices (either protocol). Runs in the
+/// stream's span.
+async fn serve_dial(
+    target: String,
+    timeout: Duration,
+    answer: Answer,
+    mut body: StreamRx,
+    shared: Arc<AgentShared>,
+) {
     async move {
         if target == wire::SERVICE_PROXY_DEST {
-            return serve_service_proxy(req, respond, &shared).await;
+            return serve_service_proxy(answer, body, &shared).await;
         }
         let started = Instant::now();
         let dialled = dial(&shared, &target, timeout).await;
@@ -421,23 +665,18 @@ async fn handle_dial(
                     .with_label_values(&[e.kind.metric_label()])
                     .inc();
                 tracing::info!(reason = %e, "dial failed");
-                let _ = respond.send_response(wire::error_response(&e), true);
+                answer.fail(&e).await;
                 return;
             }
         };
-        let mut body = req.into_body();
         if let Err(e) = write_early_data(&tcp, &mut body, &shared.counters, timeout).await {
             tracing::info!(error = %e, "target refused the early data");
             let e = DialError::new(DialErrorKind::Refused, format!("writing to {target}: {e}"));
-            let _ = respond.send_response(wire::error_response(&e), true);
+            answer.fail(&e).await;
             return;
         }
-        let send = match respond.send_response(Response::new(()), false) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::debug!(error = %e, "broker went away before the dial answer");
-                return;
-            }
+        let Some(send) = answer.ok().await else {
+            return;
         };
         let (rd, wr) = tcp.into_split();
         let result = shared
@@ -466,7 +705,6 @@ async fn handle_dial(
             Err(e) => tracing::info!(reason = %e.reason, "stream aborted"),
         }
     }
-    .instrument(span)
     .await
 }
 
@@ -477,7 +715,7 @@ async fn handle_dial(
 /// to the splice; what does not fit the send buffer waits for the reactor, within `timeout`.
 async fn write_early_data(
     tcp: &TcpStream,
-    body: &mut h2::RecvStream,
+    body: &mut StreamRx,
     counters: &ByteCounters,
     timeout: Duration,
 ) -> std::io::Result<()> {
@@ -509,7 +747,7 @@ async fn write_early_data(
             format!("the target took no early data within {timeout:?}"),
         )
     })??;
-    let _ = body.flow_control().release_capacity(early.len());
+    body.release(early.len());
     if let Some(c) = &counters.from_tunnel {
         c.inc_by(early.len() as u64);
     }
@@ -522,11 +760,7 @@ pub const SERVICE_PROXY_PIPE_BYTES: usize = 256 * 1024;
 /// A service-proxy stream: HTTP/1.1 from the broker, served by [`AgentShared::service_proxy`]
 /// through an in-memory pipe spliced to the tunnel stream (same flow control, half-close and
 /// abort as any stream).
-async fn serve_service_proxy(
-    req: Request<h2::RecvStream>,
-    mut respond: SendResponse<Bytes>,
-    shared: &AgentShared,
-) {
+async fn serve_service_proxy(answer: Answer, body: StreamRx, shared: &AgentShared) {
     let Some(proxy) = shared.service_proxy.clone() else {
         let e = DialError::new(
             DialErrorKind::AgentPolicy,
@@ -535,17 +769,17 @@ async fn serve_service_proxy(
                 shared.cluster
             ),
         );
-        let _ = respond.send_response(wire::error_response(&e), true);
+        answer.fail(&e).await;
         return;
     };
-    let Ok(send) = respond.send_response(Response::new(()), false) else {
+    let Some(send) = answer.ok().await else {
         return;
     };
     let (ours, theirs) = tokio::io::duplex(SERVICE_PROXY_PIPE_BYTES);
     tokio::spawn(proxy.serve(theirs));
     let (rd, wr) = tokio::io::split(ours);
     let rd = tether_tunnel::pump::AsyncChunkReader::new(rd, shared.settings.read_chunk_bytes);
-    let r = shared.splice(rd, wr, send, req.into_body()).await;
+    let r = shared.splice(rd, wr, send, body).await;
     if let Err(e) = r {
         tracing::debug!(reason = %e.reason, "service-proxy stream aborted");
     }

@@ -1,7 +1,8 @@
 //! The agent listener's handshakes: [`accept_agent`] runs TLS (client certificate required),
 //! then either hands a peer broker's relay connection (ALPN `tether-relay/1`) to
-//! `peers::serve_relay`, or runs the HTTP/2 client handshake and the `hello` identity
-//! check of an agent tunnel and starts its [`TunnelActor`].
+//! `peers::serve_relay`, or starts an agent tunnel — `tether-tunnel/2` (the multiplexer,
+//! `tether_tunnel::mux`) or `tether-tunnel/1` (the HTTP/2 client handshake) — runs the `hello`
+//! identity check and starts its [`TunnelActor`].
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -137,6 +138,14 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
     let window = side.settings.adaptive_window();
     let mut tls = tls;
     tls.get_mut().0.count_into(Arc::clone(&window));
+    if tls.get_ref().1.alpn_protocol() == Some(tether_tls::ALPN_TUNNEL_V2) {
+        let peer = Peer {
+            identity,
+            cluster,
+            agent,
+        };
+        return accept_mux(side, tls, peer, window, progress).await;
+    }
     let (send, mut conn) = tokio::time::timeout(
         hs,
         side.settings.client_builder().handshake::<_, Bytes>(tls),
@@ -206,6 +215,10 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
             .to_owned();
         return Err(AcceptError::IdentityMismatch(format!("{identity}: {msg}")));
     }
+    side.metrics
+        .tunnel_connections
+        .with_label_values(&["h2"])
+        .inc();
     let handle = Arc::new(
         TunnelHandle::new(
             side.next_id.fetch_add(1, Ordering::Relaxed),
@@ -222,7 +235,138 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
         handle,
         registry: side.registry.clone(),
         keepalive: Some((
-            ping_pong,
+            ping_pong.into(),
+            side.settings.keepalive_interval,
+            side.settings.keepalive_timeout,
+        )),
+        sampling: Some(WindowSampling {
+            window,
+            changes: Some(side.metrics.tunnel_window_changes.clone()),
+        }),
+        connection: Some(connection),
+        watchdog: Watchdog::new(progress, side.settings.stall_timeout)
+            .count_suspect_in(side.metrics.tunnel_suspect.clone()),
+        wedged: side.metrics.tunnel_wedged.clone(),
+        hooks: side.test_hooks.clone().zip(panic_token),
+    };
+    TunnelActor::start_in_arbiter(&side.arbiter, move |_| actor);
+    Ok(())
+}
+
+/// Who the agent's certificate says it is.
+struct Peer {
+    identity: Identity,
+    cluster: String,
+    agent: String,
+}
+
+/// An agent tunnel on `tether-tunnel/2`: the connection's driver runs as the tunnel's
+/// connection task; `HELLO` / `HELLO_OK` check the identity; the actor takes it from there.
+async fn accept_mux<T>(
+    side: Arc<AgentSide>,
+    tls: T,
+    peer: Peer,
+    window: Arc<tether_tunnel::window::AdaptiveWindow>,
+    progress: Arc<Progress>,
+) -> Result<(), AcceptError>
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
+{
+    use tether_tunnel::mux::{self, Event, frame};
+    let Peer {
+        identity,
+        cluster,
+        agent,
+    } = peer;
+    let cfg = mux::Config::from_settings(&side.settings);
+    let (conn, driver, mut events) = mux::connect(tls, mux::Role::Opener, cfg, None);
+    let closer = side.close.child_token();
+    let conn_closer = closer.clone();
+    let mut window_rx = window.changed();
+    let conn_cluster = cluster.clone();
+    let panic_token = side.test_hooks.as_ref().map(|_| CancellationToken::new());
+    let panic_on = panic_token.clone();
+    let driven = conn.clone();
+    let connection: Connection = AbortOnDropHandle::new(side.tasks.spawn("tunnel connection", async move {
+        let run = driver.run();
+        tokio::pin!(run);
+        loop {
+            tokio::select! {
+                reason = &mut run => break reason,
+                _ = conn_closer.cancelled() => {
+                    driven.close("closed by the broker");
+                    break "closed by the broker".to_owned();
+                }
+                Ok(()) = window_rx.changed() => {
+                    let w = *window_rx.borrow_and_update();
+                    driven.set_recv_window(w);
+                    tracing::debug!(cluster = %conn_cluster, stream_window_bytes = w, "tunnel receive window changed");
+                }
+                () = wait_cancelled(panic_on.as_ref()), if panic_on.is_some() => {
+                    panic!("test hook: the connection task of a tunnel of cluster {conn_cluster} panics")
+                }
+            }
+        }
+    }));
+    if let Err(reason) = side.clusters.admit(&cluster) {
+        crate::handle::tell_refused_mux(&conn, &reason).await;
+        closer.cancel();
+        return Err(AcceptError::ClusterRefused(reason));
+    }
+    let hello = mux::Hello {
+        cluster: cluster.clone(),
+        agent: agent.clone(),
+        broker: side.broker_id.clone(),
+    };
+    let answer = tokio::time::timeout(HELLO_TIMEOUT, async {
+        conn.send_control(frame::Kind::Hello, &hello.encode())
+            .await
+            .map_err(|e| AcceptError::H2(e.to_string()))?;
+        loop {
+            match events.recv().await {
+                Some(Event::HelloOk { .. }) => return Ok(()),
+                Some(Event::Refused(msg)) => {
+                    return Err(AcceptError::IdentityMismatch(format!("{identity}: {msg}")));
+                }
+                Some(_) => {}
+                None => {
+                    return Err(AcceptError::H2(
+                        "the agent closed the connection during the hello".into(),
+                    ));
+                }
+            }
+        }
+    })
+    .await
+    .map_err(|_| AcceptError::Timeout(HELLO_TIMEOUT))?;
+    if let Err(e) = answer {
+        closer.cancel();
+        return Err(e);
+    }
+    // Later connection events (GOAWAY, DRAIN) act on the connection itself (the tunnel stops
+    // taking streams); nobody needs to read them.
+    drop(events);
+    side.metrics
+        .tunnel_connections
+        .with_label_values(&["mux"])
+        .inc();
+    let handle = Arc::new(
+        TunnelHandle::new_mux(
+            side.next_id.fetch_add(1, Ordering::Relaxed),
+            cluster,
+            agent,
+            conn.clone(),
+            side.max_pending_dials,
+        )
+        .with_closer(closer)
+        .with_window(Arc::clone(&window))
+        .with_progress(Arc::clone(&progress)),
+    );
+    let actor = TunnelActor {
+        handle,
+        registry: side.registry.clone(),
+        keepalive: Some((
+            tether_tunnel::keepalive::Pinger::Mux(conn),
             side.settings.keepalive_interval,
             side.settings.keepalive_timeout,
         )),

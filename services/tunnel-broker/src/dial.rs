@@ -8,10 +8,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use h2::{RecvStream, SendStream};
 use tether_tunnel::pump::{ByteCounters, SpliceError, SpliceStats};
 use tether_tunnel::wire::DialErrorKind;
-use tether_tunnel::{DialError, Target, TunnelSettings};
+use tether_tunnel::{DialError, StreamRx, StreamTx, Target, TunnelSettings};
 use tokio::sync::watch;
 
 use crate::auth::{Auth, ClientId};
@@ -58,8 +57,8 @@ pub const MAX_LOCAL_TUNNELS_TRIED: usize = 4;
 
 /// An open stream to a target.
 pub struct OpenStream {
-    pub send: SendStream<Bytes>,
-    pub recv: RecvStream,
+    pub send: StreamTx,
+    pub recv: StreamRx,
     pub ticket: StreamTicket,
 }
 
@@ -253,7 +252,7 @@ impl Broker {
         target: &Target,
         stream_id: u64,
         route: &Route<'_>,
-    ) -> Result<(SendStream<Bytes>, RecvStream, StreamGuard), DialError> {
+    ) -> Result<(StreamTx, StreamRx, StreamGuard), DialError> {
         let timeout = route
             .timeout
             .unwrap_or(self.dial_timeout)

@@ -22,14 +22,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::Stream;
-use h2::{RecvStream, SendStream};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
 use tether_proto::konnectivity as k;
 use tether_proto::tunnel::v1 as pb;
-use tether_tunnel::pump::{AbortReason, SpliceError, SpliceStats, h2_abort_reason, send_chunk};
+use tether_tunnel::pump::{AbortReason, SpliceError, SpliceStats};
 use tether_tunnel::wire::DialErrorKind;
 use tether_tunnel::{DialError, Target};
+use tether_tunnel::{StreamRx, StreamTx};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -184,8 +184,8 @@ async fn pump<In, Out>(
     broker: &Broker,
     pacer: &crate::budget::Pacer,
     mut inbound: Streaming<In>,
-    mut tx: SendStream<Bytes>,
-    mut rx: RecvStream,
+    mut tx: StreamTx,
+    mut rx: StreamRx,
     out: &mpsc::Sender<Result<Out, Status>>,
     classify: impl Fn(In) -> Inbound,
     wrap: impl Fn(Bytes) -> Out,
@@ -199,7 +199,7 @@ async fn pump<In, Out>(
                     Ok(Some(m)) => match classify(m) {
                         Inbound::Data(b) => {
                             let n = b.len() as u64;
-                            send_chunk(&mut tx, b).await?;
+                            tx.send(b).await?;
                             pacer.charge(n as usize).await;
                             stats.to_tunnel_bytes += n;
                             if let Some(c) = &broker.counters.to_tunnel {
@@ -214,8 +214,7 @@ async fn pump<In, Out>(
                         Inbound::Ignore => {}
                     },
                     Ok(None) => {
-                        tx.send_data(Bytes::new(), true)
-                            .map_err(|e| h2_abort_reason(&e))?;
+                        tx.finish().await?;
                         return Ok::<(), AbortReason>(());
                     }
                     Err(s) => {
@@ -229,7 +228,7 @@ async fn pump<In, Out>(
         };
         let down = async {
             while let Some(next) = rx.data().await {
-                let data = next.map_err(|e| h2_abort_reason(&e))?;
+                let data = next?;
                 let n = data.len();
                 if n == 0 {
                     continue;
@@ -237,7 +236,7 @@ async fn pump<In, Out>(
                 if out.send(Ok(wrap(data))).await.is_err() {
                     return Err(AbortReason::Cancelled("client went away".into()));
                 }
-                let _ = rx.flow_control().release_capacity(n);
+                rx.release(n);
                 pacer.charge(n).await;
                 down_bytes += n as u64;
                 if let Some(c) = &broker.counters.from_tunnel {
@@ -253,7 +252,7 @@ async fn pump<In, Out>(
     match result {
         Ok(()) => Ok(stats),
         Err(reason) => {
-            tx.send_reset(h2::Reason::CANCEL);
+            tx.reset();
             Err(SpliceError { reason, stats })
         }
     }

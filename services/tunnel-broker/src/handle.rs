@@ -1,6 +1,7 @@
-//! [`TunnelHandle`]: what front ends, the registry and relays use to open streams on one HTTP/2
-//! connection to an agent (or to a peer broker's relay), and the [`StreamGuard`] each open stream
-//! holds. The connection itself is owned by its `tunnel::TunnelActor`.
+//! [`TunnelHandle`]: what front ends, the registry and relays use to open streams on one
+//! connection to an agent (`tether-tunnel/2`, or HTTP/2 for `tether-tunnel/1`) or to a peer
+//! broker's relay (HTTP/2), and the [`StreamGuard`] each open stream holds. The connection
+//! itself is owned by its `tunnel::TunnelActor`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -8,12 +9,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use h2::client::SendRequest;
-use h2::{RecvStream, SendStream};
 use http::{HeaderValue, Method, Request, StatusCode};
+use tether_tunnel::mux::{self, Mux};
 use tether_tunnel::watchdog::Progress;
 use tether_tunnel::window::AdaptiveWindow;
 use tether_tunnel::wire::{self, DialErrorKind};
-use tether_tunnel::{DialError, Target};
+use tether_tunnel::{DialError, StreamRx, StreamTx, Target};
 use tokio::sync::Semaphore;
 
 /// Time the agent has to answer the `hello` request.
@@ -24,7 +25,7 @@ pub struct TunnelHandle {
     pub id: u64,
     pub cluster: String,
     pub agent: String,
-    send: SendRequest<Bytes>,
+    conn: Conn,
     open: AtomicUsize,
     pending: Semaphore,
     max_pending: usize,
@@ -39,6 +40,14 @@ pub struct TunnelHandle {
     window: Option<Arc<AdaptiveWindow>>,
     /// Transport progress seen by the wedged-tunnel watchdog (agent tunnels).
     progress: Option<Arc<Progress>>,
+}
+
+/// The connection streams are opened on.
+enum Conn {
+    /// HTTP/2: `tether-tunnel/1` agents and relay links to peer brokers.
+    H2(SendRequest<Bytes>),
+    /// `tether-tunnel/2`.
+    Mux(Mux),
 }
 
 /// A header value unique to one stream (its id, its trace context) goes out never-indexed
@@ -84,11 +93,32 @@ impl TunnelHandle {
         send: SendRequest<Bytes>,
         max_pending_dials: usize,
     ) -> Self {
+        Self::with_conn(id, cluster, agent, Conn::H2(send), max_pending_dials)
+    }
+
+    /// A handle over a `tether-tunnel/2` connection to an agent.
+    pub fn new_mux(
+        id: u64,
+        cluster: String,
+        agent: String,
+        mux: Mux,
+        max_pending_dials: usize,
+    ) -> Self {
+        Self::with_conn(id, cluster, agent, Conn::Mux(mux), max_pending_dials)
+    }
+
+    fn with_conn(
+        id: u64,
+        cluster: String,
+        agent: String,
+        conn: Conn,
+        max_pending_dials: usize,
+    ) -> Self {
         Self {
             id,
             cluster,
             agent,
-            send,
+            conn,
             open: AtomicUsize::new(0),
             pending: Semaphore::new(max_pending_dials),
             max_pending: max_pending_dials,
@@ -141,8 +171,19 @@ impl TunnelHandle {
 
     /// Tells the agent why (`refused`, best effort) and closes the connection.
     pub async fn refuse_and_close(&self, reason: &str) {
-        tell_refused(&self.send, reason).await;
+        match &self.conn {
+            Conn::H2(send) => tell_refused(send, reason).await,
+            Conn::Mux(m) => tell_refused_mux(m, reason).await,
+        }
         self.closer.cancel();
+    }
+
+    /// The protocol of the connection (`tether-tunnel/2`, or HTTP/2).
+    pub fn protocol(&self) -> &'static str {
+        match &self.conn {
+            Conn::H2(_) => "h2",
+            Conn::Mux(_) => "mux",
+        }
     }
 
     pub fn open_streams(&self) -> usize {
@@ -164,6 +205,7 @@ impl TunnelHandle {
 
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Relaxed)
+            || matches!(&self.conn, Conn::Mux(m) if m.is_draining())
     }
 
     /// Asks the agent to dial `target`; on success returns the stream's two halves.
@@ -179,7 +221,7 @@ impl TunnelHandle {
         timeout: Duration,
         trace_headers: &std::collections::HashMap<String, String>,
         early: &Bytes,
-    ) -> Result<(SendStream<Bytes>, RecvStream, StreamGuard), DialError> {
+    ) -> Result<(StreamTx, StreamRx, StreamGuard), DialError> {
         let _permit = self.pending.try_acquire().map_err(|_| {
             DialError::new(
                 DialErrorKind::Overloaded,
@@ -192,7 +234,11 @@ impl TunnelHandle {
         // The peer's SETTINGS_MAX_CONCURRENT_STREAMS bounds the streams of this connection. h2
         // would queue a request beyond it until some stream closes, so the client would wait out
         // the whole dial budget and get a misleading 504: refuse at once instead.
-        let limit = self.send.current_max_send_streams();
+        let limit = match &self.conn {
+            Conn::H2(send) => send.current_max_send_streams(),
+            // The agent's limit, from its WINDOW (HTTP/2: its SETTINGS).
+            Conn::Mux(m) => m.peer_max_streams(),
+        };
         let dialling = self.max_pending - self.pending.available_permits();
         if self.open_streams() + dialling > limit {
             return Err(DialError::new(
@@ -203,6 +249,14 @@ impl TunnelHandle {
                 ),
             ));
         }
+        let send = match &self.conn {
+            Conn::H2(send) => send,
+            Conn::Mux(m) => {
+                return self
+                    .open_mux(m, target, stream_id, timeout, trace_headers, early)
+                    .await;
+            }
+        };
         let mut req = Request::builder()
             .method(Method::POST)
             .uri(format!("https://tunnel{}", wire::PATH_DIAL))
@@ -263,7 +317,7 @@ impl TunnelHandle {
         // The agent enforces the dial timeout and answers 504; the margin covers the round trip.
         let budget = timeout + Duration::from_secs(2);
         let work = async {
-            let mut send = self.send.clone().ready().await.map_err(refused)?;
+            let mut send = send.clone().ready().await.map_err(refused)?;
             let (resp, mut tx) = send.send_request(req, false).map_err(refused)?;
             if !early.is_empty() {
                 // Within the stream's initial window (the head limit is far below it); h2
@@ -309,19 +363,102 @@ impl TunnelHandle {
             ));
         }
         self.open.fetch_add(1, Ordering::Relaxed);
-        Ok((tx, resp.into_body(), StreamGuard(Arc::clone(self))))
+        Ok((
+            tx.into(),
+            resp.into_body().into(),
+            StreamGuard(Arc::clone(self)),
+        ))
+    }
+
+    /// [`TunnelHandle::open`] on a `tether-tunnel/2` connection: one `OPEN` frame (with the
+    /// early data in the same write), answered by `OPEN_OK` or `OPEN_ERR`.
+    async fn open_mux(
+        self: &Arc<Self>,
+        m: &Mux,
+        target: &Target,
+        stream_id: u64,
+        timeout: Duration,
+        trace_headers: &std::collections::HashMap<String, String>,
+        early: &Bytes,
+    ) -> Result<(StreamTx, StreamRx, StreamGuard), DialError> {
+        let open = mux::Open {
+            target: target.wire_dest(),
+            cluster: target.cluster.clone(),
+            tag: stream_id,
+            dial_timeout_ms: u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX),
+            trace: trace_headers
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+        };
+        // The agent enforces the dial timeout and answers; the margin covers the round trip.
+        let budget = timeout + Duration::from_secs(2);
+        let opened = tokio::time::timeout(budget, m.open(&open, early))
+            .await
+            .map_err(|_| {
+                DialError::new(
+                    DialErrorKind::Timeout,
+                    format!(
+                        "no dial answer from cluster {} within {} ms",
+                        self.cluster,
+                        budget.as_millis()
+                    ),
+                )
+            })?;
+        match opened {
+            Ok((tx, rx)) => {
+                self.open.fetch_add(1, Ordering::Relaxed);
+                Ok((tx.into(), rx.into(), StreamGuard(Arc::clone(self))))
+            }
+            Err(mux::OpenError::Dial { kind, message }) => Err(DialError::new(
+                DialErrorKind::from_label(&kind),
+                if message.is_empty() {
+                    format!("agent answered {kind}")
+                } else {
+                    message
+                },
+            )),
+            // Not processed by the agent (refused, GOAWAY): nothing dialled, no early data
+            // delivered — Broker::dial sends it on to another tunnel.
+            Err(mux::OpenError::NotTaken(why)) => {
+                if m.is_draining() && !self.draining.swap(true, Ordering::Relaxed) {
+                    tracing::info!(cluster = %self.cluster, agent = %self.agent, tunnel = self.id, "agent sent GOAWAY: no new streams on this tunnel");
+                }
+                Err(DialError::new(
+                    DialErrorKind::NoTunnel,
+                    format!(
+                        "the agent of cluster {} did not take the stream: {why}",
+                        self.cluster
+                    ),
+                ))
+            }
+            Err(mux::OpenError::Lost(why)) => Err(DialError::new(
+                DialErrorKind::TunnelLost,
+                format!("tunnel to cluster {} failed: {why}", self.cluster),
+            )),
+        }
     }
 
     /// Tells the agent this broker is draining.
     pub async fn send_drain(&self) {
         self.draining.store(true, Ordering::Relaxed);
+        let send = match &self.conn {
+            Conn::H2(send) => send,
+            Conn::Mux(m) => {
+                let work = m.send_control(mux::frame::Kind::Drain, &[]);
+                if let Err(e) = tokio::time::timeout(HELLO_TIMEOUT, work).await {
+                    tracing::debug!(cluster = %self.cluster, error = %e, "drain notice not sent");
+                }
+                return;
+            }
+        };
         let req = Request::builder()
             .method(Method::POST)
             .uri(format!("https://tunnel{}", wire::PATH_DRAIN))
             .body(())
             .expect("valid request");
         let work = async {
-            let mut send = self.send.clone().ready().await?;
+            let mut send = send.clone().ready().await?;
             let (resp, _) = send.send_request(req, true)?;
             resp.await
         };
@@ -329,6 +466,14 @@ impl TunnelHandle {
             tracing::debug!(cluster = %self.cluster, error = %e, "drain notice not answered");
         }
     }
+}
+
+/// Sends `REFUSED` with the reason on a `tether-tunnel/2` connection; waits at most
+/// [`HELLO_TIMEOUT`].
+pub(crate) async fn tell_refused_mux(m: &Mux, reason: &str) {
+    let payload = mux::frame::encode_text(reason);
+    let work = m.send_control(mux::frame::Kind::Refused, &payload);
+    let _ = tokio::time::timeout(HELLO_TIMEOUT, work).await;
 }
 
 /// Sends `POST /tether.tunnel.v1/refused` with the reason; waits at most [`HELLO_TIMEOUT`].

@@ -119,7 +119,7 @@ pub async fn run(
         .map(control::connect_config)
         .transpose()?;
     let agent_acceptor = TlsAcceptor::from(Arc::new(
-        tls.server_config(true, &[tether_tls::ALPN_TUNNEL, tether_tls::ALPN_RELAY])?,
+        tls.server_config(true, &agent_listener_alpn(cfg.tunnel.protocol))?,
     ));
     let (peer_table, peer_routes) = peers::PeerTable::new();
     let peer_table = peer_table.with_gauge(metrics.relay_peers_connected.clone());
@@ -377,6 +377,7 @@ pub async fn run(
                         "open_streams": t.open_streams(), "draining": t.is_draining(),
                         "rtt_micros": t.rtt().map(|d| d.as_micros() as u64),
                         "stream_window_bytes": t.stream_window(),
+                        "protocol": t.protocol(),
                     })
                 })
                 .collect();
@@ -515,6 +516,14 @@ async fn connection_task<F, Fut>(
         _ = close.cancelled() => {}
     }
     drop(slot);
+}
+
+/// ALPN ids of the agent listener: the tunnel protocols `protocol` allows (preferred first),
+/// then relay links from peer brokers.
+fn agent_listener_alpn(protocol: tether_tunnel::settings::TunnelProtocol) -> Vec<&'static [u8]> {
+    let mut alpn = protocol.alpn().to_vec();
+    alpn.push(tether_tls::ALPN_RELAY);
+    alpn
 }
 
 #[cfg(test)]

@@ -43,6 +43,9 @@ pub struct BrokerMetrics {
     /// Client connections accepted, by listener (`plain`, `tls`) and the protocol they spoke
     /// (`h2`: gRPC Dial, DialRaw, konnectivity; `http1`: CONNECT).
     pub client_connections: IntCounterVec,
+    /// Agent tunnels established, by protocol (`mux`: `tether-tunnel/2`, `h2`:
+    /// `tether-tunnel/1`).
+    pub tunnel_connections: IntCounterVec,
 }
 
 impl BrokerMetrics {
@@ -199,6 +202,13 @@ impl BrokerMetrics {
                     "Client connections accepted, by listener (plain, tls) and protocol (h2, http1).",
                 ),
                 &["listener", "protocol"],
+            ).registered(registry)?,
+            tunnel_connections: IntCounterVec::new(
+                Opts::new(
+                    "tether_broker_tunnel_connections_total",
+                    "Agent tunnels established (hello answered), by protocol (mux = tether-tunnel/2, h2 = tether-tunnel/1).",
+                ),
+                &["protocol"],
             ).registered(registry)?,
         };
         Ok(m)

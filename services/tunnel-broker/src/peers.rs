@@ -408,7 +408,11 @@ async fn relay_request(
                 return;
             }
         };
-        let r = tether_tunnel::relay::splice_streams((back, req.into_body()), (send, recv)).await;
+        let r = tether_tunnel::relay::splice_streams(
+            (back.into(), req.into_body().into()),
+            (send, recv),
+        )
+        .await;
         broker.finish(&ticket, &r);
     }
     .instrument(span)

@@ -27,7 +27,8 @@ use crate::handle::TunnelHandle;
 use crate::registry::{Deregister, Register, Registry};
 use crate::test_hooks::{self, TestHooks};
 
-/// The task driving a tunnel's HTTP/2 connection; it returns why the connection ended.
+/// The task driving a tunnel's connection (`tether-tunnel/2` or HTTP/2); it returns why the
+/// connection ended.
 /// Dropping it aborts the task (the connection is dropped, its streams reset).
 pub type Connection = AbortOnDropHandle<String>;
 
@@ -36,7 +37,7 @@ pub struct TunnelActor {
     pub(crate) handle: Arc<TunnelHandle>,
     pub(crate) registry: Addr<Registry>,
     pub(crate) connection: Option<Connection>,
-    pub(crate) keepalive: Option<(h2::PingPong, Duration, Duration)>,
+    pub(crate) keepalive: Option<(tether_tunnel::keepalive::Pinger, Duration, Duration)>,
     pub(crate) sampling: Option<WindowSampling>,
     pub(crate) watchdog: Watchdog,
     /// `tether_broker_tunnel_wedged_total{detector}`.

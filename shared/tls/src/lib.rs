@@ -27,6 +27,9 @@ pub use reload::{TlsError, TlsFiles, TlsMaterial};
 
 /// ALPN protocol of the broker↔agent tunnel (HTTP/2 with Tether's stream semantics).
 pub const ALPN_TUNNEL: &[u8] = b"tether-tunnel/1";
+/// ALPN protocol of the broker↔agent tunnel's own multiplexer (`tether_tunnel::mux`), offered
+/// before `tether-tunnel/1`.
+pub const ALPN_TUNNEL_V2: &[u8] = b"tether-tunnel/2";
 /// ALPN protocol of broker→broker relay connections (the dialling broker is the HTTP/2 client).
 pub const ALPN_RELAY: &[u8] = b"tether-relay/1";
 

@@ -1,4 +1,4 @@
-//! HTTP/2 PING keepalive: a dead peer is detected within `interval + timeout`, not the hour
+//! PING keepalive (HTTP/2 PING, or `tether-tunnel/2`'s PING frame): a dead peer is detected within `interval + timeout`, not the hour
 //! konnectivity defaults to. Each answered PING also measures the tunnel's round trip.
 
 use std::sync::Arc;
@@ -16,7 +16,32 @@ pub enum KeepaliveError {
     #[error("peer did not answer PING within {0:?}")]
     Timeout(Duration),
     #[error("PING failed: {0}")]
-    Failed(#[from] h2::Error),
+    Failed(String),
+}
+
+/// What sends PINGs: an HTTP/2 connection's `PingPong`, or a `tether-tunnel/2` connection.
+pub enum Pinger {
+    H2(h2::PingPong),
+    Mux(crate::mux::Mux),
+}
+
+impl From<h2::PingPong> for Pinger {
+    fn from(pp: h2::PingPong) -> Self {
+        Self::H2(pp)
+    }
+}
+
+impl Pinger {
+    async fn ping(&mut self) -> Result<(), String> {
+        match self {
+            Self::H2(pp) => pp
+                .ping(h2::Ping::opaque())
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+            Self::Mux(m) => m.ping().await.map_err(|e| e.to_string()),
+        }
+    }
 }
 
 /// Sends a PING every `interval` and fails when one is not answered within `timeout`.
@@ -63,13 +88,14 @@ pub async fn run_adaptive(
 /// for one (`watchdog::Progress::probe`): bytes written to the peer went unanswered,
 /// and a live peer must ack the PING within a round trip.
 pub async fn run_probed(
-    mut pp: h2::PingPong,
+    pp: impl Into<Pinger>,
     interval: Duration,
     timeout: Duration,
     rtt_micros: &AtomicU64,
     sampling: Option<WindowSampling>,
     probe: Option<&crate::watchdog::Progress>,
 ) -> KeepaliveError {
+    let mut pp = pp.into();
     let changes = sampling.as_ref().and_then(|s| s.changes.clone());
     let mut sampler = sampling
         .map(|s| s.window)
@@ -109,8 +135,8 @@ pub async fn run_probed(
         }
         let before = sampler.as_ref().map(|s| s.shared.received());
         let sent = Instant::now();
-        match tokio::time::timeout(timeout, pp.ping(h2::Ping::opaque())).await {
-            Ok(Ok(_pong)) => {
+        match tokio::time::timeout(timeout, pp.ping()).await {
+            Ok(Ok(())) => {
                 let rtt = sent.elapsed();
                 let us = u64::try_from(rtt.as_micros()).unwrap_or(u64::MAX).max(1);
                 rtt_micros.store(us, Ordering::Relaxed);

@@ -1,9 +1,10 @@
 //! The broker↔agent tunnel protocol.
 //!
-//! One mTLS connection per agent–broker pair. The agent dials out and then *serves* HTTP/2 on
-//! that connection; the broker is the HTTP/2 client and opens **one HTTP/2 stream per tunnelled
-//! TCP connection**. Bytes travel as raw DATA frames (no gRPC message framing, no extra copy), so
-//! HTTP/2 flow control gives every TCP connection its own window:
+//! One mTLS connection per agent–broker pair. The agent dials out; the broker opens **one stream
+//! per tunnelled TCP connection** on it — with `tether-tunnel/2` ([`mux`]), or with HTTP/2
+//! (`tether-tunnel/1`: the agent serves HTTP/2, the broker is the client) when either side lacks
+//! `/2`. Bytes travel as raw DATA frames (no gRPC message framing, no extra copy), and flow
+//! control gives every TCP connection its own window:
 //!
 //! - a stalled reader only stops its own stream (its window fills), never the tunnel;
 //! - half-close is END_STREAM, an abort is RST_STREAM — a peer never mistakes a broken
@@ -14,7 +15,11 @@
 //!   `<host>.<cluster>.tether:<port>` anything else), parsed with errors that say what is wrong.
 //! - [`wire`]: paths and headers of tunnel requests, dial error codes and their HTTP statuses.
 //! - [`settings`]: HTTP/2 window, frame and keepalive settings, applied to both ends.
-//! - [`pump`]: copying between a socket and an HTTP/2 stream with bounded buffers, half-close,
+//! - [`mux`]: `tether-tunnel/2`, Tether's own broker↔agent multiplexer (one task per hop on the
+//!   send path), negotiated by ALPN before `tether-tunnel/1` (HTTP/2).
+//! - [`stream`]: a tunnel stream's two halves whatever carries them (HTTP/2 or `mux`).
+//! - [`abort`]: why a stream was aborted.
+//! - [`pump`]: copying between a socket and a tunnel stream with bounded buffers, half-close,
 //!   abort propagation and a write-progress timeout.
 //! - [`readahead`]: a read-ahead buffer below TLS that exists only while data flows.
 //! - [`lingering`]: a closing end reads until the peer's EOF, so its close is never a reset
@@ -27,22 +32,26 @@
 //!   answer: torn down and redialled).
 //! - [`window`]: adaptive receive windows sized to the tunnel's bandwidth × round trip.
 
+pub mod abort;
 pub mod address;
 mod forward;
 pub mod http_proxy;
 pub mod keepalive;
 pub mod lingering;
+pub mod mux;
 pub mod pattern;
 pub mod pump;
 pub mod readahead;
 pub mod relay;
 pub mod settings;
+pub mod stream;
 pub mod watchdog;
 pub mod window;
 pub mod wire;
 
 pub use address::{AddressError, Dest, Target};
 pub use settings::TunnelSettings;
+pub use stream::{StreamRx, StreamTx};
 pub use wire::{DialError, DialErrorKind};
 
 #[doc(hidden)]

@@ -23,9 +23,10 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use h2::{Reason, RecvStream, SendStream};
 use prometheus::IntCounter;
 use tether_bufpool::BufPool;
+
+use crate::stream::{StreamRx, StreamTx};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
@@ -304,32 +305,7 @@ pub struct SpliceStats {
     pub from_tunnel_bytes: u64,
 }
 
-/// Why a spliced connection was aborted; `metric_label` names it in metrics.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum AbortReason {
-    #[error("peer reset the stream: {0}")]
-    PeerReset(String),
-    #[error("socket error: {0}")]
-    Socket(String),
-    #[error("socket write made no progress for {0:?}")]
-    WriteStalled(Duration),
-    #[error("tunnel error: {0}")]
-    Tunnel(String),
-    #[error("cancelled: {0}")]
-    Cancelled(String),
-}
-
-impl AbortReason {
-    pub fn metric_label(&self) -> &'static str {
-        match self {
-            Self::PeerReset(_) => "peer_reset",
-            Self::Socket(_) => "socket_error",
-            Self::WriteStalled(_) => "write_stalled",
-            Self::Tunnel(_) => "tunnel_error",
-            Self::Cancelled(_) => "cancelled",
-        }
-    }
-}
+pub use crate::abort::AbortReason;
 
 /// A splice that ended abnormally, with what was transferred before.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -339,41 +315,10 @@ pub struct SpliceError {
     pub stats: SpliceStats,
 }
 
-fn h2_reason(e: &h2::Error) -> AbortReason {
-    match e.reason() {
-        Some(r) if e.is_remote() => AbortReason::PeerReset(format!("{r:?}")),
-        _ => AbortReason::Tunnel(e.to_string()),
-    }
-}
-
-/// Sends `data` on `tx`, waiting for flow-control capacity (the peer's window) — this wait is
-/// the per-stream backpressure.
-pub async fn send_chunk(tx: &mut SendStream<Bytes>, mut data: Bytes) -> Result<(), AbortReason> {
-    while !data.is_empty() {
-        tx.reserve_capacity(data.len());
-        let cap = match poll_fn(|cx| tx.poll_capacity(cx)).await {
-            Some(Ok(n)) => n,
-            Some(Err(e)) => return Err(h2_reason(&e)),
-            None => return Err(AbortReason::PeerReset("stream closed".into())),
-        };
-        if cap == 0 {
-            continue;
-        }
-        let part = data.split_to(cap.min(data.len()));
-        tx.send_data(part, false).map_err(|e| h2_reason(&e))?;
-    }
-    Ok(())
-}
-
-/// Describes an h2 error as an abort reason.
-pub fn h2_abort_reason(e: &h2::Error) -> AbortReason {
-    h2_reason(e)
-}
-
 /// Copies socket → stream until EOF.
 async fn socket_to_stream<R: ChunkReader>(
     rd: &mut R,
-    tx: &mut SendStream<Bytes>,
+    tx: &mut StreamTx,
     counter: Option<&IntCounter>,
     total: &mut u64,
 ) -> Result<(), AbortReason> {
@@ -381,20 +326,13 @@ async fn socket_to_stream<R: ChunkReader>(
         let chunk = tokio::select! {
             biased;
             c = rd.next_chunk() => c.map_err(|e| AbortReason::Socket(e.to_string()))?,
-            r = poll_fn(|cx| tx.poll_reset(cx)) => {
-                return Err(match r {
-                    Ok(reason) => AbortReason::PeerReset(format!("{reason:?}")),
-                    Err(e) => h2_reason(&e),
-                });
-            }
+            r = tx.reset_by_peer() => return Err(r),
         };
         let Some(data) = chunk else {
-            tx.send_data(Bytes::new(), true)
-                .map_err(|e| h2_reason(&e))?;
-            return Ok(());
+            return tx.finish().await;
         };
         let len = data.len() as u64;
-        send_chunk(tx, data).await?;
+        tx.send(data).await?;
         *total += len;
         if let Some(c) = counter {
             c.inc_by(len);
@@ -402,16 +340,17 @@ async fn socket_to_stream<R: ChunkReader>(
     }
 }
 
-/// Copies stream → socket. Returns on END_STREAM after shutting the socket's write side.
+/// Copies stream → socket. Returns on the stream's clean end after shutting the socket's write
+/// side.
 async fn stream_to_socket<W: AbortableWrite>(
-    rx: &mut RecvStream,
+    rx: &mut StreamRx,
     wr: &mut W,
     stall: Duration,
     counter: Option<&IntCounter>,
     total: &mut u64,
 ) -> Result<(), AbortReason> {
     while let Some(next) = rx.data().await {
-        let data = next.map_err(|e| h2_reason(&e))?;
+        let data = next?;
         let len = data.len();
         let mut off = 0;
         while off < len {
@@ -422,16 +361,14 @@ async fn stream_to_socket<W: AbortableWrite>(
                 Err(_) => return Err(AbortReason::WriteStalled(stall)),
             }
         }
-        rx.flow_control()
-            .release_capacity(len)
-            .map_err(|e| h2_reason(&e))?;
+        rx.release(len);
         *total += len as u64;
         if let Some(c) = counter {
             c.inc_by(len as u64);
         }
     }
-    // A stream that ends with RST after its data reports it on the next poll; `data()` returned
-    // None only for a clean END_STREAM.
+    // A stream that ends with a reset after its data reports it on the next poll; `data()`
+    // returned None only for a clean end.
     match tokio::time::timeout(stall, wr.shutdown()).await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) if e.kind() == io::ErrorKind::NotConnected => Ok(()),
@@ -444,11 +381,12 @@ async fn stream_to_socket<W: AbortableWrite>(
 pub async fn splice<R: ChunkReader, W: AbortableWrite>(
     mut rd: R,
     mut wr: W,
-    mut tx: SendStream<Bytes>,
-    mut rx: RecvStream,
+    tx: impl Into<StreamTx>,
+    rx: impl Into<StreamRx>,
     write_stall_timeout: Duration,
     counters: &ByteCounters,
 ) -> Result<SpliceStats, SpliceError> {
+    let (mut tx, mut rx) = (tx.into(), rx.into());
     let mut up_total = 0u64;
     let mut down_total = 0u64;
     let result = {
@@ -485,7 +423,7 @@ pub async fn splice<R: ChunkReader, W: AbortableWrite>(
     match result {
         Ok(()) => Ok(stats),
         Err(reason) => {
-            tx.send_reset(Reason::CANCEL);
+            tx.reset();
             wr.abort();
             Err(SpliceError { reason, stats })
         }

@@ -1,37 +1,30 @@
-//! Splicing two HTTP/2 streams: how a broker relays a stream it received from a peer broker to
+//! Splicing two tunnel streams (HTTP/2 or `tether-tunnel/2`, [`crate::stream`]): how a broker relays a stream it received from a peer broker to
 //! its own tunnel for the cluster.
 //!
-//! Each direction forwards DATA frames with `pump::send_chunk` (waiting for the far
+//! Each direction forwards DATA with `StreamTx::send` (waiting for the far
 //! side's window) and releases the near side's capacity only after forwarding, so the two
 //! windows chain: a slow client slows the agent's stream and nothing else. END_STREAM is
 //! forwarded as END_STREAM; an error in either direction resets both streams.
 
-use bytes::Bytes;
-use h2::{Reason, RecvStream, SendStream};
+use crate::pump::{AbortReason, SpliceError, SpliceStats};
+use crate::stream::{StreamRx, StreamTx};
 
-use crate::pump::{AbortReason, SpliceError, SpliceStats, h2_abort_reason, send_chunk};
-
-async fn forward(
-    rx: &mut RecvStream,
-    tx: &mut SendStream<Bytes>,
-    total: &mut u64,
-) -> Result<(), AbortReason> {
+async fn forward(rx: &mut StreamRx, tx: &mut StreamTx, total: &mut u64) -> Result<(), AbortReason> {
     while let Some(next) = rx.data().await {
-        let data = next.map_err(|e| h2_abort_reason(&e))?;
+        let data = next?;
         let n = data.len();
-        send_chunk(tx, data).await?;
-        let _ = rx.flow_control().release_capacity(n);
+        tx.send(data).await?;
+        rx.release(n);
         *total += n as u64;
     }
-    tx.send_data(Bytes::new(), true)
-        .map_err(|e| h2_abort_reason(&e))
+    tx.finish().await
 }
 
 /// Relays between stream `a` (e.g. from a peer broker) and stream `b` (e.g. to an agent) until
 /// both directions ended; `to_tunnel_bytes` counts a → b.
 pub async fn splice_streams(
-    (mut a_tx, mut a_rx): (SendStream<Bytes>, RecvStream),
-    (mut b_tx, mut b_rx): (SendStream<Bytes>, RecvStream),
+    (mut a_tx, mut a_rx): (StreamTx, StreamRx),
+    (mut b_tx, mut b_rx): (StreamTx, StreamRx),
 ) -> Result<SpliceStats, SpliceError> {
     let (mut ab, mut ba) = (0u64, 0u64);
     let result = {
@@ -47,8 +40,8 @@ pub async fn splice_streams(
     match result {
         Ok(()) => Ok(stats),
         Err(reason) => {
-            a_tx.send_reset(Reason::CANCEL);
-            b_tx.send_reset(Reason::CANCEL);
+            a_tx.reset();
+            b_tx.reset();
             Err(SpliceError { reason, stats })
         }
     }

@@ -63,6 +63,31 @@ pub struct TunnelSettings {
     /// answered by any byte back for this long tear the tunnel down (suspect at half of it).
     #[serde(with = "humantime_serde")]
     pub stall_timeout: Duration,
+    /// Broker↔agent protocol: `mux` offers (agent) or accepts (broker) `tether-tunnel/2` and
+    /// falls back to `tether-tunnel/1` with a peer that lacks it; `h2` speaks only
+    /// `tether-tunnel/1` (HTTP/2).
+    pub protocol: TunnelProtocol,
+}
+
+/// See [`TunnelSettings::protocol`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TunnelProtocol {
+    #[default]
+    Mux,
+    H2,
+}
+
+impl TunnelProtocol {
+    /// ALPN ids offered (agent) or accepted (broker) for agent tunnels, preferred first.
+    pub fn alpn(self) -> &'static [&'static [u8]] {
+        const BOTH: &[&[u8]] = &[b"tether-tunnel/2", b"tether-tunnel/1"];
+        const V1: &[&[u8]] = &[b"tether-tunnel/1"];
+        match self {
+            Self::Mux => BOTH,
+            Self::H2 => V1,
+        }
+    }
 }
 
 impl Default for TunnelSettings {
@@ -80,6 +105,7 @@ impl Default for TunnelSettings {
             write_stall_timeout: Duration::from_secs(120),
             handshake_timeout: Duration::from_secs(10),
             stall_timeout: DEFAULT_STALL_TIMEOUT,
+            protocol: TunnelProtocol::Mux,
         }
     }
 }

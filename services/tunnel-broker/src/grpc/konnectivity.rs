@@ -21,12 +21,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
-use bytes::Bytes;
-use h2::{RecvStream, SendStream};
 use tether_proto::konnectivity as k;
-use tether_tunnel::pump::{AbortReason, SpliceError, SpliceStats, h2_abort_reason, send_chunk};
+use tether_tunnel::pump::{AbortReason, SpliceError, SpliceStats};
 use tether_tunnel::wire::DialErrorKind;
 use tether_tunnel::{DialError, Target};
+use tether_tunnel::{StreamRx, StreamTx};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -174,15 +173,14 @@ enum UpEnd {
 /// The client closed gracefully (CLOSE_REQ, or its request stream ended): mark the phase,
 /// start the close-grace clock and send END_STREAM after the data already queued, so the agent
 /// half-closes the target socket (a FIN) once every byte is written.
-fn client_closed(
+async fn client_closed(
     phase: &AtomicU8,
     closed_at: &watch::Sender<Option<Instant>>,
-    tx: &mut SendStream<Bytes>,
+    tx: &mut StreamTx,
 ) -> Result<UpEnd, Abort> {
     let _ = phase.compare_exchange(OPEN, CLIENT_CLOSED, Ordering::AcqRel, Ordering::Acquire);
     let _ = closed_at.send(Some(Instant::now()));
-    tx.send_data(Bytes::new(), true)
-        .map_err(|e| Abort::Tunnel(h2_abort_reason(&e)))?;
+    tx.finish().await.map_err(Abort::Tunnel)?;
     Ok(UpEnd::ClientClosed)
 }
 
@@ -340,8 +338,8 @@ impl Conn {
     async fn carry(
         &self,
         mut inbound: Streaming<k::Packet>,
-        mut tx: SendStream<Bytes>,
-        mut rx: RecvStream,
+        mut tx: StreamTx,
+        mut rx: StreamRx,
         pacer: &crate::budget::Pacer,
     ) -> (Result<SpliceStats, SpliceError>, Option<String>) {
         let broker = &self.broker;
@@ -357,21 +355,20 @@ impl Conn {
                     let m = tokio::select! {
                         m = inbound.message() => m,
                         () = grace_after(&mut closed_at, TARGET_CLOSED, &phase) => {
-                            tx.send_data(Bytes::new(), true).map_err(|e| Abort::Tunnel(h2_abort_reason(&e)))?;
+                            tx.finish().await.map_err(Abort::Tunnel)?;
                             return Ok(UpEnd::AfterTarget);
                         }
                     };
                     let p = match m {
                         Ok(Some(p)) => p,
                         Ok(None) | Err(_) if phase.load(Ordering::Acquire) == TARGET_CLOSED => {
-                            tx.send_data(Bytes::new(), true)
-                                .map_err(|e| Abort::Tunnel(h2_abort_reason(&e)))?;
+                            tx.finish().await.map_err(Abort::Tunnel)?;
                             return Ok(UpEnd::AfterTarget);
                         }
                         Ok(None) => {
                             // The request stream ended without CLOSE_REQ: nothing more will
                             // come, so close as gracefully as CLOSE_REQ does.
-                            return client_closed(&phase, &closed_at_tx, &mut tx);
+                            return client_closed(&phase, &closed_at_tx, &mut tx).await;
                         }
                         Err(s) => {
                             return Err(Abort::Client(format!(
@@ -389,7 +386,7 @@ impl Conn {
                                     "DATA packet of {n} bytes exceeds Tether's limit of {MAX_DATA_BYTES} bytes per packet; split the write"
                                 )));
                             }
-                            send_chunk(&mut tx, d.data).await.map_err(Abort::Tunnel)?;
+                            tx.send(d.data).await.map_err(Abort::Tunnel)?;
                             pacer.charge(n).await;
                             up_bytes += n as u64;
                             if let Some(c) = &broker.counters.to_tunnel {
@@ -397,7 +394,7 @@ impl Conn {
                             }
                         }
                         Some(k::packet::Payload::CloseRequest(c)) if c.connect_id == id => {
-                            return client_closed(&phase, &closed_at_tx, &mut tx);
+                            return client_closed(&phase, &closed_at_tx, &mut tx).await;
                         }
                         Some(k::packet::Payload::CloseDial(_)) => {
                             return Err(Abort::Client(
@@ -423,7 +420,7 @@ impl Conn {
                         }
                     };
                     let Some(next) = next else { break };
-                    let data = next.map_err(|e| Abort::Tunnel(h2_abort_reason(&e)))?;
+                    let data = next.map_err(Abort::Tunnel)?;
                     let n = data.len();
                     if n == 0 {
                         continue;
@@ -449,7 +446,7 @@ impl Conn {
                             c.inc_by(n as u64);
                         }
                     }
-                    let _ = rx.flow_control().release_capacity(n);
+                    rx.release(n);
                     pacer.charge(n).await;
                 }
                 // A clean END_STREAM: the target closed its side.
@@ -486,7 +483,7 @@ impl Conn {
             Ok(true) => (Ok(stats), None),
             Ok(false) => (Ok(stats), Some(String::new())),
             Err(abort) => {
-                tx.send_reset(h2::Reason::CANCEL);
+                tx.reset();
                 let close_error = match &abort {
                     // The client asked for the close; the target just did not finish in time.
                     Abort::CloseTimeout => String::new(),

@@ -21,12 +21,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use h2::{RecvStream, SendStream};
 use http_body_util::BodyExt as _;
 use hyper::body::{Frame, Incoming};
-use tether_tunnel::pump::{AbortReason, SpliceError, SpliceStats, h2_abort_reason, send_chunk};
+use tether_tunnel::pump::{AbortReason, SpliceError, SpliceStats};
 use tether_tunnel::wire::DialErrorKind;
 use tether_tunnel::{DialError, Target};
+use tether_tunnel::{StreamRx, StreamTx};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
@@ -178,7 +178,7 @@ pub async fn serve(broker: Arc<Broker>, req: http::Request<Incoming>) -> Respons
             let r = match (up, down) {
                 (Ok(_), Ok(())) => Ok(stats),
                 (Err(reason), _) | (_, Err(reason)) => {
-                    tx.send_reset(h2::Reason::CANCEL);
+                    tx.reset();
                     Err(SpliceError { reason, stats })
                 }
             };
@@ -203,19 +203,14 @@ async fn upstream(
     broker: &Broker,
     pacer: &crate::budget::Pacer,
     mut inbound: Incoming,
-    tx: &mut SendStream<Bytes>,
+    tx: &mut StreamTx,
 ) -> Result<u64, AbortReason> {
     let mut n = 0u64;
     loop {
         let frame = tokio::select! {
             biased;
             f = inbound.frame() => f,
-            r = std::future::poll_fn(|cx| tx.poll_reset(cx)) => {
-                return Err(match r {
-                    Ok(reason) => AbortReason::PeerReset(format!("{reason:?}")),
-                    Err(e) => h2_abort_reason(&e),
-                });
-            }
+            r = tx.reset_by_peer() => return Err(r),
         };
         match frame {
             Some(Ok(f)) => {
@@ -224,7 +219,7 @@ async fn upstream(
                 if len == 0 {
                     continue;
                 }
-                send_chunk(tx, data).await?;
+                tx.send(data).await?;
                 pacer.charge(len as usize).await;
                 n += len;
                 if let Some(c) = &broker.counters.to_tunnel {
@@ -235,8 +230,7 @@ async fn upstream(
                 return Err(AbortReason::Cancelled(format!("client stream failed: {e}")));
             }
             None => {
-                tx.send_data(Bytes::new(), true)
-                    .map_err(|e| h2_abort_reason(&e))?;
+                tx.finish().await?;
                 return Ok(n);
             }
         }
@@ -248,7 +242,7 @@ async fn upstream(
 /// beyond the client's HTTP/2 window is buffered. A tunnel reset becomes a body error, which
 /// hyper turns into RST_STREAM towards the client.
 struct TunnelBody {
-    rx: RecvStream,
+    rx: StreamRx,
     /// The cluster's CPU share: a paced stream waits here before reading the next chunk.
     pace: crate::budget::PollPacer,
     broker: Arc<Broker>,
@@ -266,12 +260,12 @@ impl TunnelBody {
 
 impl hyper::body::Body for TunnelBody {
     type Data = Bytes;
-    type Error = h2::Error;
+    type Error = AbortReason;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, AbortReason>>> {
         std::task::ready!(self.pace.poll_ready(cx));
         loop {
             match std::task::ready!(self.rx.poll_data(cx)) {
@@ -280,7 +274,7 @@ impl hyper::body::Body for TunnelBody {
                     if n == 0 {
                         continue;
                     }
-                    let _ = self.rx.flow_control().release_capacity(n);
+                    self.rx.release(n);
                     self.pace.charge(n);
                     self.bytes.fetch_add(n as u64, Ordering::Relaxed);
                     if let Some(c) = &self.broker.counters.from_tunnel {
@@ -289,7 +283,7 @@ impl hyper::body::Body for TunnelBody {
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
                 Some(Err(e)) => {
-                    self.finish(Err(h2_abort_reason(&e)));
+                    self.finish(Err(e.clone()));
                     return Poll::Ready(Some(Err(e)));
                 }
                 None => {

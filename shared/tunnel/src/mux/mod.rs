@@ -1,0 +1,1226 @@
+//! `tether-tunnel/2`: the broker↔agent multiplexer with one task per hop.
+//!
+//! `tether-tunnel/1` runs HTTP/2 between broker and agent: every message crosses two tasks per
+//! hop (the stream's pump hands it to the connection task, which frames, encrypts and writes;
+//! the receiving connection task hands it to the stream's pump). `tether-frame-cost` measured
+//! HTTP/2's framing and hand-offs at 10 µs more CPU per round trip than a plain length-prefixed
+//! multiplexer (docs/proposals/tunnel-v2.md). This module is that multiplexer:
+//!
+//! - **Send path, no hand-off.** The task that read a socket frames its chunk and writes it to
+//!   the TLS stream itself, under the connection's writer lock (a fair async mutex: streams take
+//!   turns, one frame each). Frames that tasks without the lock must send (credits, pongs,
+//!   resets from `Drop`) go to a bounded control queue that the next writer, or the
+//!   connection's flusher (woken only then), writes.
+//! - **Receive path, one hand-off.** The connection's reader decrypts and parses, and appends a
+//!   DATA frame's bytes to its stream's inbox (bounded by the stream's window: a peer that sends
+//!   beyond it gets the stream reset), waking the stream's task, which writes them to its
+//!   socket and returns credit.
+//! - **Opens.** `OPEN` carries the target, dial timeout, stream tag and trace context in a few
+//!   dozen bytes; early data follows in the same write. The agent's handler is spawned by the
+//!   reader itself ([`OnOpen`]). `OPEN_OK` / `OPEN_ERR` answer; `RESET` with code `Refused`
+//!   (or a `GOAWAY` below the stream) means "not processed", which the broker retries elsewhere.
+//! - **Flow control**: per-stream windows (the receiver's `WINDOW`, raised by the adaptive
+//!   window), `CREDIT` once half a window was consumed; no connection window (the isolation rule
+//!   of settings.rs: streams never block each other).
+//!
+//! Layout: [`frame`] (wire format, decoders that name the bad field), this file (connection,
+//! streams, reader and flusher). Wire reference: docs/tunnel-protocol.md.
+
+pub mod frame;
+
+use std::collections::{HashMap, VecDeque};
+use std::future::poll_fn;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{Notify, mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::abort::AbortReason;
+use frame::{FLAG_FIN, HEADER_LEN, Kind, ResetCode};
+
+pub use frame::{Hello, Open};
+
+/// Control frames (credits, pongs, resets) waiting for the socket. A peer that makes us queue
+/// more — it sends and never reads — loses the connection.
+pub const CONTROL_QUEUE_BYTES: usize = 1 << 20;
+/// Connection events (hello, refusal, drain, goaway) waiting for the tunnel's owner.
+pub const EVENT_QUEUE: usize = 32;
+/// The reader's buffer while data flows (a read that fills half of the small buffer switches to
+/// it).
+pub const READ_BUFFER_BYTES: usize = 64 << 10;
+/// The reader's buffer on an idle or lightly used connection (a fleet of idle tunnels holds
+/// this, not [`READ_BUFFER_BYTES`], per connection).
+pub const IDLE_READ_BUFFER_BYTES: usize = 2 << 10;
+/// Most queued pieces one vectored write hands to TLS.
+const MAX_WRITE_SLICES: usize = 16;
+/// DATA payloads below this are copied out of the read buffer (so a small chunk waiting in a
+/// stalled stream's inbox does not pin a whole read buffer); larger ones are shared.
+pub const COPY_BELOW: usize = 16 << 10;
+
+/// What [`Driver::run`] returns when the peer closed the connection cleanly.
+pub const PEER_CLOSED: &str = "the peer closed the connection";
+
+/// Which end of the tunnel this is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Opens streams (the broker; odd stream ids).
+    Opener,
+    /// Accepts streams (the agent).
+    Acceptor,
+}
+
+/// Limits of one connection.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Largest frame payload sent or accepted.
+    pub max_frame_bytes: usize,
+    /// The receive window announced for every stream.
+    pub stream_window_bytes: u32,
+    /// The receive window of the whole connection (bytes received and not yet written out,
+    /// over all streams; the broker caps it per cluster, `budgets`).
+    pub connection_window_bytes: u32,
+    /// Most streams open at once (the acceptor refuses more).
+    pub max_streams: usize,
+}
+
+impl Config {
+    pub fn from_settings(s: &crate::TunnelSettings) -> Self {
+        Self {
+            max_frame_bytes: s.max_frame_bytes as usize,
+            stream_window_bytes: s.stream_window_bytes,
+            connection_window_bytes: s.connection_window_bytes,
+            max_streams: s.max_concurrent_streams as usize,
+        }
+    }
+}
+
+/// Something the peer said about the connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    Hello(Hello),
+    HelloOk { cluster: String, agent: String },
+    Refused(String),
+    Drain,
+    GoAway { last: u32, reason: String },
+}
+
+/// How an open failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OpenError {
+    /// The agent answered `OPEN_ERR` (its `DialErrorKind` label and message).
+    Dial { kind: String, message: String },
+    /// The agent did not process the stream (refused, or above its GOAWAY): nothing dialled.
+    NotTaken(String),
+    /// The connection failed with the stream taken.
+    Lost(String),
+}
+
+/// Called by the reader for every accepted `OPEN` (the agent spawns its handler here).
+pub type OnOpen = Arc<dyn Fn(Incoming) + Send + Sync>;
+
+type Writer = Pin<Box<dyn AsyncWrite + Send>>;
+
+struct Io {
+    w: Writer,
+    /// Bytes taken for writing, not yet accepted by the TLS stream.
+    pending: VecDeque<Bytes>,
+}
+
+struct Streams {
+    map: HashMap<u32, Arc<Stream>>,
+    next_id: u32,
+    /// Highest stream id the acceptor has seen.
+    last_seen: u32,
+    /// The peer's GOAWAY: no stream above it is taken.
+    peer_goaway: Option<u32>,
+    /// We sent GOAWAY: new OPENs are refused.
+    going_away: bool,
+    /// Why the connection ended.
+    closed: Option<String>,
+}
+
+struct Shared {
+    role: Role,
+    cfg: Config,
+    /// Control frames waiting for the socket.
+    control: Mutex<Vec<u8>>,
+    io: tokio::sync::Mutex<Io>,
+    flush_wake: Notify,
+    streams: Mutex<Streams>,
+    /// The peer's receive window for each stream (our initial send credit).
+    peer_window: AtomicU32,
+    /// Our receive window for each stream.
+    recv_window: AtomicU32,
+    /// The peer's first WINDOW arrived.
+    peer_window_known: AtomicBool,
+    /// Most streams the peer accepts at once (its `WINDOW`).
+    peer_max_streams: AtomicU32,
+    /// Connection-level flow control (both directions).
+    conn_flow: Mutex<ConnFlow>,
+    /// The peer sent GOAWAY or DRAIN: no new streams go here.
+    draining: AtomicBool,
+    pong: Mutex<Option<([u8; 8], oneshot::Sender<()>)>>,
+    closed: CancellationToken,
+    /// Notified when a stream leaves the table (a draining agent waits for none).
+    stream_gone: Notify,
+}
+
+/// One end of a `tether-tunnel/2` connection. Cheap to clone.
+#[derive(Clone)]
+pub struct Mux {
+    shared: Arc<Shared>,
+}
+
+/// Drives the connection (reads frames, flushes queued control frames); spawn it. It returns
+/// why the connection ended, and every stream still open fails with that reason.
+pub struct Driver {
+    shared: Arc<Shared>,
+    rd: Pin<Box<dyn AsyncRead + Send>>,
+    events: mpsc::Sender<Event>,
+    on_open: Option<OnOpen>,
+}
+
+/// An `OPEN` the acceptor took: what to dial, the stream, and how to answer.
+pub struct Incoming {
+    pub open: Open,
+    pub responder: Responder,
+    pub send: SendHalf,
+    pub recv: RecvHalf,
+}
+
+/// Answers an incoming `OPEN`.
+pub struct Responder {
+    stream: Arc<Stream>,
+}
+
+#[derive(Default)]
+struct ConnFlow {
+    /// Bytes we may still send on the connection (the peer's connection window).
+    send_credit: i64,
+    /// Streams waiting for connection credit.
+    waiting: Vec<Waker>,
+    /// Bytes the peer may still send before it needs connection credit.
+    recv_granted: i64,
+    /// Bytes written out and not yet returned to the peer as connection credit.
+    unreturned: u32,
+}
+
+struct Stream {
+    id: u32,
+    conn: Arc<Shared>,
+    st: Mutex<StreamState>,
+}
+
+#[derive(Default)]
+struct StreamState {
+    inbox: VecDeque<Bytes>,
+    /// Bytes the peer may still send before it needs credit.
+    recv_granted: i64,
+    /// Bytes written out by the receiver and not yet returned as credit.
+    unreturned: u32,
+    recv_fin: bool,
+    rx_waker: Option<Waker>,
+    send_credit: i64,
+    tx_waker: Option<Waker>,
+    sent_fin: bool,
+    /// Reset (by either side) or the connection ended.
+    error: Option<AbortReason>,
+    opened: Option<oneshot::Sender<Result<(), OpenError>>>,
+    halves: u8,
+}
+
+impl StreamState {
+    fn wake(&mut self) {
+        if let Some(w) = self.rx_waker.take() {
+            w.wake();
+        }
+        if let Some(w) = self.tx_waker.take() {
+            w.wake();
+        }
+    }
+}
+
+/// The sending half of a stream.
+pub struct SendHalf {
+    stream: Arc<Stream>,
+}
+
+/// The receiving half of a stream.
+pub struct RecvHalf {
+    stream: Arc<Stream>,
+}
+
+fn lost(reason: &str) -> AbortReason {
+    AbortReason::Tunnel(format!("tunnel connection lost: {reason}"))
+}
+
+/// Splits `io` (TLS, ALPN `tether-tunnel/2`) into the connection's handle, its driver, and the
+/// receiver of its events. The caller sends its `WINDOW` first ([`Mux::start`] does).
+pub fn connect<T>(
+    io: T,
+    role: Role,
+    cfg: Config,
+    on_open: Option<OnOpen>,
+) -> (Mux, Driver, mpsc::Receiver<Event>)
+where
+    T: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (rd, wr) = tokio::io::split(io);
+    let (events_tx, events_rx) = mpsc::channel(EVENT_QUEUE);
+    let window = cfg.stream_window_bytes;
+    let shared = Arc::new(Shared {
+        role,
+        control: Mutex::new(Vec::new()),
+        io: tokio::sync::Mutex::new(Io {
+            w: Box::pin(wr),
+            pending: VecDeque::new(),
+        }),
+        flush_wake: Notify::new(),
+        streams: Mutex::new(Streams {
+            map: HashMap::new(),
+            next_id: 1,
+            last_seen: 0,
+            peer_goaway: None,
+            going_away: false,
+            closed: None,
+        }),
+        // Until the peer's WINDOW arrives (it is its first frame): HTTP/2's default.
+        peer_window: AtomicU32::new(65_535),
+        recv_window: AtomicU32::new(window),
+        peer_window_known: AtomicBool::new(false),
+        peer_max_streams: AtomicU32::new(u32::MAX),
+        conn_flow: Mutex::new(ConnFlow {
+            // Until the peer's WINDOW arrives (its first frame): HTTP/2's default.
+            send_credit: 65_535,
+            recv_granted: i64::from(cfg.connection_window_bytes),
+            ..Default::default()
+        }),
+        draining: AtomicBool::new(false),
+        pong: Mutex::new(None),
+        closed: CancellationToken::new(),
+        stream_gone: Notify::new(),
+        cfg,
+    });
+    shared.queue(Kind::Window, 0, 0, &shared.window_payload(window));
+    let mux = Mux {
+        shared: Arc::clone(&shared),
+    };
+    let driver = Driver {
+        shared,
+        rd: Box::pin(rd),
+        events: events_tx,
+        on_open,
+    };
+    (mux, driver, events_rx)
+}
+
+impl Shared {
+    /// `WINDOW`: the stream window, the connection window, the most streams accepted.
+    fn window_payload(&self, stream_window: u32) -> [u8; 12] {
+        let mut p = [0u8; 12];
+        p[..4].copy_from_slice(&stream_window.to_be_bytes());
+        p[4..8].copy_from_slice(&self.cfg.connection_window_bytes.to_be_bytes());
+        let streams = u32::try_from(self.cfg.max_streams).unwrap_or(u32::MAX);
+        p[8..].copy_from_slice(&streams.to_be_bytes());
+        p
+    }
+
+    /// Appends a control frame to the queue and wakes the flusher (tasks that cannot wait).
+    fn queue(&self, kind: Kind, flags: u8, stream: u32, payload: &[u8]) {
+        let mut q = self.control.lock().expect("control queue");
+        frame::put_frame(&mut q, kind, flags, stream, payload);
+        let over = q.len() > CONTROL_QUEUE_BYTES;
+        drop(q);
+        if over {
+            self.close(format!(
+                "the peer does not read: more than {CONTROL_QUEUE_BYTES} bytes of control frames queued"
+            ));
+        }
+        self.flush_wake.notify_one();
+    }
+
+    fn close(&self, reason: String) {
+        let streams = {
+            let mut s = self.streams.lock().expect("streams");
+            if s.closed.is_none() {
+                s.closed = Some(reason.clone());
+            }
+            std::mem::take(&mut s.map)
+        };
+        self.closed.cancel();
+        self.stream_gone.notify_waiters();
+        for (_, stream) in streams {
+            let mut st = stream.st.lock().expect("stream");
+            if st.error.is_none() {
+                st.error = Some(lost(&reason));
+            }
+            if let Some(o) = st.opened.take() {
+                let _ = o.send(Err(OpenError::Lost(reason.clone())));
+            }
+            st.wake();
+        }
+        if let Some((_, tx)) = self.pong.lock().expect("pong").take() {
+            drop(tx);
+        }
+    }
+
+    fn closed_reason(&self) -> String {
+        self.streams
+            .lock()
+            .expect("streams")
+            .closed
+            .clone()
+            .unwrap_or_else(|| "closed".into())
+    }
+
+    /// Writes `frames` (whole frames, built by the caller) and everything queued before them,
+    /// under the writer lock; cancel-safe (bytes not written stay queued for the flusher).
+    async fn write(&self, frames: &[Bytes]) -> Result<(), AbortReason> {
+        if self.closed.is_cancelled() {
+            return Err(lost(&self.closed_reason()));
+        }
+        let work = async {
+            let mut io = self.io.lock().await;
+            self.take_control(&mut io);
+            io.pending.extend(frames.iter().cloned());
+            let mut guard = FlushOnDrop(self, false);
+            let r = flush(&mut io).await;
+            guard.1 = true;
+            r
+        };
+        let r = tokio::select! {
+            biased;
+            r = work => r,
+            () = self.closed.cancelled() => return Err(lost(&self.closed_reason())),
+        };
+        r.map_err(|e| {
+            let reason = format!("writing to the peer: {e}");
+            self.close(reason.clone());
+            lost(&reason)
+        })
+    }
+
+    /// Returns `n` bytes to the peer's connection window (credit on stream 0 once half the
+    /// window is owed).
+    fn release_connection(&self, n: usize) {
+        let owed = {
+            let mut c = self.conn_flow.lock().expect("connection flow");
+            c.unreturned = c.unreturned.saturating_add(n as u32);
+            if c.unreturned < self.cfg.connection_window_bytes / 2 {
+                return;
+            }
+            let owed = std::mem::take(&mut c.unreturned);
+            c.recv_granted += i64::from(owed);
+            owed
+        };
+        self.queue(Kind::Credit, 0, 0, &owed.to_be_bytes());
+    }
+
+    fn take_control(&self, io: &mut Io) {
+        let mut q = self.control.lock().expect("control queue");
+        if !q.is_empty() {
+            io.pending.push_back(Bytes::from(std::mem::take(&mut *q)));
+        }
+    }
+
+    fn stream(&self, id: u32) -> Option<Arc<Stream>> {
+        self.streams.lock().expect("streams").map.get(&id).cloned()
+    }
+
+    fn new_stream(self: &Arc<Self>, id: u32) -> Arc<Stream> {
+        Arc::new(Stream {
+            id,
+            conn: Arc::clone(self),
+            st: Mutex::new(StreamState {
+                recv_granted: i64::from(self.recv_window.load(Ordering::Relaxed)),
+                send_credit: i64::from(self.peer_window.load(Ordering::Relaxed)),
+                halves: 2,
+                ..Default::default()
+            }),
+        })
+    }
+}
+
+/// Wakes the flusher when a write is dropped before its bytes went out.
+struct FlushOnDrop<'a>(&'a Shared, bool);
+
+impl Drop for FlushOnDrop<'_> {
+    fn drop(&mut self) {
+        if !self.1 {
+            self.0.flush_wake.notify_one();
+        }
+    }
+}
+
+/// Writes every queued piece (several per vectored write: a frame's header and payload end up
+/// in one TLS record and one `send`), then flushes.
+async fn flush(io: &mut Io) -> io::Result<()> {
+    while !io.pending.is_empty() {
+        let n = {
+            let slices: Vec<io::IoSlice<'_>> = io
+                .pending
+                .iter()
+                .take(MAX_WRITE_SLICES)
+                .map(|b| io::IoSlice::new(b))
+                .collect();
+            io.w.write_vectored(&slices).await?
+        };
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        let mut left = n;
+        while left > 0 {
+            let front = io.pending.front_mut().expect("written bytes were queued");
+            let k = left.min(front.len());
+            front.advance(k);
+            left -= k;
+            if front.is_empty() {
+                io.pending.pop_front();
+            }
+        }
+    }
+    io.w.flush().await
+}
+
+fn frame_bytes(kind: Kind, flags: u8, stream: u32, payload: &[u8]) -> Bytes {
+    let mut v = Vec::with_capacity(HEADER_LEN + payload.len());
+    frame::put_frame(&mut v, kind, flags, stream, payload);
+    Bytes::from(v)
+}
+
+impl Mux {
+    /// Which end this is.
+    pub fn role(&self) -> Role {
+        self.shared.role
+    }
+
+    /// Most streams the peer accepts at once (as it announced; unbounded until it did).
+    pub fn peer_max_streams(&self) -> usize {
+        self.shared.peer_max_streams.load(Ordering::Relaxed) as usize
+    }
+
+    /// Streams open now.
+    pub fn open_streams(&self) -> usize {
+        self.shared.streams.lock().expect("streams").map.len()
+    }
+
+    /// The peer sent GOAWAY (or this broker's agent is closing the tunnel): no new streams.
+    pub fn is_draining(&self) -> bool {
+        self.shared.draining.load(Ordering::Relaxed)
+    }
+
+    /// Waits until no stream is open (or the connection ended).
+    pub async fn idle(&self) {
+        loop {
+            let gone = self.shared.stream_gone.notified();
+            tokio::pin!(gone);
+            gone.as_mut().enable();
+            if self.open_streams() == 0 || self.is_closed() {
+                return;
+            }
+            gone.await;
+        }
+    }
+
+    /// The connection ended (or [`Mux::close`] was called).
+    pub fn is_closed(&self) -> bool {
+        self.shared.closed.is_cancelled()
+    }
+
+    /// Ends the connection now: every open stream fails with `reason`; the driver returns.
+    pub fn close(&self, reason: impl Into<String>) {
+        self.shared.close(reason.into());
+    }
+
+    /// Sends a connection frame (`HELLO`, `HELLO_OK`, `REFUSED`, `DRAIN`).
+    pub async fn send_control(&self, kind: Kind, payload: &[u8]) -> Result<(), AbortReason> {
+        self.shared.write(&[frame_bytes(kind, 0, 0, payload)]).await
+    }
+
+    /// Acceptor: take no stream above the last one seen, tell the peer.
+    pub async fn go_away(&self, reason: &str) -> Result<(), AbortReason> {
+        let last = {
+            let mut s = self.shared.streams.lock().expect("streams");
+            s.going_away = true;
+            s.last_seen
+        };
+        self.send_control(Kind::GoAway, &frame::encode_goaway(last, reason))
+            .await
+    }
+
+    /// Announces a new receive window for every stream (the adaptive window changed).
+    pub fn set_recv_window(&self, window: u32) {
+        let old = self.shared.recv_window.swap(window, Ordering::Relaxed);
+        let delta = i64::from(window) - i64::from(old);
+        let streams: Vec<_> = self
+            .shared
+            .streams
+            .lock()
+            .expect("streams")
+            .map
+            .values()
+            .cloned()
+            .collect();
+        for s in streams {
+            s.st.lock().expect("stream").recv_granted += delta;
+        }
+        self.shared
+            .queue(Kind::Window, 0, 0, &self.shared.window_payload(window));
+    }
+
+    /// Sends a PING and waits for its PONG (the caller bounds the wait).
+    pub async fn ping(&self) -> Result<(), AbortReason> {
+        let payload: [u8; 8] = rand_bytes();
+        let (tx, rx) = oneshot::channel();
+        *self.shared.pong.lock().expect("pong") = Some((payload, tx));
+        self.shared
+            .write(&[frame_bytes(Kind::Ping, 0, 0, &payload)])
+            .await?;
+        rx.await.map_err(|_| lost(&self.shared.closed_reason()))
+    }
+
+    /// Opener: opens a stream for `open`; `early` (the client's first bytes) leaves in the same
+    /// write as the `OPEN` and counts against the stream's window. Waits for the agent's answer
+    /// (the caller bounds the wait; dropping the future resets the stream).
+    pub async fn open(
+        &self,
+        open: &Open,
+        early: &Bytes,
+    ) -> Result<(SendHalf, RecvHalf), OpenError> {
+        let shared = &self.shared;
+        let (stream, rx) = {
+            let mut s = shared.streams.lock().expect("streams");
+            if let Some(reason) = &s.closed {
+                return Err(OpenError::NotTaken(format!(
+                    "the tunnel connection is closed: {reason}"
+                )));
+            }
+            if s.peer_goaway.is_some() || shared.draining.load(Ordering::Relaxed) {
+                return Err(OpenError::NotTaken(
+                    "the agent is closing this tunnel (GOAWAY)".into(),
+                ));
+            }
+            let id = s.next_id;
+            if id > (1 << 31) {
+                return Err(OpenError::NotTaken(
+                    "stream ids of this tunnel connection are exhausted".into(),
+                ));
+            }
+            s.next_id += 2;
+            let stream = shared.new_stream(id);
+            let (tx, rx) = oneshot::channel();
+            {
+                let mut st = stream.st.lock().expect("stream");
+                st.opened = Some(tx);
+                st.send_credit -= early.len() as i64;
+            }
+            s.map.insert(id, Arc::clone(&stream));
+            (stream, rx)
+        };
+        let send = SendHalf {
+            stream: Arc::clone(&stream),
+        };
+        let recv = RecvHalf {
+            stream: Arc::clone(&stream),
+        };
+        let payload = open.encode();
+        let mut out = Vec::with_capacity(2 * HEADER_LEN + payload.len() + early.len());
+        frame::put_frame(&mut out, Kind::Open, 0, stream.id, &payload);
+        if !early.is_empty() {
+            frame::put_frame(&mut out, Kind::Data, 0, stream.id, early);
+        }
+        if let Err(e) = shared.write(&[Bytes::from(out)]).await {
+            // The OPEN may have left before the connection failed: the agent may have dialled.
+            return Err(OpenError::Lost(e.to_string()));
+        }
+        match rx.await {
+            Ok(Ok(())) => Ok((send, recv)),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(OpenError::Lost(shared.closed_reason())),
+        }
+    }
+}
+
+fn rand_bytes() -> [u8; 8] {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0),
+    );
+    h.finish().to_be_bytes()
+}
+
+impl Responder {
+    /// The dial succeeded.
+    pub async fn ok(self) -> Result<(), AbortReason> {
+        self.stream
+            .conn
+            .write(&[frame_bytes(Kind::OpenOk, 0, self.stream.id, &[])])
+            .await
+    }
+
+    /// The dial failed: the stream is over.
+    pub async fn fail(self, kind_label: &str, message: &str) -> Result<(), AbortReason> {
+        {
+            let mut st = self.stream.st.lock().expect("stream");
+            st.sent_fin = true;
+            st.recv_fin = true;
+        }
+        self.stream
+            .conn
+            .write(&[frame_bytes(
+                Kind::OpenErr,
+                0,
+                self.stream.id,
+                &frame::encode_open_err(kind_label, message),
+            )])
+            .await
+    }
+}
+
+impl SendHalf {
+    /// Sends `data`, waiting for the stream's credit (the peer's window: the backpressure).
+    pub async fn send(&mut self, mut data: Bytes) -> Result<(), AbortReason> {
+        let max = self.stream.conn.cfg.max_frame_bytes;
+        while !data.is_empty() {
+            let want = data.len().min(max);
+            let n = poll_fn(|cx| self.poll_credit(cx, want)).await?;
+            let part = data.split_to(n);
+            let mut h = Vec::with_capacity(HEADER_LEN);
+            frame::put_header(&mut h, Kind::Data, 0, self.stream.id, part.len());
+            self.stream.conn.write(&[Bytes::from(h), part]).await?;
+        }
+        Ok(())
+    }
+
+    fn poll_credit(&self, cx: &mut Context<'_>, want: usize) -> Poll<Result<usize, AbortReason>> {
+        let mut st = self.stream.st.lock().expect("stream");
+        if let Some(e) = &st.error {
+            return Poll::Ready(Err(e.clone()));
+        }
+        if st.send_credit <= 0 {
+            st.tx_waker = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
+        let mut conn = self.stream.conn.conn_flow.lock().expect("connection flow");
+        if conn.send_credit <= 0 {
+            conn.waiting.push(cx.waker().clone());
+            return Poll::Pending;
+        }
+        let n = (st.send_credit.min(conn.send_credit) as usize).min(want);
+        st.send_credit -= n as i64;
+        conn.send_credit -= n as i64;
+        Poll::Ready(Ok(n))
+    }
+
+    /// Ends this direction (FIN) after the bytes sent before.
+    pub async fn finish(&mut self) -> Result<(), AbortReason> {
+        {
+            let mut st = self.stream.st.lock().expect("stream");
+            if let Some(e) = &st.error {
+                return Err(e.clone());
+            }
+            st.sent_fin = true;
+        }
+        self.stream
+            .conn
+            .write(&[frame_bytes(Kind::Data, FLAG_FIN, self.stream.id, &[])])
+            .await
+    }
+
+    /// Aborts the stream (both directions): the peer sees a reset.
+    pub fn reset(&mut self) {
+        self.stream.reset(ResetCode::Cancel, "cancelled");
+    }
+
+    /// Ready when the stream was reset or the connection lost.
+    pub fn poll_reset(&mut self, cx: &mut Context<'_>) -> Poll<AbortReason> {
+        let mut st = self.stream.st.lock().expect("stream");
+        match &st.error {
+            Some(e) => Poll::Ready(e.clone()),
+            None => {
+                st.tx_waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl RecvHalf {
+    /// The next bytes; `None` after the peer's FIN; an error when the stream was reset or the
+    /// connection lost.
+    pub async fn data(&mut self) -> Option<Result<Bytes, AbortReason>> {
+        poll_fn(|cx| self.poll_data(cx)).await
+    }
+
+    pub fn poll_data(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, AbortReason>>> {
+        let mut st = self.stream.st.lock().expect("stream");
+        // Bytes that arrived are delivered even when the connection ended after them (a reset
+        // clears them); a stream whose FIN arrived ended cleanly whatever happens next.
+        if let Some(b) = st.inbox.pop_front() {
+            return Poll::Ready(Some(Ok(b)));
+        }
+        if st.recv_fin {
+            return Poll::Ready(None);
+        }
+        if let Some(e) = &st.error {
+            return Poll::Ready(Some(Err(e.clone())));
+        }
+        st.rx_waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+
+    /// The peer's FIN arrived and every byte before it was read.
+    pub fn is_end_stream(&self) -> bool {
+        let st = self.stream.st.lock().expect("stream");
+        st.recv_fin && st.inbox.is_empty() && st.error.is_none()
+    }
+
+    /// Returns `n` bytes (written out by the caller) to the peer's window; credit goes out once
+    /// half a window is owed.
+    pub fn release(&mut self, n: usize) {
+        self.stream.conn.release_connection(n);
+        let window = self.stream.conn.recv_window.load(Ordering::Relaxed);
+        let owed = {
+            let mut st = self.stream.st.lock().expect("stream");
+            st.unreturned = st.unreturned.saturating_add(n as u32);
+            if st.unreturned < window / 2 || st.recv_fin || st.error.is_some() {
+                return;
+            }
+            let owed = std::mem::take(&mut st.unreturned);
+            st.recv_granted += i64::from(owed);
+            owed
+        };
+        self.stream
+            .conn
+            .queue(Kind::Credit, 0, self.stream.id, &owed.to_be_bytes());
+    }
+}
+
+impl Stream {
+    fn reset(&self, code: ResetCode, message: &str) {
+        {
+            let mut st = self.st.lock().expect("stream");
+            if st.error.is_some() || (st.sent_fin && st.recv_fin) {
+                return;
+            }
+            st.error = Some(AbortReason::Cancelled(message.to_owned()));
+            st.inbox.clear();
+            st.wake();
+        }
+        self.conn
+            .queue(Kind::Reset, 0, self.id, &frame::encode_reset(code, message));
+    }
+
+    fn half_dropped(&self) {
+        let last = {
+            let mut st = self.st.lock().expect("stream");
+            st.halves -= 1;
+            st.halves == 0
+        };
+        if last {
+            // A stream dropped before both directions ended is aborted.
+            self.reset(ResetCode::Cancel, "stream dropped");
+            self.conn
+                .streams
+                .lock()
+                .expect("streams")
+                .map
+                .remove(&self.id);
+            self.conn.stream_gone.notify_waiters();
+        }
+    }
+}
+
+impl Drop for SendHalf {
+    fn drop(&mut self) {
+        self.stream.half_dropped();
+    }
+}
+
+impl Drop for RecvHalf {
+    fn drop(&mut self) {
+        self.stream.half_dropped();
+    }
+}
+
+/// Ends the connection when the driver's future is dropped (its task aborted).
+struct CloseOnDrop(Arc<Shared>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        if !self.0.closed.is_cancelled() {
+            self.0.close("the tunnel connection's task ended".into());
+        }
+    }
+}
+
+/// A protocol error of the peer: the connection ends with it.
+#[derive(Debug)]
+struct ConnError(String);
+
+impl From<frame::FrameError> for ConnError {
+    fn from(e: frame::FrameError) -> Self {
+        Self(format!("malformed frame from the peer: {e}"))
+    }
+}
+
+impl Driver {
+    /// Runs until the connection ends; returns why. Dropping the future ends the connection
+    /// too (its streams fail, as when an HTTP/2 connection is dropped).
+    pub async fn run(mut self) -> String {
+        let shared = Arc::clone(&self.shared);
+        let _close = CloseOnDrop(Arc::clone(&shared));
+        let reason = tokio::select! {
+            r = self.read_loop() => match r {
+                Ok(()) => PEER_CLOSED.to_owned(),
+                Err(ConnError(e)) => e,
+            },
+            e = flusher(&shared) => format!("writing to the peer: {e}"),
+            () = shared.closed.cancelled() => shared.closed_reason(),
+        };
+        shared.close(reason.clone());
+        // Close cleanly: TLS close_notify and FIN, lingering for the peer's EOF (bounded by the
+        // transport's lingering close).
+        if let Ok(mut io) = shared.io.try_lock() {
+            let _ = tokio::time::timeout(Duration::from_secs(2), io.w.shutdown()).await;
+        }
+        reason
+    }
+
+    async fn read_loop(&mut self) -> Result<(), ConnError> {
+        let max = self.shared.cfg.max_frame_bytes;
+        let mut buf = BytesMut::new();
+        // Reads are large while data flows, small otherwise.
+        let mut flowing = false;
+        loop {
+            while buf.len() >= HEADER_LEN {
+                let h = frame::parse_header(buf[..HEADER_LEN].try_into().expect("header"), max)?;
+                if buf.len() < HEADER_LEN + h.len {
+                    buf.reserve(HEADER_LEN + h.len - buf.len());
+                    break;
+                }
+                buf.advance(HEADER_LEN);
+                let payload = buf.split_to(h.len);
+                self.on_frame(h, payload)?;
+            }
+            let room = if flowing {
+                READ_BUFFER_BYTES
+            } else {
+                IDLE_READ_BUFFER_BYTES
+            };
+            if buf.is_empty() && !flowing && buf.capacity() > IDLE_READ_BUFFER_BYTES {
+                // Done with a burst: give the large buffer back.
+                buf = BytesMut::new();
+            }
+            if buf.capacity() - buf.len() < room / 2 {
+                buf.reserve(room);
+            }
+            let read = self.rd.read_buf(&mut buf).await;
+            if let Ok(n) = &read {
+                flowing = *n >= room / 2;
+            }
+            match read {
+                Ok(0) => {
+                    return if buf.is_empty() {
+                        Ok(())
+                    } else {
+                        Err(ConnError(format!(
+                            "the peer closed the connection inside a frame ({} bytes of it read)",
+                            buf.len()
+                        )))
+                    };
+                }
+                Ok(_) => {}
+                Err(e) => return Err(ConnError(format!("reading from the peer: {e}"))),
+            }
+        }
+    }
+
+    fn event(&self, e: Event) {
+        if self.events.try_send(e).is_err() {
+            tracing::debug!("tunnel event dropped: the owner is not listening");
+        }
+    }
+
+    fn on_frame(&mut self, h: frame::Header, payload: BytesMut) -> Result<(), ConnError> {
+        let shared = &self.shared;
+        let need_stream = |id: u32| {
+            if id == 0 {
+                Err(ConnError(format!("{:?} frame on stream 0", h.kind)))
+            } else {
+                Ok(id)
+            }
+        };
+        match h.kind {
+            Kind::Data => {
+                let id = need_stream(h.stream)?;
+                let Some(stream) = shared.stream(id) else {
+                    return Ok(()); // reset or finished here; bytes in flight
+                };
+                let mut st = stream.st.lock().expect("stream");
+                if st.error.is_some() || st.recv_fin {
+                    return Ok(());
+                }
+                let len = payload.len() as i64;
+                {
+                    let mut c = shared.conn_flow.lock().expect("connection flow");
+                    if len > c.recv_granted {
+                        return Err(ConnError(format!(
+                            "the peer sent {len} bytes beyond the connection's window"
+                        )));
+                    }
+                    c.recv_granted -= len;
+                }
+                if len > st.recv_granted {
+                    drop(st);
+                    stream.reset(
+                        ResetCode::FlowControl,
+                        &format!("{len} bytes sent beyond the stream's window"),
+                    );
+                    return Ok(());
+                }
+                st.recv_granted -= len;
+                if !payload.is_empty() {
+                    let bytes = if payload.len() < COPY_BELOW {
+                        Bytes::copy_from_slice(&payload)
+                    } else {
+                        payload.freeze()
+                    };
+                    st.inbox.push_back(bytes);
+                }
+                if h.flags & FLAG_FIN != 0 {
+                    st.recv_fin = true;
+                }
+                if let Some(w) = st.rx_waker.take() {
+                    w.wake();
+                }
+            }
+            Kind::Credit if h.stream == 0 => {
+                let n = frame::decode_u32(h.kind, &payload)?;
+                let waiting = {
+                    let mut c = shared.conn_flow.lock().expect("connection flow");
+                    c.send_credit += i64::from(n);
+                    std::mem::take(&mut c.waiting)
+                };
+                waiting.into_iter().for_each(Waker::wake);
+            }
+            Kind::Credit => {
+                let id = h.stream;
+                let n = frame::decode_u32(h.kind, &payload)?;
+                if let Some(stream) = shared.stream(id) {
+                    let mut st = stream.st.lock().expect("stream");
+                    st.send_credit += i64::from(n);
+                    if let Some(w) = st.tx_waker.take() {
+                        w.wake();
+                    }
+                }
+            }
+            Kind::Reset => {
+                let id = need_stream(h.stream)?;
+                let (code, text) = frame::decode_reset(&payload)?;
+                if let Some(stream) = shared.stream(id) {
+                    let mut st = stream.st.lock().expect("stream");
+                    if let Some(o) = st.opened.take() {
+                        let _ = o.send(Err(if code == ResetCode::Refused {
+                            OpenError::NotTaken(text.clone())
+                        } else {
+                            OpenError::Lost(format!("the agent reset the stream: {text}"))
+                        }));
+                    }
+                    if st.error.is_none() {
+                        st.error = Some(AbortReason::PeerReset(format!("{code:?}: {text}")));
+                    }
+                    st.inbox.clear();
+                    st.wake();
+                }
+            }
+            Kind::Window => {
+                let (w, conn_window, max_streams) = frame::decode_window(&payload)?;
+                shared
+                    .peer_max_streams
+                    .store(max_streams, Ordering::Relaxed);
+                let old = shared.peer_window.swap(w, Ordering::Relaxed);
+                let first = !shared.peer_window_known.swap(true, Ordering::Relaxed);
+                if first {
+                    // The peer's connection window replaces the provisional default.
+                    let waiting = {
+                        let mut c = shared.conn_flow.lock().expect("connection flow");
+                        c.send_credit += i64::from(conn_window) - 65_535;
+                        std::mem::take(&mut c.waiting)
+                    };
+                    waiting.into_iter().for_each(Waker::wake);
+                }
+                let delta = i64::from(w) - i64::from(old);
+                let streams: Vec<_> = shared
+                    .streams
+                    .lock()
+                    .expect("streams")
+                    .map
+                    .values()
+                    .cloned()
+                    .collect();
+                for s in streams {
+                    let mut st = s.st.lock().expect("stream");
+                    st.send_credit += delta;
+                    if let Some(w) = st.tx_waker.take() {
+                        w.wake();
+                    }
+                }
+            }
+            Kind::Open => self.on_open(h.stream, &payload)?,
+            Kind::OpenOk | Kind::OpenErr => {
+                if shared.role != Role::Opener {
+                    return Err(ConnError(format!("{:?} sent to the agent", h.kind)));
+                }
+                let id = need_stream(h.stream)?;
+                let result = if h.kind == Kind::OpenOk {
+                    Ok(())
+                } else {
+                    let (kind, message) = frame::decode_open_err(&payload)?;
+                    Err(OpenError::Dial { kind, message })
+                };
+                if let Some(stream) = shared.stream(id) {
+                    let mut st = stream.st.lock().expect("stream");
+                    if result.is_err() {
+                        st.sent_fin = true;
+                        st.recv_fin = true;
+                    }
+                    if let Some(o) = st.opened.take() {
+                        let _ = o.send(result);
+                    }
+                }
+            }
+            Kind::Ping => {
+                if payload.len() != 8 {
+                    return Err(ConnError(format!("PING of {} bytes", payload.len())));
+                }
+                shared.queue(Kind::Pong, 0, 0, &payload);
+            }
+            Kind::Pong => {
+                let mut slot = shared.pong.lock().expect("pong");
+                if slot.as_ref().is_some_and(|(p, _)| p[..] == payload[..])
+                    && let Some((_, tx)) = slot.take()
+                {
+                    let _ = tx.send(());
+                }
+            }
+            Kind::Hello => self.event(Event::Hello(Hello::decode(&payload)?)),
+            Kind::HelloOk => {
+                let (cluster, agent) = frame::decode_pair(h.kind, &payload)?;
+                self.event(Event::HelloOk { cluster, agent });
+            }
+            Kind::Refused => self.event(Event::Refused(frame::decode_text(h.kind, &payload)?)),
+            Kind::Drain => {
+                shared.draining.store(true, Ordering::Relaxed);
+                self.event(Event::Drain);
+            }
+            Kind::GoAway => {
+                let (last, reason) = frame::decode_goaway(&payload)?;
+                shared.draining.store(true, Ordering::Relaxed);
+                let not_taken: Vec<_> = {
+                    let mut s = shared.streams.lock().expect("streams");
+                    s.peer_goaway = Some(last);
+                    s.map
+                        .iter()
+                        .filter(|(id, _)| **id > last)
+                        .map(|(_, st)| Arc::clone(st))
+                        .collect()
+                };
+                for stream in not_taken {
+                    let mut st = stream.st.lock().expect("stream");
+                    if let Some(o) = st.opened.take() {
+                        let _ = o.send(Err(OpenError::NotTaken(format!(
+                            "the agent is closing this tunnel (GOAWAY: {reason}) and did not take the stream"
+                        ))));
+                    }
+                    st.error = Some(AbortReason::PeerReset("not taken (GOAWAY)".into()));
+                    st.wake();
+                }
+                self.event(Event::GoAway { last, reason });
+            }
+        }
+        Ok(())
+    }
+
+    fn on_open(&mut self, id: u32, payload: &[u8]) -> Result<(), ConnError> {
+        let shared = &self.shared;
+        if shared.role != Role::Acceptor {
+            return Err(ConnError("OPEN sent to the broker".into()));
+        }
+        let open = Open::decode(payload)?;
+        let stream = {
+            let mut s = shared.streams.lock().expect("streams");
+            if id.is_multiple_of(2) || id <= s.last_seen {
+                return Err(ConnError(format!(
+                    "OPEN on stream {id}: stream ids must be odd and increasing (last {})",
+                    s.last_seen
+                )));
+            }
+            s.last_seen = id;
+            let refuse = if s.going_away {
+                Some("this tunnel is closing (GOAWAY)".to_owned())
+            } else if s.map.len() >= shared.cfg.max_streams {
+                Some(format!(
+                    "the tunnel carries its limit of {} concurrent streams",
+                    shared.cfg.max_streams
+                ))
+            } else {
+                None
+            };
+            if let Some(reason) = refuse {
+                drop(s);
+                shared.queue(
+                    Kind::Reset,
+                    0,
+                    id,
+                    &frame::encode_reset(ResetCode::Refused, &reason),
+                );
+                return Ok(());
+            }
+            let stream = shared.new_stream(id);
+            s.map.insert(id, Arc::clone(&stream));
+            stream
+        };
+        let incoming = Incoming {
+            open,
+            responder: Responder {
+                stream: Arc::clone(&stream),
+            },
+            send: SendHalf {
+                stream: Arc::clone(&stream),
+            },
+            recv: RecvHalf { stream },
+        };
+        match &self.on_open {
+            Some(f) => f(incoming),
+            None => drop(incoming),
+        }
+        Ok(())
+    }
+}
+
+/// Writes queued control frames whenever woken; returns the write error that ended it.
+async fn flusher(shared: &Shared) -> io::Error {
+    loop {
+        shared.flush_wake.notified().await;
+        let mut io = shared.io.lock().await;
+        shared.take_control(&mut io);
+        if let Err(e) = flush(&mut io).await {
+            return e;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,237 @@
+//! The multiplexer over a real loopback TCP connection (the e2e tests run it over mTLS between
+//! the real broker and agent).
+
+use super::*;
+use crate::testing::tcp_pair;
+use std::time::Instant;
+
+const DEADLINE: Duration = Duration::from_secs(10);
+
+fn cfg(window: u32) -> Config {
+    Config {
+        max_frame_bytes: 64 << 10,
+        stream_window_bytes: window,
+        connection_window_bytes: 1 << 30,
+        max_streams: 100,
+    }
+}
+
+/// An agent end that echoes every stream (or fails targets named `fail:*`, or never answers
+/// `silent:*`), and a broker end.
+async fn pair(window: u32) -> (Mux, Mux, mpsc::Receiver<Event>) {
+    let (a, b) = tcp_pair().await;
+    let on_open: OnOpen = Arc::new(|inc: Incoming| {
+        tokio::spawn(echo(inc));
+    });
+    let (agent, driver, _agent_events) = connect(b, Role::Acceptor, cfg(window), Some(on_open));
+    tokio::spawn(async move {
+        let _events = _agent_events;
+        driver.run().await
+    });
+    let (broker, driver, broker_events) = connect(a, Role::Opener, cfg(window), None);
+    tokio::spawn(driver.run());
+    (broker, agent, broker_events)
+}
+
+async fn echo(inc: Incoming) {
+    let Incoming {
+        open,
+        responder,
+        mut send,
+        mut recv,
+    } = inc;
+    if let Some(msg) = open.target.strip_prefix("fail:") {
+        let _ = responder.fail("refused", msg).await;
+        return;
+    }
+    if open.target.starts_with("silent:") {
+        std::future::pending::<()>().await;
+    }
+    responder.ok().await.unwrap();
+    if open.target.starts_with("stall:") {
+        std::future::pending::<()>().await;
+    }
+    while let Some(d) = recv.data().await {
+        let Ok(d) = d else { return };
+        let n = d.len();
+        if send.send(d).await.is_err() {
+            return;
+        }
+        recv.release(n);
+    }
+    let _ = send.finish().await;
+}
+
+fn open(target: &str) -> Open {
+    Open {
+        target: target.into(),
+        cluster: "c1".into(),
+        tag: 1,
+        dial_timeout_ms: 1000,
+        trace: vec![],
+    }
+}
+
+async fn read_n(rx: &mut RecvHalf, n: usize) -> Vec<u8> {
+    let mut got = Vec::new();
+    while got.len() < n {
+        let d = tokio::time::timeout(DEADLINE, rx.data())
+            .await
+            .expect("data within the deadline")
+            .expect("not finished")
+            .expect("not reset");
+        rx.release(d.len());
+        got.extend_from_slice(&d);
+    }
+    got
+}
+
+#[tokio::test]
+async fn streams_echo_with_early_data_and_half_close() {
+    let (broker, _agent, _ev) = pair(1 << 20).await;
+    let (mut tx, mut rx) = broker
+        .open(&open("echo:1"), &Bytes::from_static(b"early "))
+        .await
+        .expect("opened");
+    tx.send(Bytes::from_static(b"hello")).await.unwrap();
+    assert_eq!(read_n(&mut rx, 11).await, b"early hello");
+    // 3 MiB through a 1 MiB window: credit must flow back.
+    let big: Vec<u8> = (0..3 << 20).map(|i: u32| (i % 251) as u8).collect();
+    let sender = {
+        let big = Bytes::from(big.clone());
+        tokio::spawn(async move {
+            tx.send(big).await.unwrap();
+            tx.finish().await.unwrap();
+            tx
+        })
+    };
+    assert_eq!(read_n(&mut rx, big.len()).await, big);
+    let end = tokio::time::timeout(DEADLINE, rx.data()).await.unwrap();
+    assert!(end.is_none(), "FIN after the echo");
+    drop(sender.await.unwrap());
+    drop(rx);
+    assert!(
+        wait_until(|| broker.open_streams() == 0).await,
+        "finished stream forgotten"
+    );
+}
+
+#[tokio::test]
+async fn a_failed_dial_names_its_kind_and_a_stalled_stream_blocks_only_itself() {
+    let (broker, agent, _ev) = pair(256 << 10).await;
+    let err = broker
+        .open(&open("fail:no route"), &Bytes::new())
+        .await
+        .err()
+        .expect("dial fails");
+    assert_eq!(
+        err,
+        OpenError::Dial {
+            kind: "refused".into(),
+            message: "no route".into()
+        }
+    );
+    // A stream whose reader never reads takes one window and then waits for credit…
+    let (mut stalled, _srx) = broker.open(&open("stall:1"), &Bytes::new()).await.unwrap();
+    let filler = tokio::spawn(async move {
+        let _ = stalled.send(Bytes::from(vec![7u8; 1 << 20])).await;
+    });
+    // …while another stream keeps echoing.
+    let (mut tx, mut rx) = broker.open(&open("echo:2"), &Bytes::new()).await.unwrap();
+    for i in 0..50u8 {
+        tx.send(Bytes::from(vec![i; 1000])).await.unwrap();
+        assert_eq!(read_n(&mut rx, 1000).await, vec![i; 1000]);
+    }
+    assert!(!filler.is_finished(), "the stalled stream waits for credit");
+    assert_eq!(agent.open_streams(), 2);
+    filler.abort();
+}
+
+#[tokio::test]
+async fn sending_beyond_the_window_resets_only_that_stream() {
+    let (broker, _agent, _ev) = pair(65_535).await;
+    let (_tx, mut rx) = broker.open(&open("stall:1"), &Bytes::new()).await.unwrap();
+    let id = rx.stream.id;
+    // Forge credit the agent never gave: the agent resets the stream.
+    rx.stream.st.lock().unwrap().send_credit = 1 << 20;
+    let mut tx = SendHalf {
+        stream: Arc::clone(&rx.stream),
+    };
+    rx.stream.st.lock().unwrap().halves += 1;
+    tx.send(Bytes::from(vec![0u8; 200_000])).await.ok();
+    let r = tokio::time::timeout(DEADLINE, rx.data()).await.unwrap();
+    let e = r.expect("an outcome").expect_err("reset");
+    assert!(e.to_string().contains("FlowControl"), "{e} (stream {id})");
+    let (mut tx2, mut rx2) = broker.open(&open("echo:3"), &Bytes::new()).await.unwrap();
+    tx2.send(Bytes::from_static(b"still fine")).await.unwrap();
+    assert_eq!(read_n(&mut rx2, 10).await, b"still fine");
+}
+
+#[tokio::test]
+async fn goaway_refuses_new_streams_and_a_lost_connection_fails_open_ones() {
+    let (broker, agent, mut events) = pair(1 << 20).await;
+    let (_tx, mut rx) = broker.open(&open("stall:1"), &Bytes::new()).await.unwrap();
+    agent.go_away("shutting down").await.unwrap();
+    let ev = tokio::time::timeout(DEADLINE, events.recv()).await.unwrap();
+    assert!(matches!(ev, Some(Event::GoAway { last: 1, .. })), "{ev:?}");
+    assert!(broker.is_draining());
+    let e = broker
+        .open(&open("echo:x"), &Bytes::new())
+        .await
+        .err()
+        .unwrap();
+    assert!(matches!(e, OpenError::NotTaken(_)), "{e:?}");
+    agent.close("test cut");
+    let r = tokio::time::timeout(DEADLINE, rx.data()).await.unwrap();
+    let e = r.expect("an outcome").expect_err("lost");
+    assert!(matches!(e, AbortReason::Tunnel(_)), "{e:?}");
+}
+
+#[tokio::test]
+async fn pings_are_answered_and_a_silent_dial_can_be_abandoned() {
+    let (broker, agent, _ev) = pair(1 << 20).await;
+    let started = Instant::now();
+    tokio::time::timeout(DEADLINE, broker.ping())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(started.elapsed() < DEADLINE);
+    let abandoned = tokio::time::timeout(
+        Duration::from_millis(50),
+        broker.open(&open("silent:1"), &Bytes::new()),
+    )
+    .await;
+    assert!(abandoned.is_err(), "no answer");
+    assert!(
+        wait_until(|| broker.open_streams() == 0).await,
+        "abandoned stream forgotten"
+    );
+    // The agent saw the reset: its stream is gone too once its handler lets go.
+    assert!(agent.open_streams() <= 1);
+}
+
+#[tokio::test]
+async fn malformed_frames_end_the_connection_with_a_reason() {
+    let (a, mut b) = tcp_pair().await;
+    let (broker, driver, _ev) = connect(a, Role::Opener, cfg(1 << 20), None);
+    let run = tokio::spawn(driver.run());
+    let mut bad = Vec::new();
+    frame::put_frame(&mut bad, Kind::Data, 0, 0, b"x");
+    b.write_all(&bad).await.unwrap();
+    let reason = tokio::time::timeout(DEADLINE, run).await.unwrap().unwrap();
+    assert!(reason.contains("Data frame on stream 0"), "{reason}");
+    assert!(broker.is_closed());
+    let e = broker.open(&open("x"), &Bytes::new()).await.err().unwrap();
+    assert!(matches!(e, OpenError::NotTaken(_)), "{e:?}");
+}
+
+async fn wait_until(mut f: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + DEADLINE;
+    while Instant::now() < end {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    f()
+}
