@@ -60,8 +60,9 @@ pub const READ_BUFFER_BYTES: usize = 64 << 10;
 pub const IDLE_READ_BUFFER_BYTES: usize = 2 << 10;
 /// Most queued pieces one vectored write hands to TLS.
 const MAX_WRITE_SLICES: usize = 16;
-/// DATA payloads below this are copied out of the read buffer (so a small chunk waiting in a
-/// stalled stream's inbox does not pin a whole read buffer); larger ones are shared.
+/// A DATA payload from this size up is read into an allocation of its own (kept by the stream's
+/// inbox without a copy); smaller ones, and any that arrived inside a read of several frames,
+/// are copied out of the read buffer, so a stalled stream's inbox never pins read buffers.
 pub const COPY_BELOW: usize = 16 << 10;
 
 /// What [`Driver::run`] returns when the peer closed the connection cleanly.
@@ -225,6 +226,9 @@ struct StreamState {
     recv_granted: i64,
     /// Bytes written out by the receiver and not yet returned as credit.
     unreturned: u32,
+    /// Bytes handed to the receiver and not yet released by it (given back to the connection
+    /// window when the stream goes, as HTTP/2 does).
+    outstanding: usize,
     recv_fin: bool,
     rx_waker: Option<Waker>,
     send_credit: i64,
@@ -237,6 +241,14 @@ struct StreamState {
 }
 
 impl StreamState {
+    /// Empties the inbox; returns its bytes (the caller gives them back to the peer's
+    /// connection window, after releasing this stream's lock).
+    fn discard_inbox(&mut self) -> usize {
+        let n = self.inbox.iter().map(Bytes::len).sum();
+        self.inbox.clear();
+        n
+    }
+
     fn wake(&mut self) {
         if let Some(w) = self.rx_waker.take() {
             w.wake();
@@ -410,6 +422,9 @@ impl Shared {
     /// Returns `n` bytes to the peer's connection window (credit on stream 0 once half the
     /// window is owed).
     fn release_connection(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
         let owed = {
             let mut c = self.conn_flow.lock().expect("connection flow");
             c.unreturned = c.unreturned.saturating_add(n as u32);
@@ -768,6 +783,7 @@ impl RecvHalf {
         // Bytes that arrived are delivered even when the connection ended after them (a reset
         // clears them); a stream whose FIN arrived ended cleanly whatever happens next.
         if let Some(b) = st.inbox.pop_front() {
+            st.outstanding += b.len();
             return Poll::Ready(Some(Ok(b)));
         }
         if st.recv_fin {
@@ -789,35 +805,42 @@ impl RecvHalf {
     /// Returns `n` bytes (written out by the caller) to the peer's window; credit goes out once
     /// half a window is owed.
     pub fn release(&mut self, n: usize) {
-        self.stream.conn.release_connection(n);
         let window = self.stream.conn.recv_window.load(Ordering::Relaxed);
-        let owed = {
+        let (n, owed) = {
             let mut st = self.stream.st.lock().expect("stream");
+            let n = n.min(st.outstanding);
+            st.outstanding -= n;
             st.unreturned = st.unreturned.saturating_add(n as u32);
-            if st.unreturned < window / 2 || st.recv_fin || st.error.is_some() {
-                return;
-            }
-            let owed = std::mem::take(&mut st.unreturned);
-            st.recv_granted += i64::from(owed);
-            owed
+            let owed = if st.unreturned < window / 2 || st.recv_fin || st.error.is_some() {
+                0
+            } else {
+                let owed = std::mem::take(&mut st.unreturned);
+                st.recv_granted += i64::from(owed);
+                owed
+            };
+            (n, owed)
         };
-        self.stream
-            .conn
-            .queue(Kind::Credit, 0, self.stream.id, &owed.to_be_bytes());
+        self.stream.conn.release_connection(n);
+        if owed > 0 {
+            self.stream
+                .conn
+                .queue(Kind::Credit, 0, self.stream.id, &owed.to_be_bytes());
+        }
     }
 }
 
 impl Stream {
     fn reset(&self, code: ResetCode, message: &str) {
-        {
+        let discarded = {
             let mut st = self.st.lock().expect("stream");
             if st.error.is_some() || (st.sent_fin && st.recv_fin) {
                 return;
             }
             st.error = Some(AbortReason::Cancelled(message.to_owned()));
-            st.inbox.clear();
             st.wake();
-        }
+            st.discard_inbox()
+        };
+        self.conn.release_connection(discarded);
         self.conn
             .queue(Kind::Reset, 0, self.id, &frame::encode_reset(code, message));
     }
@@ -831,6 +854,12 @@ impl Stream {
         if last {
             // A stream dropped before both directions ended is aborted.
             self.reset(ResetCode::Cancel, "stream dropped");
+            // Bytes nobody will read or release go back to the peer's connection window.
+            let unread = {
+                let mut st = self.st.lock().expect("stream");
+                st.discard_inbox() + std::mem::take(&mut st.outstanding)
+            };
+            self.conn.release_connection(unread);
             self.conn
                 .streams
                 .lock()
@@ -903,16 +932,46 @@ impl Driver {
         let mut buf = BytesMut::new();
         // Reads are large while data flows, small otherwise.
         let mut flowing = false;
+        // A large DATA frame whose payload `buf` is being read into, an allocation of exactly
+        // the payload's size: the stream's inbox keeps it without a copy and pins nothing else.
+        let mut large: Option<frame::Header> = None;
         loop {
-            while buf.len() >= HEADER_LEN {
+            if let Some(h) = large
+                && buf.len() == h.len
+            {
+                large = None;
+                self.on_frame(h, std::mem::take(&mut buf), true)?;
+            }
+            while large.is_none() && buf.len() >= HEADER_LEN {
                 let h = frame::parse_header(buf[..HEADER_LEN].try_into().expect("header"), max)?;
-                if buf.len() < HEADER_LEN + h.len {
-                    buf.reserve(HEADER_LEN + h.len - buf.len());
+                let need = HEADER_LEN + h.len;
+                if buf.len() < need {
+                    if h.kind == Kind::Data && h.len >= COPY_BELOW {
+                        let mut own = BytesMut::with_capacity(h.len);
+                        own.extend_from_slice(&buf[HEADER_LEN..]);
+                        buf = own;
+                        large = Some(h);
+                    } else {
+                        buf.reserve(need - buf.len());
+                    }
                     break;
                 }
                 buf.advance(HEADER_LEN);
                 let payload = buf.split_to(h.len);
-                self.on_frame(h, payload)?;
+                self.on_frame(h, payload, false)?;
+            }
+            if large.is_some() {
+                // The rest of the large payload, up to its end and no further.
+                match self.rd.read_buf(&mut buf).await {
+                    Ok(0) => {
+                        return Err(ConnError(format!(
+                            "the peer closed the connection inside a frame ({} bytes of it read)",
+                            buf.len()
+                        )));
+                    }
+                    Ok(_) => continue,
+                    Err(e) => return Err(ConnError(format!("reading from the peer: {e}"))),
+                }
             }
             let room = if flowing {
                 READ_BUFFER_BYTES
@@ -953,7 +1012,13 @@ impl Driver {
         }
     }
 
-    fn on_frame(&mut self, h: frame::Header, payload: BytesMut) -> Result<(), ConnError> {
+    /// Handles one frame; `owned`: the payload is the only user of its allocation.
+    fn on_frame(
+        &mut self,
+        h: frame::Header,
+        payload: BytesMut,
+        owned: bool,
+    ) -> Result<(), ConnError> {
         let shared = &self.shared;
         let need_stream = |id: u32| {
             if id == 0 {
@@ -965,13 +1030,6 @@ impl Driver {
         match h.kind {
             Kind::Data => {
                 let id = need_stream(h.stream)?;
-                let Some(stream) = shared.stream(id) else {
-                    return Ok(()); // reset or finished here; bytes in flight
-                };
-                let mut st = stream.st.lock().expect("stream");
-                if st.error.is_some() || st.recv_fin {
-                    return Ok(());
-                }
                 let len = payload.len() as i64;
                 {
                     let mut c = shared.conn_flow.lock().expect("connection flow");
@@ -982,8 +1040,21 @@ impl Driver {
                     }
                     c.recv_granted -= len;
                 }
+                let Some(stream) = shared.stream(id) else {
+                    // Reset or finished here, bytes in flight: dropped, their connection
+                    // window given back.
+                    shared.release_connection(payload.len());
+                    return Ok(());
+                };
+                let mut st = stream.st.lock().expect("stream");
+                if st.error.is_some() || st.recv_fin {
+                    drop(st);
+                    shared.release_connection(payload.len());
+                    return Ok(());
+                }
                 if len > st.recv_granted {
                     drop(st);
+                    shared.release_connection(payload.len());
                     stream.reset(
                         ResetCode::FlowControl,
                         &format!("{len} bytes sent beyond the stream's window"),
@@ -992,10 +1063,12 @@ impl Driver {
                 }
                 st.recv_granted -= len;
                 if !payload.is_empty() {
-                    let bytes = if payload.len() < COPY_BELOW {
-                        Bytes::copy_from_slice(&payload)
-                    } else {
+                    // Bytes that share their allocation with other frames are copied out, so
+                    // what waits in an inbox is bounded by the window, not by read buffers.
+                    let bytes = if owned {
                         payload.freeze()
+                    } else {
+                        Bytes::copy_from_slice(&payload)
                     };
                     st.inbox.push_back(bytes);
                 }
@@ -1031,6 +1104,7 @@ impl Driver {
                 let (code, text) = frame::decode_reset(&payload)?;
                 if let Some(stream) = shared.stream(id) {
                     let mut st = stream.st.lock().expect("stream");
+                    let discarded = st.discard_inbox();
                     if let Some(o) = st.opened.take() {
                         let _ = o.send(Err(if code == ResetCode::Refused {
                             OpenError::NotTaken(text.clone())
@@ -1041,8 +1115,9 @@ impl Driver {
                     if st.error.is_none() {
                         st.error = Some(AbortReason::PeerReset(format!("{code:?}: {text}")));
                     }
-                    st.inbox.clear();
                     st.wake();
+                    drop(st);
+                    shared.release_connection(discarded);
                 }
             }
             Kind::Window => {

@@ -16,6 +16,23 @@ fn cfg(window: u32) -> Config {
     }
 }
 
+/// `pair` with `connection_window` as both ends' connection window.
+async fn pair_with(window: u32, connection_window: u32) -> (Mux, Mux) {
+    let (a, b) = tcp_pair().await;
+    let on_open: OnOpen = Arc::new(|inc: Incoming| {
+        tokio::spawn(echo(inc));
+    });
+    let c = Config {
+        connection_window_bytes: connection_window,
+        ..cfg(window)
+    };
+    let (agent, driver, _agent_events) = connect(b, Role::Acceptor, c.clone(), Some(on_open));
+    tokio::spawn(driver.run());
+    let (broker, driver, _broker_events) = connect(a, Role::Opener, c, None);
+    tokio::spawn(driver.run());
+    (broker, agent)
+}
+
 /// An agent end that echoes every stream (or fails targets named `fail:*`, or never answers
 /// `silent:*`), and a broker end.
 async fn pair(window: u32) -> (Mux, Mux, mpsc::Receiver<Event>) {
@@ -145,6 +162,27 @@ async fn a_failed_dial_names_its_kind_and_a_stalled_stream_blocks_only_itself() 
     assert!(!filler.is_finished(), "the stalled stream waits for credit");
     assert_eq!(agent.open_streams(), 2);
     filler.abort();
+}
+
+/// Bytes a stream never read (dropped, reset) go back to the connection window: twenty streams
+/// that each leave 64 KiB unread pass through a 256 KiB connection window, and the next stream
+/// still echoes.
+#[tokio::test]
+async fn streams_dropped_unread_give_the_connection_window_back() {
+    let (broker, _agent) = pair_with(65_535, 256 << 10).await;
+    for i in 0..20u8 {
+        let (mut tx, mut rx) = broker.open(&open("echo:n"), &Bytes::new()).await.unwrap();
+        tx.send(Bytes::from(vec![i; 60_000])).await.unwrap();
+        // Some of the echo arrived; the rest is in the inbox or on its way when the stream goes.
+        let first = tokio::time::timeout(DEADLINE, rx.data()).await.unwrap();
+        assert!(matches!(first, Some(Ok(_))), "stream {i}: {first:?}");
+    }
+    let (mut tx, mut rx) = broker
+        .open(&open("echo:last"), &Bytes::new())
+        .await
+        .unwrap();
+    tx.send(Bytes::from(vec![9u8; 60_000])).await.unwrap();
+    assert_eq!(read_n(&mut rx, 60_000).await, vec![9u8; 60_000]);
 }
 
 #[tokio::test]
