@@ -201,17 +201,8 @@ pub async fn run_tunnel(
     })
     .await?;
     let rtt = std::sync::atomic::AtomicU64::new(0);
-    let keepalive = tether_tunnel::keepalive::run_probed(
-        conn.ping_pong().expect("ping_pong taken once"),
-        shared.settings.keepalive_interval,
-        shared.settings.keepalive_timeout,
-        &rtt,
-        Some(tether_tunnel::keepalive::WindowSampling {
-            window: Arc::clone(&window),
-            changes: Some(shared.metrics.tunnel_window_changes.clone()),
-        }),
-        Some(&progress),
-    );
+    let pinger = conn.ping_pong().expect("ping_pong taken once").into();
+    let keepalive = keepalive(&shared, pinger, &window, &progress, &rtt);
     tokio::pin!(keepalive);
     let wedged = watchdog.run();
     tokio::pin!(wedged);
@@ -270,6 +261,27 @@ pub async fn run_tunnel(
     }
 }
 
+/// The tunnel's PING loop (liveness, round trip, adaptive-window samples), either protocol.
+fn keepalive<'a>(
+    shared: &'a AgentShared,
+    pinger: tether_tunnel::keepalive::Pinger,
+    window: &Arc<tether_tunnel::window::AdaptiveWindow>,
+    progress: &'a tether_tunnel::watchdog::Progress,
+    rtt: &'a std::sync::atomic::AtomicU64,
+) -> impl std::future::Future<Output = tether_tunnel::keepalive::KeepaliveError> + 'a {
+    tether_tunnel::keepalive::run_probed(
+        pinger,
+        shared.settings.keepalive_interval,
+        shared.settings.keepalive_timeout,
+        rtt,
+        Some(tether_tunnel::keepalive::WindowSampling {
+            window: Arc::clone(window),
+            changes: Some(shared.metrics.tunnel_window_changes.clone()),
+        }),
+        Some(progress),
+    )
+}
+
 /// A tunnel on `tether-tunnel/2`: everything [`run_tunnel`] set up below the protocol.
 struct MuxTunnel {
     addr: String,
@@ -313,17 +325,8 @@ impl MuxTunnel {
         let run = driver.run();
         tokio::pin!(run);
         let rtt = std::sync::atomic::AtomicU64::new(0);
-        let keepalive = tether_tunnel::keepalive::run_probed(
-            tether_tunnel::keepalive::Pinger::Mux(conn.clone()),
-            shared.settings.keepalive_interval,
-            shared.settings.keepalive_timeout,
-            &rtt,
-            Some(tether_tunnel::keepalive::WindowSampling {
-                window: Arc::clone(&window),
-                changes: Some(shared.metrics.tunnel_window_changes.clone()),
-            }),
-            Some(&progress),
-        );
+        let pinger = tether_tunnel::keepalive::Pinger::Mux(conn.clone());
+        let keepalive = keepalive(&shared, pinger, &window, &progress, &rtt);
         tokio::pin!(keepalive);
         let wedged = watchdog.run();
         tokio::pin!(wedged);

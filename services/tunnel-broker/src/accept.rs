@@ -215,42 +215,70 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
             .to_owned();
         return Err(AcceptError::IdentityMismatch(format!("{identity}: {msg}")));
     }
-    side.metrics
-        .tunnel_connections
-        .with_label_values(&["h2"])
-        .inc();
-    let handle = Arc::new(
-        TunnelHandle::new(
-            side.next_id.fetch_add(1, Ordering::Relaxed),
-            cluster,
-            agent,
-            send,
-            side.max_pending_dials,
-        )
-        .with_closer(closer)
-        .with_window(Arc::clone(&window))
-        .with_progress(Arc::clone(&progress)),
+    let handle = TunnelHandle::new(
+        side.next_id.fetch_add(1, Ordering::Relaxed),
+        cluster,
+        agent,
+        send,
+        side.max_pending_dials,
     );
-    let actor = TunnelActor {
+    let tunnel = Established {
         handle,
-        registry: side.registry.clone(),
-        keepalive: Some((
-            ping_pong.into(),
-            side.settings.keepalive_interval,
-            side.settings.keepalive_timeout,
-        )),
-        sampling: Some(WindowSampling {
-            window,
-            changes: Some(side.metrics.tunnel_window_changes.clone()),
-        }),
-        connection: Some(connection),
-        watchdog: Watchdog::new(progress, side.settings.stall_timeout)
-            .count_suspect_in(side.metrics.tunnel_suspect.clone()),
-        wedged: side.metrics.tunnel_wedged.clone(),
-        hooks: side.test_hooks.clone().zip(panic_token),
+        pinger: ping_pong.into(),
+        closer,
+        window,
+        progress,
+        connection,
+        panic_token,
     };
-    TunnelActor::start_in_arbiter(&side.arbiter, move |_| actor);
+    tunnel.start(&side);
     Ok(())
+}
+
+/// An agent tunnel whose hello succeeded, either protocol: what its [`TunnelActor`] needs.
+struct Established {
+    handle: TunnelHandle,
+    pinger: tether_tunnel::keepalive::Pinger,
+    closer: CancellationToken,
+    window: Arc<tether_tunnel::window::AdaptiveWindow>,
+    progress: Arc<Progress>,
+    connection: Connection,
+    panic_token: Option<CancellationToken>,
+}
+
+impl Established {
+    /// Counts the tunnel by protocol and starts its actor (which registers it).
+    fn start(self, side: &AgentSide) {
+        side.metrics
+            .tunnel_connections
+            .with_label_values(&[self.handle.protocol()])
+            .inc();
+        let handle = Arc::new(
+            self.handle
+                .with_closer(self.closer)
+                .with_window(Arc::clone(&self.window))
+                .with_progress(Arc::clone(&self.progress)),
+        );
+        let actor = TunnelActor {
+            handle,
+            registry: side.registry.clone(),
+            keepalive: Some((
+                self.pinger,
+                side.settings.keepalive_interval,
+                side.settings.keepalive_timeout,
+            )),
+            sampling: Some(WindowSampling {
+                window: self.window,
+                changes: Some(side.metrics.tunnel_window_changes.clone()),
+            }),
+            connection: Some(self.connection),
+            watchdog: Watchdog::new(self.progress, side.settings.stall_timeout)
+                .count_suspect_in(side.metrics.tunnel_suspect.clone()),
+            wedged: side.metrics.tunnel_wedged.clone(),
+            hooks: side.test_hooks.clone().zip(self.panic_token),
+        };
+        TunnelActor::start_in_arbiter(&side.arbiter, move |_| actor);
+    }
 }
 
 /// Who the agent's certificate says it is.
@@ -346,41 +374,23 @@ where
     // Later connection events (GOAWAY, DRAIN) act on the connection itself (the tunnel stops
     // taking streams); nobody needs to read them.
     drop(events);
-    side.metrics
-        .tunnel_connections
-        .with_label_values(&["mux"])
-        .inc();
-    let handle = Arc::new(
-        TunnelHandle::new_mux(
-            side.next_id.fetch_add(1, Ordering::Relaxed),
-            cluster,
-            agent,
-            conn.clone(),
-            side.max_pending_dials,
-        )
-        .with_closer(closer)
-        .with_window(Arc::clone(&window))
-        .with_progress(Arc::clone(&progress)),
+    let handle = TunnelHandle::new_mux(
+        side.next_id.fetch_add(1, Ordering::Relaxed),
+        cluster,
+        agent,
+        conn.clone(),
+        side.max_pending_dials,
     );
-    let actor = TunnelActor {
+    let tunnel = Established {
         handle,
-        registry: side.registry.clone(),
-        keepalive: Some((
-            tether_tunnel::keepalive::Pinger::Mux(conn),
-            side.settings.keepalive_interval,
-            side.settings.keepalive_timeout,
-        )),
-        sampling: Some(WindowSampling {
-            window,
-            changes: Some(side.metrics.tunnel_window_changes.clone()),
-        }),
-        connection: Some(connection),
-        watchdog: Watchdog::new(progress, side.settings.stall_timeout)
-            .count_suspect_in(side.metrics.tunnel_suspect.clone()),
-        wedged: side.metrics.tunnel_wedged.clone(),
-        hooks: side.test_hooks.clone().zip(panic_token),
+        pinger: tether_tunnel::keepalive::Pinger::Mux(conn),
+        closer,
+        window,
+        progress,
+        connection,
+        panic_token,
     };
-    TunnelActor::start_in_arbiter(&side.arbiter, move |_| actor);
+    tunnel.start(&side);
     Ok(())
 }
 

@@ -445,6 +445,12 @@ impl Shared {
         }
     }
 
+    /// The open streams now (each locked on its own afterwards, never under the table's lock).
+    fn open_stream_list(&self) -> Vec<Arc<Stream>> {
+        let s = self.streams.lock().expect("streams");
+        s.map.values().cloned().collect()
+    }
+
     fn stream(&self, id: u32) -> Option<Arc<Stream>> {
         self.streams.lock().expect("streams").map.get(&id).cloned()
     }
@@ -574,16 +580,7 @@ impl Mux {
     pub fn set_recv_window(&self, window: u32) {
         let old = self.shared.recv_window.swap(window, Ordering::Relaxed);
         let delta = i64::from(window) - i64::from(old);
-        let streams: Vec<_> = self
-            .shared
-            .streams
-            .lock()
-            .expect("streams")
-            .map
-            .values()
-            .cloned()
-            .collect();
-        for s in streams {
+        for s in self.shared.open_stream_list() {
             s.st.lock().expect("stream").recv_granted += delta;
         }
         self.shared
@@ -1137,15 +1134,7 @@ impl Driver {
                     waiting.into_iter().for_each(Waker::wake);
                 }
                 let delta = i64::from(w) - i64::from(old);
-                let streams: Vec<_> = shared
-                    .streams
-                    .lock()
-                    .expect("streams")
-                    .map
-                    .values()
-                    .cloned()
-                    .collect();
-                for s in streams {
+                for s in shared.open_stream_list() {
                     let mut st = s.st.lock().expect("stream");
                     st.send_credit += delta;
                     if let Some(w) = st.tx_waker.take() {
