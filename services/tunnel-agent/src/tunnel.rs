@@ -322,8 +322,11 @@ impl MuxTunnel {
         let cfg = mux::Config::from_settings(&shared.settings);
         let (conn, driver, mut conn_events) =
             mux::connect(tls, mux::Role::Acceptor, cfg, Some(on_open));
-        let run = driver.run();
-        tokio::pin!(run);
+        // The driver (reader and flusher) is a task of its own: it keeps reading, answering
+        // PINGs and taking credit while this loop awaits a write (GOAWAY, HELLO_OK) or the
+        // connector. Dropping the handle (this future dropped) aborts it and ends the
+        // connection.
+        let mut run = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(driver.run()));
         let rtt = std::sync::atomic::AtomicU64::new(0);
         let pinger = tether_tunnel::keepalive::Pinger::Mux(conn.clone());
         let keepalive = keepalive(&shared, pinger, &window, &progress, &rtt);
@@ -340,6 +343,7 @@ impl MuxTunnel {
                 .map(|t| grace.saturating_sub(t.elapsed()));
             tokio::select! {
                 reason = &mut run => {
+                    let reason = reason.unwrap_or_else(|e| format!("tunnel connection task failed: {e}"));
                     return if reason == mux::PEER_CLOSED || draining_since.is_some() {
                         Ok(())
                     } else {

@@ -917,10 +917,13 @@ impl Driver {
         };
         shared.close(reason.clone());
         // Close cleanly: TLS close_notify and FIN, lingering for the peer's EOF (bounded by the
-        // transport's lingering close).
-        if let Ok(mut io) = shared.io.try_lock() {
-            let _ = tokio::time::timeout(Duration::from_secs(2), io.w.shutdown()).await;
-        }
+        // transport's lingering close). Writers give the lock up at once (the connection is
+        // closed); the socket is shut even while streams still hold the connection.
+        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            let mut io = shared.io.lock().await;
+            io.w.shutdown().await
+        })
+        .await;
         reason
     }
 
