@@ -126,6 +126,9 @@ mux_seeds = {
     "answers": window + mux_frame(5, 1) + mux_frame(6, 3, mux_str("refused") + mux_str("dial db: refused"))
     + mux_frame(2, 0, mux_str("c1") + mux_str("tunnel-agent")) + mux_frame(12, 0, b"12345678"),
     "beyond-window": window + open_ + mux_frame(7, 1, b"x" * 70000),
+    # tether-dial/1: a client's credential before its OPEN; a broker's OPEN_OK with the stream id
+    "dial-client": window + mux_frame(15, 0, mux_str("Bearer s3cret")) + open_
+    + mux_frame(5, 1, (9).to_bytes(8, "big") + (140).to_bytes(4, "big")),
 }
 for k, v in mux_seeds.items():
     write("mux_frames", k, v)

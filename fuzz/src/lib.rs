@@ -120,6 +120,12 @@ pub fn mux_frames(data: &[u8]) {
             frame::Kind::GoAway => drop(frame::decode_goaway(p)),
             frame::Kind::Window => drop(frame::decode_window(p)),
             frame::Kind::HelloOk => drop(frame::decode_pair(h.kind, p)),
+            frame::Kind::OpenOk => {
+                if let Ok(o) = frame::OpenOk::decode(p) {
+                    assert_eq!(frame::OpenOk::decode(&o.encode()), Ok(o));
+                }
+            }
+            frame::Kind::Auth => drop(frame::decode_text(h.kind, p)),
             _ => {}
         }
     }

@@ -291,14 +291,14 @@ async fn pooled_dialer_spreads_streams_and_owned_bytes_round_trip() -> anyhow::R
     .await??;
     assert_eq!(back.len(), payload.len());
     assert!(back == payload, "echoed bytes differ");
-    // The pool's two connections, counted as h2 on the TLS port.
-    let tls_h2 = tether_e2e::metric(
+    // The pool's two connections, counted as tether-dial/1 (`mux`) on the TLS port.
+    let tls_mux = tether_e2e::metric(
         broker.admin_addr,
         "tether_broker_client_connections_total",
-        &[("listener", "tls"), ("protocol", "h2")],
+        &[("listener", "tls"), ("protocol", "mux")],
     )
     .await?;
-    assert!(tls_h2 >= 2.0, "{tls_h2} h2 connections on the TLS port");
+    assert_eq!(tls_mux, 2.0, "tether-dial/1 connections on the TLS port");
     Ok(())
 }
 
@@ -383,8 +383,9 @@ async fn sdk_over_the_plain_port_and_connect_share_it() -> anyhow::Result<()> {
     tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut five)).await??;
     assert_eq!(&five, b"plain");
 
-    // The broker counts what each client port spoke: the SDK's connections as h2 on the plain
-    // port, the one CONNECT as http1, nothing on the TLS port.
+    // The broker counts what each client port spoke: the SDK's connections as tether-dial/1
+    // (`mux`) on the plain port, its framed dial's tonic channel as h2, the one CONNECT as
+    // http1, nothing on the TLS port.
     let count = |listener: &'static str, protocol: &'static str| {
         let admin = broker.admin_addr;
         async move {
@@ -396,13 +397,18 @@ async fn sdk_over_the_plain_port_and_connect_share_it() -> anyhow::Result<()> {
             .await
         }
     };
+    assert_eq!(
+        count("plain", "mux").await?,
+        2.0,
+        "the two dialers' tether-dial/1 connections"
+    );
     assert!(
-        count("plain", "h2").await? >= 2.0,
-        "the SDK's h2c connections"
+        count("plain", "h2").await? >= 1.0,
+        "the framed dial's h2c connection"
     );
     assert_eq!(count("plain", "http1").await?, 1.0, "the CONNECT");
     assert_eq!(
-        count("tls", "h2").await? + count("tls", "http1").await?,
+        count("tls", "h2").await? + count("tls", "http1").await? + count("tls", "mux").await?,
         0.0
     );
     drop(d);
@@ -676,5 +682,98 @@ async fn writes_to_a_target_that_never_reads_stop_at_the_windows() -> anyhow::Re
         assert!(written >= 1 << 20, "framed={framed}: only {written} bytes");
     }
     holder.abort();
+    Ok(())
+}
+
+/// The SDK speaks `tether-dial/1` to a current broker, on both client ports, and keeps to the
+/// unframed Dial on HTTP/2 with a broker that does not serve it (`tunnel.protocol: h2` stands in
+/// for an older broker): the same bytes, half-close and refusals either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sdk_speaks_tether_dial_and_falls_back_to_http2() -> anyhow::Result<()> {
+    let echo = echo_server().await?;
+    let hub = Hub::new()?;
+    let current = hub.start_broker("b1", "")?;
+    let h2_only = hub.start_broker("b2", "tunnel:\n  protocol: h2\n")?;
+    let agent = hub.start_agent(
+        "c1",
+        "c1",
+        &[vec![current.agent_addr], vec![h2_only.agent_addr]],
+        echo,
+        "",
+    )?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&current, "c1").await?;
+    wait_tunnel(&h2_only, "c1").await?;
+    let ca_pem = std::fs::read_to_string(hub.pki.ca_path())?;
+    let payload: Vec<u8> = (0..2_000_000u32).map(|i| (i % 233) as u8).collect();
+    for (broker, expected) in [(&current, "tether-dial/1"), (&h2_only, "DialRaw")] {
+        for endpoint in [
+            format!("https://{}", broker.client_tls_addr),
+            format!("http://{}", broker.client_addr),
+        ] {
+            let d = Dialer::connect(DialerConfig {
+                endpoint: endpoint.clone(),
+                server_name: "localhost".into(),
+                ca_pem: if endpoint.starts_with("https") {
+                    ca_pem.clone()
+                } else {
+                    String::new()
+                },
+                client_cert: None,
+                token: Some(Token(OPS_TOKEN.into())),
+                connect_timeout: Duration::from_secs(5),
+            })
+            .await?;
+            let s = d.dial("c1", "127.0.0.1", echo.port()).await?;
+            assert_eq!(s.protocol(), expected, "{endpoint}");
+            assert!(s.stream_id() > 0, "{endpoint}: the broker's stream id");
+            let (mut r, mut w) = tokio::io::split(s);
+            let (wrote, back) = tokio::time::timeout(Duration::from_secs(30), async {
+                tokio::join!(
+                    async {
+                        w.write_all(&payload).await?;
+                        w.shutdown().await
+                    },
+                    async {
+                        let mut back = Vec::new();
+                        r.read_to_end(&mut back).await.map(|_| back)
+                    }
+                )
+            })
+            .await?;
+            wrote?;
+            let back = back?;
+            assert_eq!(back.len(), payload.len(), "{endpoint}");
+            assert!(back == payload, "{endpoint}: echoed bytes differ");
+            match d.dial("c1", "127.0.0.1", 1).await {
+                Err(ClientError::Dial { code, message }) => {
+                    assert_eq!(
+                        code,
+                        tether_proto::tunnel::v1::DialErrorCode::Refused,
+                        "{endpoint}"
+                    );
+                    assert!(!message.is_empty(), "{endpoint}: a reason");
+                }
+                other => panic!("{endpoint}: expected Refused, got {:?}", other.map(|_| ())),
+            }
+        }
+    }
+    let mux_connections = |b: &tether_e2e::Broker| {
+        let admin = b.admin_addr;
+        async move {
+            let mut n = 0.0;
+            for listener in ["plain", "tls"] {
+                n += tether_e2e::metric(
+                    admin,
+                    "tether_broker_client_connections_total",
+                    &[("listener", listener), ("protocol", "mux")],
+                )
+                .await?;
+            }
+            anyhow::Ok(n)
+        }
+    };
+    assert_eq!(mux_connections(&current).await?, 2.0, "one per port");
+    assert_eq!(mux_connections(&h2_only).await?, 0.0);
     Ok(())
 }

@@ -426,6 +426,7 @@ impl MuxTunnel {
 async fn handle_mux_dial(incoming: tether_tunnel::mux::Incoming, shared: Arc<AgentShared>) {
     let tether_tunnel::mux::Incoming {
         open,
+        auth: _,
         responder,
         send,
         recv,

@@ -117,11 +117,18 @@ enum Opening {
     Connect(Head, Bytes),
     /// The HTTP/2 preface (only where `h2c` was allowed): every byte read so far.
     H2c(Bytes),
+    /// The `tether-dial/1` preface (only where `dial` was allowed): the bytes after it.
+    Dial(Bytes),
 }
 
 /// Reads a request head; returns it and any bytes the client sent after it. With `h2c`, a
 /// connection that opens with the HTTP/2 preface is returned as [`Opening::H2c`] instead.
-async fn read_head<S: AsyncRead + Unpin>(s: &mut S, h2c: bool) -> Result<Opening, DialError> {
+/// With `dial`, one that opens with `tether-dial/1`'s preface is returned as [`Opening::Dial`].
+async fn read_head<S: AsyncRead + Unpin>(
+    s: &mut S,
+    h2c: bool,
+    dial: bool,
+) -> Result<Opening, DialError> {
     let mut buf = BytesMut::with_capacity(1024);
     let work = async {
         loop {
@@ -140,6 +147,15 @@ async fn read_head<S: AsyncRead + Unpin>(s: &mut S, h2c: bool) -> Result<Opening
                     DialErrorKind::BadRequest,
                     "connection closed before the request head ended",
                 ));
+            }
+            if dial {
+                let preface = crate::client_mux::DIAL_PREFACE;
+                if buf.starts_with(preface) {
+                    return Ok(Opening::Dial(buf.split_off(preface.len()).freeze()));
+                }
+                if preface.starts_with(&buf) {
+                    continue; // the preface so far: wait for the rest
+                }
             }
             if h2c {
                 if buf.starts_with(H2_PREFACE) {
@@ -262,10 +278,12 @@ async fn open_from_head<S: AsyncRead + AsyncWrite + Unpin>(
     peer: Option<&crate::auth::PeerCert>,
     stream_id: u64,
     h2c: bool,
+    dial: bool,
 ) -> Opened {
-    let (head, early) = match read_head(io, h2c).await {
+    let (head, early) = match read_head(io, h2c, dial).await {
         Ok(Opening::Connect(head, early)) => (head, early),
         Ok(Opening::H2c(read)) => return Opened::H2c(read),
+        Ok(Opening::Dial(read)) => return Opened::Dial(read),
         Err(e) => return refuse(broker, io, span(stream_id, None, None, &[]), &e).await,
     };
     let Head {
@@ -305,6 +323,8 @@ enum Opened {
     Stream(crate::dial::OpenStream, tracing::Span),
     /// The HTTP/2 preface on the plain port: the bytes read so far.
     H2c(Bytes),
+    /// The `tether-dial/1` preface on the plain port: the bytes after it.
+    Dial(Bytes),
     /// Refused; the answer was sent and the connection closed.
     Closed,
 }
@@ -356,11 +376,12 @@ pub async fn serve_plain(
 ) {
     let _ = tcp.set_nodelay(true);
     let stream_id = broker.next_stream_id();
-    let opened = open_from_head(&broker, &mut tcp, None, stream_id, true).await;
-    let protocol = if matches!(opened, Opened::H2c(_)) {
-        "h2"
-    } else {
-        "http1"
+    let dial = broker.settings.protocol == tether_tunnel::settings::TunnelProtocol::Mux;
+    let opened = open_from_head(&broker, &mut tcp, None, stream_id, true, dial).await;
+    let protocol = match opened {
+        Opened::H2c(_) => "h2",
+        Opened::Dial(_) => crate::client_mux::PROTOCOL_LABEL,
+        _ => "http1",
     };
     broker
         .metrics
@@ -371,6 +392,10 @@ pub async fn serve_plain(
         Opened::Stream(stream, span) => (stream, span),
         Opened::H2c(read) => {
             grpc.serve_connection(Rewound::new(read, tcp), None).await;
+            return;
+        }
+        Opened::Dial(read) => {
+            crate::client_mux::serve(broker, Rewound::new(read, tcp), None).await;
             return;
         }
         Opened::Closed => return,
@@ -431,7 +456,7 @@ pub async fn serve_tls<S: TcpBacked + AsyncRead + AsyncWrite + Unpin + Send + 's
 ) {
     let stream_id = broker.next_stream_id();
     let Opened::Stream(stream, span) =
-        open_from_head(&broker, &mut io, peer.as_ref(), stream_id, false).await
+        open_from_head(&broker, &mut io, peer.as_ref(), stream_id, false, false).await
     else {
         return;
     };
@@ -523,7 +548,7 @@ mod tests {
 
     async fn head_error(head: &[u8]) -> String {
         let mut s = head;
-        match read_head(&mut s, false).await {
+        match read_head(&mut s, false, false).await {
             Err(e) => e.message,
             Ok(_) => panic!("{:?} parsed", String::from_utf8_lossy(head)),
         }
@@ -567,22 +592,24 @@ mod tests {
             }
             client
         });
-        match read_head(&mut server, true).await {
+        match read_head(&mut server, true, true).await {
             Ok(Opening::H2c(read)) => {
                 assert!(read.starts_with(H2_PREFACE), "{read:?}");
                 assert!(H2_PREFACE.len() <= read.len() && read.len() <= H2_PREFACE.len() + 4);
             }
-            Ok(Opening::Connect(..)) => panic!("the preface parsed as a CONNECT head"),
+            Ok(Opening::Connect(..) | Opening::Dial(_)) => {
+                panic!("the preface parsed as a CONNECT head")
+            }
             Err(e) => panic!("preface refused: {}", e.message),
         }
         drop(writer.await.expect("writer"));
         let mut head: &[u8] = b"CONNECT c1:443 HTTP/1.1\r\n\r\nearly";
-        match read_head(&mut head, true).await {
+        match read_head(&mut head, true, true).await {
             Ok(Opening::Connect(h, early)) => {
                 assert_eq!(h.target.expect("target").cluster, "c1");
                 assert_eq!(&early[..], b"early");
             }
-            Ok(Opening::H2c(_)) => panic!("a CONNECT head taken for the preface"),
+            Ok(Opening::H2c(_) | Opening::Dial(_)) => panic!("a CONNECT head taken for a preface"),
             Err(e) => panic!("CONNECT refused: {}", e.message),
         }
     }

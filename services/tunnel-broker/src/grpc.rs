@@ -382,7 +382,7 @@ impl pb::dialer_server::Dialer for DialerSvc {
 
 /// Records the stream's cluster, target and client on the current span (the stream's, entered
 /// by the caller) and dials: the one open path of both gRPC Dial front ends (framed and raw).
-async fn dial_recorded(
+pub(crate) async fn dial_recorded(
     broker: &Broker,
     client: &ClientId,
     target: &Target,

@@ -28,6 +28,7 @@
 pub mod accept;
 pub mod auth;
 pub mod budget;
+pub mod client_mux;
 pub mod clusters;
 pub mod config;
 pub mod connect;
@@ -63,8 +64,21 @@ use crate::registry::Registry;
 
 /// Client or agent connections served at once per listener; accepting pauses at the cap.
 pub const MAX_CONNECTIONS_PER_LISTENER: usize = 65_536;
-/// ALPN protocols on the client TLS listener.
+/// ALPN protocols of HTTP clients (the service proxy; the client TLS listener besides
+/// `tether-dial/1`).
 pub const CLIENT_ALPN: [&[u8]; 2] = [b"h2", b"http/1.1"];
+
+/// ALPN protocols on the client TLS listener: `tether-dial/1` first (the server's preference
+/// decides, so a client offering it gets it) unless `tunnel.protocol: h2` keeps clients on
+/// HTTP/2 too, then [`CLIENT_ALPN`].
+fn client_listener_alpn(protocol: tether_tunnel::settings::TunnelProtocol) -> Vec<&'static [u8]> {
+    let mut alpn = Vec::with_capacity(3);
+    if protocol == tether_tunnel::settings::TunnelProtocol::Mux {
+        alpn.push(tether_tls::ALPN_DIAL);
+    }
+    alpn.extend(CLIENT_ALPN);
+    alpn
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum BrokerError {
@@ -325,7 +339,9 @@ pub async fn run(
         );
     }
     if let Some(l) = listeners.client_tls {
-        let acceptor = TlsAcceptor::from(Arc::new(tls.server_config(false, &CLIENT_ALPN)?));
+        let acceptor = TlsAcceptor::from(Arc::new(
+            tls.server_config(false, &client_listener_alpn(cfg.tunnel.protocol))?,
+        ));
         let broker = Arc::clone(&broker);
         let grpc = grpc::GrpcFrontEnd::new(Arc::clone(&broker));
         let hs = cfg.tunnel.handshake_timeout;
@@ -345,16 +361,21 @@ pub async fn run(
                         let Some((tls, peer)) = accept_client_tls(&acceptor, tcp, hs).await else {
                             return;
                         };
-                        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+                        let alpn = tls.get_ref().1.alpn_protocol();
+                        let protocol = match alpn {
+                            Some(b"h2") => "h2",
+                            Some(p) if p == tether_tls::ALPN_DIAL => client_mux::PROTOCOL_LABEL,
+                            _ => "http1",
+                        };
                         broker
                             .metrics
                             .client_connections
-                            .with_label_values(&["tls", if h2 { "h2" } else { "http1" }])
+                            .with_label_values(&["tls", protocol])
                             .inc();
-                        if h2 {
-                            grpc.serve_connection(tls, peer).await;
-                        } else {
-                            connect::serve_tls(broker, tls, peer).await;
+                        match protocol {
+                            "h2" => grpc.serve_connection(tls, peer).await,
+                            "http1" => connect::serve_tls(broker, tls, peer).await,
+                            _ => client_mux::serve(broker, tls, peer).await,
                         }
                     }
                 },

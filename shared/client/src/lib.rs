@@ -11,12 +11,16 @@
 //!   through the tunnel to that cluster's API server (TLS to the API server end to end, with
 //!   the kubeconfig's CA and credentials).
 //!
-//! Framing: [`Dialer::dial`] uses the broker's unframed Dial (`DialRaw`: the dial in request
-//! headers, the connection's bytes as plain HTTP/2 DATA, no protobuf message per chunk and no
-//! extra copies), falling back to the framed gRPC `Dial` RPC when the broker does not serve it
-//! (an older broker); [`Dialer::dial_framed`] always uses the framed RPC. The unframed Dial runs
-//! on h2 directly (module `raw`: no body pipe task or body adapters between a stream and h2); the
-//! framed one on a tonic channel opened on first use.
+//! Protocol: [`Dialer::dial`] uses `tether-dial/1` (module `mux`: the frames of the broker ↔
+//! agent multiplexer `tether-tunnel/2` between client and broker, ALPN `tether-dial/1` on
+//! `https://`, a preface on `http://`; a write is framed and written by the writing task, no
+//! HTTP/2 in between). Against a broker that does not speak it, the broker's unframed Dial
+//! (`DialRaw`: the dial in request headers, the connection's bytes as plain HTTP/2 DATA, no
+//! protobuf message per chunk and no extra copies), and the framed gRPC `Dial` RPC where that is
+//! not served either (an older broker); [`Dialer::dial_framed`] always uses the framed RPC. The
+//! unframed Dial runs on h2 directly (module `raw`: no body pipe task or body adapters between a
+//! stream and h2); the framed one on a tonic channel opened on first use.
+//! [`DialStream::protocol`] tells which one a stream uses.
 //!
 //! Allocator: h2 (below the SDK) allocates a buffer per DATA frame it receives, up to
 //! [`MAX_FRAME_BYTES`]; glibc's allocator trims and re-faults such buffers, which cost the SDK's
@@ -33,6 +37,7 @@
 
 #![forbid(unsafe_code)]
 
+mod mux;
 mod raw;
 
 pub use raw::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, SEND_BUFFER_BYTES};
@@ -159,8 +164,10 @@ pub struct Dialer {
     raw: Arc<AtomicBool>,
 }
 
-/// One HTTP/2 connection of a [`Dialer`] and the streams open on it.
+/// One connection of a [`Dialer`] and the streams open on it.
 struct Conn {
+    /// `tether-dial/1` (`None`: the broker does not speak it; dials go over HTTP/2).
+    mux: Option<mux::MuxConn>,
     /// The unframed Dial's connection, driven with h2 directly ([`raw`]).
     raw: raw::RawConn,
     /// The framed gRPC `Dial` (older brokers): a second connection, opened on first use.
@@ -277,7 +284,17 @@ impl Dialer {
                 )));
             }
         };
-        let raw = raw::RawConn::open(cfg, endpoint.uri()).await?;
+        let opener = Arc::new(raw::Opener::new(cfg, endpoint.uri())?);
+        let credential = cfg.token.as_ref().map(|t| format!("Bearer {}", t.0));
+        let (mux, raw) = match mux::MuxConn::open(Arc::clone(&opener), credential).await {
+            Ok(m) => (Some(m), raw::RawConn::lazy(opener)),
+            Err(e) => {
+                // An older broker (or `tunnel.protocol: h2`): HTTP/2, whose connect error (if
+                // any) names what is wrong.
+                tracing::debug!(error = %e, "tether-dial/1 not available; using HTTP/2");
+                (None, raw::RawConn::open(opener).await?)
+            }
+        };
         let channel = endpoint
             .connect_timeout(cfg.connect_timeout)
             .tcp_nodelay(true)
@@ -290,6 +307,7 @@ impl Dialer {
             .max_frame_size(MAX_FRAME_BYTES as u32)
             .connect_lazy();
         Ok(Conn {
+            mux,
             raw,
             client: pb::dialer_client::DialerClient::new(channel)
                 .max_decoding_message_size(4 * MAX_FRAME_BYTES),
@@ -305,6 +323,9 @@ impl Dialer {
         host: &str,
         port: u16,
     ) -> Result<DialStream, ClientError> {
+        if let Some(s) = self.dial_mux(cluster, host, port).await? {
+            return Ok(s);
+        }
         if self.raw.load(Ordering::Relaxed) {
             match self.dial_raw(cluster, host, port).await? {
                 Some(s) => return Ok(s),
@@ -312,6 +333,39 @@ impl Dialer {
             }
         }
         self.dial_framed(cluster, host, port).await
+    }
+
+    /// A dial over `tether-dial/1`; `None` when the connection picked does not speak it.
+    async fn dial_mux(
+        &self,
+        cluster: &str,
+        host: &str,
+        port: u16,
+    ) -> Result<Option<DialStream>, ClientError> {
+        let (conn, load) = self.pick();
+        let Some(m) = &conn.mux else {
+            return Ok(None);
+        };
+        let target =
+            tether_tunnel::Target::from_parts(cluster, host, u32::from(port)).map_err(|e| {
+                ClientError::Dial {
+                    code: pb::DialErrorCode::BadRequest,
+                    message: e.to_string(),
+                }
+            })?;
+        let (tx, rx, answer) = m.dial(cluster, target.wire_dest()).await?;
+        Ok(Some(DialStream {
+            out: Outbound::Mux(mux::MuxOut::new(tx)),
+            rx: Some(Inbound::Mux(rx)),
+            pending: Bytes::new(),
+            eof: false,
+            stream_id: answer.stream_id,
+            tunnel_rtt: (answer.tunnel_rtt_micros > 0)
+                .then(|| Duration::from_micros(u64::from(answer.tunnel_rtt_micros))),
+            load,
+            pool: ChunkPool::default(),
+            linger: true,
+        }))
     }
 
     /// The unframed Dial; `None` when the broker does not serve it.
@@ -640,6 +694,8 @@ type FramedInbound = Pin<Box<dyn Stream<Item = io::Result<Bytes>> + Send>>;
 
 /// Where a stream's bytes from the target come from.
 enum Inbound {
+    /// A `tether-dial/1` stream.
+    Mux(tether_tunnel::mux::RecvHalf),
     /// The response body of an unframed dial, read from h2 directly.
     Raw(h2::RecvStream),
     Framed(FramedInbound),
@@ -648,6 +704,7 @@ enum Inbound {
 impl Inbound {
     fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<Bytes>>> {
         match self {
+            Inbound::Mux(rx) => mux::poll_read_mux(rx, cx),
             Inbound::Raw(rx) => raw::poll_read_raw(rx, cx),
             Inbound::Framed(s) => s.as_mut().poll_next(cx),
         }
@@ -656,6 +713,9 @@ impl Inbound {
 
 /// Where a stream's bytes towards the target go.
 enum Outbound {
+    /// A `tether-dial/1` stream: FIN on `shutdown()`; a drop without shutdown resets it (the
+    /// broker then resets the target's connection).
+    Mux(mux::MuxOut),
     /// The request body of an unframed dial: h2's send half, written directly. END_STREAM on
     /// `shutdown()`; a drop without shutdown resets the HTTP/2 stream (the broker then resets
     /// the target's connection).
@@ -697,7 +757,17 @@ pub struct DialStream {
 impl DialStream {
     /// Whether this stream uses the unframed Dial (`DialRaw`) rather than the framed gRPC one.
     pub fn is_unframed(&self) -> bool {
-        matches!(self.out, Outbound::Raw { .. })
+        !matches!(self.out, Outbound::Framed { .. })
+    }
+
+    /// How this stream reaches the broker: `tether-dial/1`, `DialRaw` (unframed, HTTP/2) or
+    /// `Dial` (framed gRPC).
+    pub fn protocol(&self) -> &'static str {
+        match self.out {
+            Outbound::Mux(_) => "tether-dial/1",
+            Outbound::Raw { .. } => "DialRaw",
+            Outbound::Framed { .. } => "Dial",
+        }
     }
 
     /// The broker's last measured round trip of the tunnel carrying this stream.
@@ -730,6 +800,7 @@ impl DialStream {
     /// `poll_write`, for callers that read into their own `Bytes`: no copy here).
     pub fn poll_send_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match &mut self.out {
+            Outbound::Mux(m) => m.poll_ready(cx),
             Outbound::Raw { tx, .. } => raw::poll_send_ready_raw(tx, cx, MAX_FRAME_BYTES),
             Outbound::Framed { tx, .. } => tx.poll_reserve(cx).map_err(|_| closed()),
         }
@@ -748,6 +819,7 @@ impl DialStream {
             return Ok(());
         }
         match &mut self.out {
+            Outbound::Mux(m) => m.send(data),
             // Beyond the capacity granted, h2 queues the rest of the chunk: at most one chunk
             // over [`raw::SEND_BUFFER_BYTES`].
             Outbound::Raw { tx, .. } => tx.send_data(data, false).map_err(raw::write_error),
@@ -823,6 +895,7 @@ impl AsyncWrite for DialStream {
         }
         let this = &mut *self;
         let tx = match &mut this.out {
+            Outbound::Mux(m) => return m.poll_write(&this.pool, cx, buf),
             Outbound::Raw { tx, .. } => return raw::poll_write_raw(tx, &this.pool, cx, buf),
             Outbound::Framed { tx, .. } => tx,
         };
@@ -837,8 +910,9 @@ impl AsyncWrite for DialStream {
         Poll::Ready(Ok(()))
     }
 
-    fn poll_shutdown(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match &mut self.out {
+            Outbound::Mux(m) => return m.poll_shutdown(cx),
             Outbound::Raw { tx, shut } => {
                 if !*shut {
                     *shut = true;
@@ -861,6 +935,13 @@ impl Drop for DialStream {
         // side says nothing about ours: ending the request stream instead would read as a clean
         // EOF at the target, after however many bytes had been written (a silent truncation).
         let shut = match &mut self.out {
+            Outbound::Mux(m) => {
+                if !m.shut || !self.linger {
+                    // Dropping both halves resets the stream.
+                    return;
+                }
+                true
+            }
             Outbound::Raw { tx, shut } => {
                 if !*shut || !self.linger {
                     tx.send_reset(h2::Reason::CANCEL);

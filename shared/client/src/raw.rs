@@ -35,16 +35,18 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How to open a connection to the broker (parsed once from [`DialerConfig`]).
-struct Opener {
-    host: String,
-    port: u16,
+pub(crate) struct Opener {
+    pub(crate) host: String,
+    pub(crate) port: u16,
     /// `https://…:port` or `http://…:port`: the `:scheme` and `:authority` of each request.
     base: String,
     tls: Option<(
         tokio_rustls::TlsConnector,
         rustls::pki_types::ServerName<'static>,
     )>,
-    timeout: Duration,
+    /// The same TLS client offering ALPN `tether-dial/1` (the [`crate::mux`] connection).
+    pub(crate) dial_tls: Option<tokio_rustls::TlsConnector>,
+    pub(crate) timeout: Duration,
 }
 
 /// One HTTP/2 connection to a broker for unframed dials, reopened on demand once broken.
@@ -61,13 +63,21 @@ struct Live {
 
 impl RawConn {
     /// Opens the first connection now (so a wrong address, CA or certificate fails `connect`).
-    pub(crate) async fn open(cfg: &DialerConfig, uri: &http::Uri) -> Result<Self, ClientError> {
-        let opener = Arc::new(Opener::new(cfg, uri)?);
+    pub(crate) async fn open(opener: Arc<Opener>) -> Result<Self, ClientError> {
         let live = opener.connect().await?;
         Ok(Self {
             opener,
             live: tokio::sync::Mutex::new(Some(live)),
         })
+    }
+
+    /// Opens its connection on the first dial (the [`crate::mux`] connection serves the dials
+    /// until the broker stops speaking `tether-dial/1`).
+    pub(crate) fn lazy(opener: Arc<Opener>) -> Self {
+        Self {
+            opener,
+            live: tokio::sync::Mutex::new(None),
+        }
     }
 
     /// A request handle ready for one more stream, and its connection's end flag (the
@@ -149,7 +159,12 @@ fn retryable(e: &h2::Error) -> bool {
 }
 
 impl Opener {
-    fn new(cfg: &DialerConfig, uri: &http::Uri) -> Result<Self, ClientError> {
+    /// The server name the broker's certificate must carry (TLS only).
+    pub(crate) fn server_name(&self) -> Option<rustls::pki_types::ServerName<'static>> {
+        self.tls.as_ref().map(|(_, name)| name.clone())
+    }
+
+    pub(crate) fn new(cfg: &DialerConfig, uri: &http::Uri) -> Result<Self, ClientError> {
         let bad = |reason: String| ClientError::Endpoint {
             endpoint: cfg.endpoint.clone(),
             reason,
@@ -166,16 +181,23 @@ impl Opener {
             .authority()
             .map(|a| a.as_str().to_owned())
             .unwrap_or_default();
-        let tls = if https {
-            Some(tls_connector(cfg).map_err(bad)?)
+        let (tls, dial_tls) = if https {
+            let (config, name) = tls_config(cfg).map_err(bad)?;
+            let with = |alpn: &[u8]| {
+                let mut c = config.clone();
+                c.alpn_protocols = vec![alpn.to_vec()];
+                tokio_rustls::TlsConnector::from(Arc::new(c))
+            };
+            (Some((with(b"h2"), name)), Some(with(tether_tls::ALPN_DIAL)))
         } else {
-            None
+            (None, None)
         };
         Ok(Self {
             host,
             port,
             base: format!("{}://{authority}", if https { "https" } else { "http" }),
             tls,
+            dial_tls,
             timeout: cfg.connect_timeout,
         })
     }
@@ -255,16 +277,10 @@ where
 }
 
 /// rustls client configuration for the broker's client TLS listener: its CA, the expected name,
-/// the client certificate if any, ALPN `h2`.
-fn tls_connector(
+/// the client certificate if any (ALPN set by the caller).
+fn tls_config(
     cfg: &DialerConfig,
-) -> Result<
-    (
-        tokio_rustls::TlsConnector,
-        rustls::pki_types::ServerName<'static>,
-    ),
-    String,
-> {
+) -> Result<(rustls::ClientConfig, rustls::pki_types::ServerName<'static>), String> {
     let mut roots = rustls::RootCertStore::empty();
     let cas = tether_tls::pem::certs_from_pem(cfg.ca_pem.as_bytes())
         .map_err(|e| format!("CA bundle: {e}"))?;
@@ -289,7 +305,7 @@ fn tls_connector(
     config.alpn_protocols = vec![b"h2".to_vec()];
     let name = rustls::pki_types::ServerName::try_from(cfg.server_name.clone())
         .map_err(|e| format!("server name {:?}: {e}", cfg.server_name))?;
-    Ok((tokio_rustls::TlsConnector::from(Arc::new(config)), name))
+    Ok((config, name))
 }
 
 /// `poll_write` on a raw stream: copies up to the capacity h2 granted (the broker's window,

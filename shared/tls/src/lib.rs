@@ -30,6 +30,9 @@ pub const ALPN_TUNNEL: &[u8] = b"tether-tunnel/1";
 /// ALPN protocol of the broker↔agent tunnel's own multiplexer (`tether_tunnel::mux`), offered
 /// before `tether-tunnel/1`.
 pub const ALPN_TUNNEL_V2: &[u8] = b"tether-tunnel/2";
+/// ALPN protocol of a client's dials on the broker's client TLS listener with the frames of
+/// `tether-tunnel/2` (the SDK, `tetherctl proxy connect`), offered before `h2`.
+pub const ALPN_DIAL: &[u8] = b"tether-dial/1";
 /// ALPN protocol of broker→broker relay connections (the dialling broker is the HTTP/2 client).
 pub const ALPN_RELAY: &[u8] = b"tether-relay/1";
 

@@ -6,6 +6,10 @@
 
 use bytes::{Buf, BufMut};
 
+/// What a `tether-dial/1` client sends first on the broker's plain client port (no TLS, no ALPN:
+/// this names the protocol there; on the client TLS port ALPN does).
+pub const DIAL_PREFACE: &[u8] = b"TETHER-DIAL/1\r\n\r\n";
+
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 9;
 /// Largest payload the u24 length can carry.
@@ -50,6 +54,9 @@ pub enum Kind {
     GoAway = 13,
     /// Broker → agent, stream 0: this broker is draining.
     Drain = 14,
+    /// Client → broker, stream 0 (`tether-dial/1` only): the client's credential, an
+    /// `authorization` value (`Bearer <token>`); it applies to the `OPEN`s after it.
+    Auth = 15,
 }
 
 impl Kind {
@@ -70,6 +77,7 @@ impl Kind {
             12 => Pong,
             13 => GoAway,
             14 => Drain,
+            15 => Auth,
             _ => return None,
         })
     }
@@ -140,13 +148,20 @@ pub fn parse_header(b: &[u8; HEADER_LEN], max_payload: usize) -> Result<Header, 
     })
 }
 
+/// A header as bytes (the send path keeps it inline, no allocation per frame).
+pub fn header(kind: Kind, flags: u8, stream: u32, len: usize) -> [u8; HEADER_LEN] {
+    debug_assert!(len <= MAX_PAYLOAD);
+    let mut h = [0u8; HEADER_LEN];
+    h[0] = kind as u8;
+    h[1] = flags;
+    h[2..6].copy_from_slice(&stream.to_be_bytes());
+    h[6..].copy_from_slice(&(len as u32).to_be_bytes()[1..]);
+    h
+}
+
 /// Appends a header to `out`.
 pub fn put_header(out: &mut Vec<u8>, kind: Kind, flags: u8, stream: u32, len: usize) {
-    debug_assert!(len <= MAX_PAYLOAD);
-    out.push(kind as u8);
-    out.push(flags);
-    out.extend_from_slice(&stream.to_be_bytes());
-    out.extend_from_slice(&(len as u32).to_be_bytes()[1..]);
+    out.extend_from_slice(&header(kind, flags, stream, len));
 }
 
 /// Appends a whole frame (header and payload) to `out`.
@@ -311,6 +326,39 @@ impl Open {
     }
 }
 
+/// `OPEN_OK`'s payload: empty from an agent; from a broker to a `tether-dial/1` client, the
+/// broker's stream id and the tunnel's last round trip in µs (0: unknown).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OpenOk {
+    pub stream_id: u64,
+    pub tunnel_rtt_micros: u32,
+}
+
+impl OpenOk {
+    pub fn encode(&self) -> [u8; 12] {
+        let mut p = [0u8; 12];
+        p[..8].copy_from_slice(&self.stream_id.to_be_bytes());
+        p[8..].copy_from_slice(&self.tunnel_rtt_micros.to_be_bytes());
+        p
+    }
+    /// An empty payload (an agent's) is the default.
+    pub fn decode(buf: &[u8]) -> Result<Self, FrameError> {
+        if buf.is_empty() {
+            return Ok(Self::default());
+        }
+        let mut f = Fields {
+            kind: Kind::OpenOk,
+            buf,
+        };
+        let r = Self {
+            stream_id: f.u64("stream id")?,
+            tunnel_rtt_micros: f.u32("tunnel round trip")?,
+        };
+        f.end()?;
+        Ok(r)
+    }
+}
+
 /// `OPEN_ERR`: why the dial failed (`DialErrorKind` label and message).
 pub fn encode_open_err(kind_label: &str, message: &str) -> Vec<u8> {
     let mut p = Vec::new();
@@ -461,6 +509,18 @@ mod tests {
                 .to_string()
                 .contains("trailing")
         );
+    }
+
+    #[test]
+    fn open_ok_is_empty_from_an_agent_and_carries_the_stream_from_a_broker() {
+        assert_eq!(OpenOk::decode(&[]).unwrap(), OpenOk::default());
+        let ok = OpenOk {
+            stream_id: 77,
+            tunnel_rtt_micros: 140,
+        };
+        assert_eq!(OpenOk::decode(&ok.encode()).unwrap(), ok);
+        let e = OpenOk::decode(&ok.encode()[..10]).unwrap_err();
+        assert!(e.to_string().contains("tunnel round trip"), "{e}");
     }
 
     #[test]

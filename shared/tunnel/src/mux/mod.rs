@@ -29,10 +29,10 @@
 pub mod frame;
 
 use std::collections::{HashMap, VecDeque};
-use std::future::poll_fn;
+use std::future::{Future, poll_fn};
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -45,7 +45,7 @@ use tokio_util::sync::CancellationToken;
 use crate::abort::AbortReason;
 use frame::{FLAG_FIN, HEADER_LEN, Kind, ResetCode};
 
-pub use frame::{Hello, Open};
+pub use frame::{Hello, Open, OpenOk};
 
 /// Control frames (credits, pongs, resets) waiting for the socket. A peer that makes us queue
 /// more — it sends and never reads — loses the connection.
@@ -131,7 +131,41 @@ type Writer = Pin<Box<dyn AsyncWrite + Send>>;
 struct Io {
     w: Writer,
     /// Bytes taken for writing, not yet accepted by the TLS stream.
-    pending: VecDeque<Bytes>,
+    pending: VecDeque<Piece>,
+}
+
+/// Frames for the connection's next writer (or its flusher), in the order queued.
+#[derive(Default)]
+struct OutQueue {
+    /// Frames queued without waiting for the writer (whole frames; DATA as header and payload).
+    pieces: VecDeque<Piece>,
+    /// Control frames queued after the last piece, appended in place (one allocation for many).
+    tail: Vec<u8>,
+    /// Bytes of control frames queued (bounded by [`CONTROL_QUEUE_BYTES`]; DATA queued here is
+    /// bounded by the peer's windows: its credit was taken first).
+    control_bytes: usize,
+}
+
+/// A piece of the write queue: a DATA frame's header (inline: no allocation per frame) or
+/// bytes (whole frames, or a DATA payload).
+enum Piece {
+    Head { b: [u8; HEADER_LEN], at: u8 },
+    Buf(Bytes),
+}
+
+impl Piece {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Piece::Head { b, at } => &b[usize::from(*at)..],
+            Piece::Buf(b) => b,
+        }
+    }
+    fn advance(&mut self, n: usize) {
+        match self {
+            Piece::Head { at, .. } => *at += n as u8,
+            Piece::Buf(b) => b.advance(n),
+        }
+    }
 }
 
 struct Streams {
@@ -150,8 +184,9 @@ struct Streams {
 struct Shared {
     role: Role,
     cfg: Config,
-    /// Control frames waiting for the socket.
-    control: Mutex<Vec<u8>>,
+    /// Frames waiting for the socket: control frames, and frames written without waiting
+    /// ([`Shared::write_now`]) while another task held the writer.
+    control: Mutex<OutQueue>,
     io: tokio::sync::Mutex<Io>,
     flush_wake: Notify,
     streams: Mutex<Streams>,
@@ -171,6 +206,12 @@ struct Shared {
     closed: CancellationToken,
     /// Notified when a stream leaves the table (a draining agent waits for none).
     stream_gone: Notify,
+    /// Notified when the peer's first `WINDOW` arrives (and when the connection ends).
+    peer_known: Notify,
+    /// The last `PING` payload sent (a counter: unique on the connection).
+    ping_seq: AtomicU64,
+    /// The credential of the latest `AUTH` (`tether-dial/1`: the client's).
+    peer_auth: Mutex<Option<Arc<str>>>,
 }
 
 /// One end of a `tether-tunnel/2` connection. Cheap to clone.
@@ -191,6 +232,8 @@ pub struct Driver {
 /// An `OPEN` the acceptor took: what to dial, the stream, and how to answer.
 pub struct Incoming {
     pub open: Open,
+    /// The credential of the last `AUTH` before this `OPEN` (a `tether-dial/1` client's).
+    pub auth: Option<Arc<str>>,
     pub responder: Responder,
     pub send: SendHalf,
     pub recv: RecvHalf,
@@ -236,7 +279,7 @@ struct StreamState {
     sent_fin: bool,
     /// Reset (by either side) or the connection ended.
     error: Option<AbortReason>,
-    opened: Option<oneshot::Sender<Result<(), OpenError>>>,
+    opened: Option<oneshot::Sender<Result<OpenOk, OpenError>>>,
     halves: u8,
 }
 
@@ -289,7 +332,7 @@ where
     let window = cfg.stream_window_bytes;
     let shared = Arc::new(Shared {
         role,
-        control: Mutex::new(Vec::new()),
+        control: Mutex::new(OutQueue::default()),
         io: tokio::sync::Mutex::new(Io {
             w: Box::pin(wr),
             pending: VecDeque::new(),
@@ -318,6 +361,9 @@ where
         pong: Mutex::new(None),
         closed: CancellationToken::new(),
         stream_gone: Notify::new(),
+        peer_known: Notify::new(),
+        ping_seq: AtomicU64::new(0),
+        peer_auth: Mutex::new(None),
         cfg,
     });
     shared.queue(Kind::Window, 0, 0, &shared.window_payload(window));
@@ -347,8 +393,9 @@ impl Shared {
     /// Appends a control frame to the queue and wakes the flusher (tasks that cannot wait).
     fn queue(&self, kind: Kind, flags: u8, stream: u32, payload: &[u8]) {
         let mut q = self.control.lock().expect("control queue");
-        frame::put_frame(&mut q, kind, flags, stream, payload);
-        let over = q.len() > CONTROL_QUEUE_BYTES;
+        frame::put_frame(&mut q.tail, kind, flags, stream, payload);
+        q.control_bytes += HEADER_LEN + payload.len();
+        let over = q.control_bytes > CONTROL_QUEUE_BYTES;
         drop(q);
         if over {
             self.close(format!(
@@ -368,6 +415,7 @@ impl Shared {
         };
         self.closed.cancel();
         self.stream_gone.notify_waiters();
+        self.peer_known.notify_waiters();
         for (_, stream) in streams {
             let mut st = stream.st.lock().expect("stream");
             if st.error.is_none() {
@@ -394,14 +442,26 @@ impl Shared {
 
     /// Writes `frames` (whole frames, built by the caller) and everything queued before them,
     /// under the writer lock; cancel-safe (bytes not written stay queued for the flusher).
-    async fn write(&self, frames: &[Bytes]) -> Result<(), AbortReason> {
+    async fn write(&self, frames: Bytes) -> Result<(), AbortReason> {
+        self.write_pieces([Piece::Buf(frames), Piece::Buf(Bytes::new())])
+            .await
+    }
+
+    /// [`Self::write`] of a DATA frame: its inline header, then its payload.
+    async fn write_data(&self, head: [u8; HEADER_LEN], payload: Bytes) -> Result<(), AbortReason> {
+        self.write_pieces([Piece::Head { b: head, at: 0 }, Piece::Buf(payload)])
+            .await
+    }
+
+    async fn write_pieces(&self, pieces: [Piece; 2]) -> Result<(), AbortReason> {
         if self.closed.is_cancelled() {
             return Err(lost(&self.closed_reason()));
         }
         let work = async {
             let mut io = self.io.lock().await;
             self.take_control(&mut io);
-            io.pending.extend(frames.iter().cloned());
+            io.pending
+                .extend(pieces.into_iter().filter(|p| !p.bytes().is_empty()));
             let mut guard = FlushOnDrop(self, false);
             let r = flush(&mut io).await;
             guard.1 = true;
@@ -440,8 +500,52 @@ impl Shared {
 
     fn take_control(&self, io: &mut Io) {
         let mut q = self.control.lock().expect("control queue");
-        if !q.is_empty() {
-            io.pending.push_back(Bytes::from(std::mem::take(&mut *q)));
+        io.pending.extend(q.pieces.drain(..));
+        if !q.tail.is_empty() {
+            io.pending
+                .push_back(Piece::Buf(Bytes::from(std::mem::take(&mut q.tail))));
+        }
+        q.control_bytes = 0;
+    }
+
+    /// Writes `pieces` without waiting: at once when the writer is free (what the socket does
+    /// not take now is left to the flusher), else queued behind the frames before them for the
+    /// task holding the writer or the flusher, which write everything queued in one go (a burst
+    /// of opens or answers leaves in a few writes, not one each).
+    fn write_now(&self, pieces: [Piece; 2]) -> Result<(), AbortReason> {
+        if self.closed.is_cancelled() {
+            return Err(lost(&self.closed_reason()));
+        }
+        let pieces = pieces.into_iter().filter(|p| !p.bytes().is_empty());
+        let Ok(mut io) = self.io.try_lock() else {
+            let mut q = self.control.lock().expect("control queue");
+            if !q.tail.is_empty() {
+                let tail = Bytes::from(std::mem::take(&mut q.tail));
+                q.pieces.push_back(Piece::Buf(tail));
+            }
+            q.pieces.extend(pieces);
+            drop(q);
+            self.flush_wake.notify_one();
+            return Ok(());
+        };
+        self.take_control(&mut io);
+        io.pending.extend(pieces);
+        let polled = {
+            let flushing = flush(&mut io);
+            std::pin::pin!(flushing).poll(&mut Context::from_waker(Waker::noop()))
+        };
+        drop(io);
+        match polled {
+            Poll::Ready(Ok(())) => Ok(()),
+            Poll::Ready(Err(e)) => {
+                let reason = format!("writing to the peer: {e}");
+                self.close(reason.clone());
+                Err(lost(&reason))
+            }
+            Poll::Pending => {
+                self.flush_wake.notify_one();
+                Ok(())
+            }
         }
     }
 
@@ -485,13 +589,13 @@ impl Drop for FlushOnDrop<'_> {
 async fn flush(io: &mut Io) -> io::Result<()> {
     while !io.pending.is_empty() {
         let n = {
-            let slices: Vec<io::IoSlice<'_>> = io
-                .pending
-                .iter()
-                .take(MAX_WRITE_SLICES)
-                .map(|b| io::IoSlice::new(b))
-                .collect();
-            io.w.write_vectored(&slices).await?
+            let mut slices = [io::IoSlice::new(&[]); MAX_WRITE_SLICES];
+            let mut k = 0;
+            for (slot, piece) in slices.iter_mut().zip(io.pending.iter()) {
+                *slot = io::IoSlice::new(piece.bytes());
+                k += 1;
+            }
+            io.w.write_vectored(&slices[..k]).await?
         };
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
@@ -499,10 +603,10 @@ async fn flush(io: &mut Io) -> io::Result<()> {
         let mut left = n;
         while left > 0 {
             let front = io.pending.front_mut().expect("written bytes were queued");
-            let k = left.min(front.len());
+            let k = left.min(front.bytes().len());
             front.advance(k);
             left -= k;
-            if front.is_empty() {
+            if front.bytes().is_empty() {
                 io.pending.pop_front();
             }
         }
@@ -525,6 +629,28 @@ impl Mux {
     /// Most streams the peer accepts at once (as it announced; unbounded until it did).
     pub fn peer_max_streams(&self) -> usize {
         self.shared.peer_max_streams.load(Ordering::Relaxed) as usize
+    }
+
+    /// Waits for the peer's first frame (its `WINDOW`): the peer speaks this protocol. An error
+    /// names why the connection ended first.
+    pub async fn peer_known(&self) -> Result<(), String> {
+        loop {
+            let known = self.shared.peer_known.notified();
+            tokio::pin!(known);
+            known.as_mut().enable();
+            if self.shared.peer_window_known.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            if self.is_closed() {
+                return Err(self.shared.closed_reason());
+            }
+            known.await;
+        }
+    }
+
+    /// Whether `other` is a handle of the same connection.
+    pub fn same_connection(&self, other: &Mux) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
     }
 
     /// Streams open now.
@@ -562,7 +688,7 @@ impl Mux {
 
     /// Sends a connection frame (`HELLO`, `HELLO_OK`, `REFUSED`, `DRAIN`).
     pub async fn send_control(&self, kind: Kind, payload: &[u8]) -> Result<(), AbortReason> {
-        self.shared.write(&[frame_bytes(kind, 0, 0, payload)]).await
+        self.shared.write(frame_bytes(kind, 0, 0, payload)).await
     }
 
     /// Acceptor: take no stream above the last one seen, tell the peer.
@@ -589,11 +715,11 @@ impl Mux {
 
     /// Sends a PING and waits for its PONG (the caller bounds the wait).
     pub async fn ping(&self) -> Result<(), AbortReason> {
-        let payload: [u8; 8] = rand_bytes();
+        let payload = (self.shared.ping_seq.fetch_add(1, Ordering::Relaxed) + 1).to_be_bytes();
         let (tx, rx) = oneshot::channel();
         *self.shared.pong.lock().expect("pong") = Some((payload, tx));
         self.shared
-            .write(&[frame_bytes(Kind::Ping, 0, 0, &payload)])
+            .write(frame_bytes(Kind::Ping, 0, 0, &payload))
             .await?;
         rx.await.map_err(|_| lost(&self.shared.closed_reason()))
     }
@@ -606,6 +732,17 @@ impl Mux {
         open: &Open,
         early: &Bytes,
     ) -> Result<(SendHalf, RecvHalf), OpenError> {
+        let (send, recv, _) = self.open_answered(open, early).await?;
+        Ok((send, recv))
+    }
+
+    /// [`Mux::open`], returning the `OPEN_OK`'s payload too (a broker's answer to a
+    /// `tether-dial/1` client carries the stream id and the tunnel's round trip).
+    pub async fn open_answered(
+        &self,
+        open: &Open,
+        early: &Bytes,
+    ) -> Result<(SendHalf, RecvHalf, OpenOk), OpenError> {
         let shared = &self.shared;
         let (stream, rx) = {
             let mut s = shared.streams.lock().expect("streams");
@@ -648,37 +785,40 @@ impl Mux {
         if !early.is_empty() {
             frame::put_frame(&mut out, Kind::Data, 0, stream.id, early);
         }
-        if let Err(e) = shared.write(&[Bytes::from(out)]).await {
+        if let Err(e) = shared.write_now([Piece::Buf(Bytes::from(out)), Piece::Buf(Bytes::new())]) {
             // The OPEN may have left before the connection failed: the agent may have dialled.
             return Err(OpenError::Lost(e.to_string()));
         }
         match rx.await {
-            Ok(Ok(())) => Ok((send, recv)),
+            Ok(Ok(answer)) => Ok((send, recv, answer)),
             Ok(Err(e)) => Err(e),
             Err(_) => Err(OpenError::Lost(shared.closed_reason())),
         }
     }
 }
 
-fn rand_bytes() -> [u8; 8] {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0),
-    );
-    h.finish().to_be_bytes()
-}
-
 impl Responder {
     /// The dial succeeded.
     pub async fn ok(self) -> Result<(), AbortReason> {
+        self.answer(frame_bytes(Kind::OpenOk, 0, self.stream.id, &[]))
+    }
+
+    /// Answers without waiting for the writer (a burst of answers leaves together).
+    fn answer(&self, frame: Bytes) -> Result<(), AbortReason> {
         self.stream
             .conn
-            .write(&[frame_bytes(Kind::OpenOk, 0, self.stream.id, &[])])
-            .await
+            .write_now([Piece::Buf(frame), Piece::Buf(Bytes::new())])
+    }
+
+    /// The dial succeeded; a broker tells its `tether-dial/1` client the stream id and the
+    /// tunnel's round trip.
+    pub async fn ok_with(self, answer: OpenOk) -> Result<(), AbortReason> {
+        self.answer(frame_bytes(
+            Kind::OpenOk,
+            0,
+            self.stream.id,
+            &answer.encode(),
+        ))
     }
 
     /// The dial failed: the stream is over.
@@ -688,15 +828,12 @@ impl Responder {
             st.sent_fin = true;
             st.recv_fin = true;
         }
-        self.stream
-            .conn
-            .write(&[frame_bytes(
-                Kind::OpenErr,
-                0,
-                self.stream.id,
-                &frame::encode_open_err(kind_label, message),
-            )])
-            .await
+        self.answer(frame_bytes(
+            Kind::OpenErr,
+            0,
+            self.stream.id,
+            &frame::encode_open_err(kind_label, message),
+        ))
     }
 }
 
@@ -708,11 +845,62 @@ impl SendHalf {
             let want = data.len().min(max);
             let n = poll_fn(|cx| self.poll_credit(cx, want)).await?;
             let part = data.split_to(n);
-            let mut h = Vec::with_capacity(HEADER_LEN);
-            frame::put_header(&mut h, Kind::Data, 0, self.stream.id, part.len());
-            self.stream.conn.write(&[Bytes::from(h), part]).await?;
+            let head = frame::header(Kind::Data, 0, self.stream.id, part.len());
+            self.stream.conn.write_data(head, part).await?;
         }
         Ok(())
+    }
+
+    /// The poll form of [`SendHalf::send`], for a caller that cannot hold a future per chunk
+    /// (the SDK's `AsyncWrite`): ready with how many bytes (1 to `want`, at most a frame) the
+    /// stream may send now. That credit is taken: send the bytes with
+    /// [`SendHalf::send_reserved`] next.
+    pub fn poll_reserve(
+        &mut self,
+        cx: &mut Context<'_>,
+        want: usize,
+    ) -> Poll<Result<usize, AbortReason>> {
+        let max = self.stream.conn.cfg.max_frame_bytes;
+        self.poll_credit(cx, want.clamp(1, max))
+    }
+
+    /// [`SendHalf::poll_reserve`] without waiting: the credit available now (0: none).
+    pub fn try_reserve(&mut self, want: usize) -> Result<usize, AbortReason> {
+        match self.poll_reserve(&mut Context::from_waker(Waker::noop()), want) {
+            Poll::Ready(r) => r,
+            Poll::Pending => Ok(0),
+        }
+    }
+
+    /// Sends `data`, bytes granted by [`SendHalf::poll_reserve`], without waiting: written at
+    /// once when the connection's writer is free, else queued for the task holding it (or the
+    /// flusher). What may be queued is bounded by the credit taken.
+    pub fn send_reserved(&mut self, data: Bytes) -> Result<(), AbortReason> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        if let Some(e) = &self.stream.st.lock().expect("stream").error {
+            return Err(e.clone());
+        }
+        let head = frame::header(Kind::Data, 0, self.stream.id, data.len());
+        self.stream
+            .conn
+            .write_now([Piece::Head { b: head, at: 0 }, Piece::Buf(data)])
+    }
+
+    /// [`SendHalf::finish`] without waiting (the FIN goes behind everything sent before).
+    pub fn finish_now(&mut self) -> Result<(), AbortReason> {
+        {
+            let mut st = self.stream.st.lock().expect("stream");
+            if let Some(e) = &st.error {
+                return Err(e.clone());
+            }
+            st.sent_fin = true;
+        }
+        let fin = frame_bytes(Kind::Data, FLAG_FIN, self.stream.id, &[]);
+        self.stream
+            .conn
+            .write_now([Piece::Buf(fin), Piece::Buf(Bytes::new())])
     }
 
     fn poll_credit(&self, cx: &mut Context<'_>, want: usize) -> Poll<Result<usize, AbortReason>> {
@@ -746,7 +934,7 @@ impl SendHalf {
         }
         self.stream
             .conn
-            .write(&[frame_bytes(Kind::Data, FLAG_FIN, self.stream.id, &[])])
+            .write(frame_bytes(Kind::Data, FLAG_FIN, self.stream.id, &[]))
             .await
     }
 
@@ -1128,6 +1316,7 @@ impl Driver {
                 let old = shared.peer_window.swap(w, Ordering::Relaxed);
                 let first = !shared.peer_window_known.swap(true, Ordering::Relaxed);
                 if first {
+                    shared.peer_known.notify_waiters();
                     // The peer's connection window replaces the provisional default.
                     let waiting = {
                         let mut c = shared.conn_flow.lock().expect("connection flow");
@@ -1152,7 +1341,7 @@ impl Driver {
                 }
                 let id = need_stream(h.stream)?;
                 let result = if h.kind == Kind::OpenOk {
-                    Ok(())
+                    Ok(OpenOk::decode(&payload)?)
                 } else {
                     let (kind, message) = frame::decode_open_err(&payload)?;
                     Err(OpenError::Dial { kind, message })
@@ -1183,6 +1372,13 @@ impl Driver {
                 }
             }
             Kind::Hello => self.event(Event::Hello(Hello::decode(&payload)?)),
+            Kind::Auth => {
+                if shared.role != Role::Acceptor {
+                    return Err(ConnError("AUTH sent to the opening side".into()));
+                }
+                let credential = frame::decode_text(h.kind, &payload)?;
+                *shared.peer_auth.lock().expect("auth") = Some(credential.into());
+            }
             Kind::HelloOk => {
                 let (cluster, agent) = frame::decode_pair(h.kind, &payload)?;
                 self.event(Event::HelloOk { cluster, agent });
@@ -1261,6 +1457,7 @@ impl Driver {
         };
         let incoming = Incoming {
             open,
+            auth: shared.peer_auth.lock().expect("auth").clone(),
             responder: Responder {
                 stream: Arc::clone(&stream),
             },

@@ -54,6 +54,7 @@ async fn echo(inc: Incoming) {
     let Incoming {
         open,
         responder,
+        auth: _,
         mut send,
         mut recv,
     } = inc;
