@@ -12,9 +12,10 @@
 //!   the tunnel's round trip) or `OPEN_ERR` (the dial error's kind and message); an `OPEN` the
 //!   broker did not take (GOAWAY, its stream limit) goes once more on a new connection.
 //! - [`MuxOut`]: a stream's sending half for `AsyncWrite` and the owned-`Bytes` API: a write
-//!   takes the stream's credit and leaves at once (the writing task frames and writes it; when
-//!   another stream holds the connection's writer, it is queued for it), so nothing waits in a
-//!   task in between. What may be queued is bounded by the broker's windows.
+//!   takes the stream's credit and leaves at once (the writing task frames it and writes it
+//!   from the caller's buffer, no copy; when another stream holds the connection's writer or
+//!   the socket is full, a copy is queued for it), so nothing waits in a task in between. What
+//!   may be queued is bounded by the broker's windows.
 
 use std::io;
 use std::sync::Arc;
@@ -267,8 +268,10 @@ impl MuxOut {
         ready!(self.poll_drain(cx))?;
         let n =
             ready!(self.tx.poll_reserve(cx, buf.len().min(MAX_FRAME_BYTES))).map_err(aborted)?;
+        // Straight from `buf` when the connection's writer is free; a copy only for what must
+        // wait.
         self.tx
-            .send_reserved(pool.copy(&buf[..n]))
+            .send_reserved_from(&buf[..n], |b| pool.copy(b))
             .map_err(aborted)?;
         Poll::Ready(Ok(n))
     }

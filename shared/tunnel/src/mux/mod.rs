@@ -508,6 +508,117 @@ impl Shared {
         q.control_bytes = 0;
     }
 
+    /// Queues `pieces` behind everything queued for the next writer (or the flusher).
+    fn defer(&self, pieces: impl IntoIterator<Item = Piece>) {
+        let mut q = self.control.lock().expect("control queue");
+        if !q.tail.is_empty() {
+            let tail = Bytes::from(std::mem::take(&mut q.tail));
+            q.pieces.push_back(Piece::Buf(tail));
+        }
+        q.pieces.extend(pieces);
+        drop(q);
+        self.flush_wake.notify_one();
+    }
+
+    /// A write error ends the connection.
+    fn write_failed(&self, e: &io::Error) -> AbortReason {
+        let reason = format!("writing to the peer: {e}");
+        self.close(reason.clone());
+        lost(&reason)
+    }
+
+    /// A DATA frame written without waiting, straight from the caller's buffer when the writer
+    /// is free and nothing is queued before it (no copy: the kernel, or TLS, takes the bytes
+    /// from `data`); what the socket does not take now, or the whole frame when the writer is
+    /// busy, is copied with `copy` and queued for the writer or the flusher.
+    fn write_data_now(
+        &self,
+        head: [u8; HEADER_LEN],
+        data: &[u8],
+        copy: impl FnOnce(&[u8]) -> Bytes,
+    ) -> Result<(), AbortReason> {
+        if self.closed.is_cancelled() {
+            return Err(lost(&self.closed_reason()));
+        }
+        let Ok(mut io) = self.io.try_lock() else {
+            self.defer([Piece::Head { b: head, at: 0 }, Piece::Buf(copy(data))]);
+            return Ok(());
+        };
+        let mut cx = Context::from_waker(Waker::noop());
+        self.take_control(&mut io);
+        if !io.pending.is_empty() {
+            let polled = {
+                let flushing = flush(&mut io);
+                std::pin::pin!(flushing).poll(&mut cx)
+            };
+            match polled {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(e)) => {
+                    drop(io);
+                    return Err(self.write_failed(&e));
+                }
+                Poll::Pending => {
+                    io.pending.push_back(Piece::Head { b: head, at: 0 });
+                    io.pending.push_back(Piece::Buf(copy(data)));
+                    drop(io);
+                    self.flush_wake.notify_one();
+                    return Ok(());
+                }
+            }
+        }
+        let total = HEADER_LEN + data.len();
+        let mut written = 0;
+        while written < total {
+            let slices = if written < HEADER_LEN {
+                [io::IoSlice::new(&head[written..]), io::IoSlice::new(data)]
+            } else {
+                [
+                    io::IoSlice::new(&data[written - HEADER_LEN..]),
+                    io::IoSlice::new(&[]),
+                ]
+            };
+            match io.w.as_mut().poll_write_vectored(&mut cx, &slices) {
+                Poll::Ready(Ok(0)) => {
+                    drop(io);
+                    return Err(self.write_failed(&io::ErrorKind::WriteZero.into()));
+                }
+                Poll::Ready(Ok(k)) => written += k,
+                Poll::Ready(Err(e)) => {
+                    drop(io);
+                    return Err(self.write_failed(&e));
+                }
+                Poll::Pending => break,
+            }
+        }
+        if written < total {
+            if written < HEADER_LEN {
+                io.pending.push_back(Piece::Head {
+                    b: head,
+                    at: written as u8,
+                });
+                io.pending.push_back(Piece::Buf(copy(data)));
+            } else {
+                io.pending
+                    .push_back(Piece::Buf(copy(&data[written - HEADER_LEN..])));
+            }
+            drop(io);
+            self.flush_wake.notify_one();
+            return Ok(());
+        }
+        match io.w.as_mut().poll_flush(&mut cx) {
+            Poll::Ready(Ok(())) => Ok(()),
+            Poll::Ready(Err(e)) => {
+                drop(io);
+                Err(self.write_failed(&e))
+            }
+            Poll::Pending => {
+                drop(io);
+                self.flush_wake.notify_one();
+                Ok(())
+            }
+        }
+    }
+
     /// Writes `pieces` without waiting: at once when the writer is free (what the socket does
     /// not take now is left to the flusher), else queued behind the frames before them for the
     /// task holding the writer or the flusher, which write everything queued in one go (a burst
@@ -518,14 +629,7 @@ impl Shared {
         }
         let pieces = pieces.into_iter().filter(|p| !p.bytes().is_empty());
         let Ok(mut io) = self.io.try_lock() else {
-            let mut q = self.control.lock().expect("control queue");
-            if !q.tail.is_empty() {
-                let tail = Bytes::from(std::mem::take(&mut q.tail));
-                q.pieces.push_back(Piece::Buf(tail));
-            }
-            q.pieces.extend(pieces);
-            drop(q);
-            self.flush_wake.notify_one();
+            self.defer(pieces);
             return Ok(());
         };
         self.take_control(&mut io);
@@ -537,11 +641,7 @@ impl Shared {
         drop(io);
         match polled {
             Poll::Ready(Ok(())) => Ok(()),
-            Poll::Ready(Err(e)) => {
-                let reason = format!("writing to the peer: {e}");
-                self.close(reason.clone());
-                Err(lost(&reason))
-            }
+            Poll::Ready(Err(e)) => Err(self.write_failed(&e)),
             Poll::Pending => {
                 self.flush_wake.notify_one();
                 Ok(())
@@ -886,6 +986,23 @@ impl SendHalf {
         self.stream
             .conn
             .write_now([Piece::Head { b: head, at: 0 }, Piece::Buf(data)])
+    }
+
+    /// [`SendHalf::send_reserved`] from a borrowed buffer: written straight from `data` when
+    /// the connection's writer is free (no copy), else copied with `copy` and queued.
+    pub fn send_reserved_from(
+        &mut self,
+        data: &[u8],
+        copy: impl FnOnce(&[u8]) -> Bytes,
+    ) -> Result<(), AbortReason> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        if let Some(e) = &self.stream.st.lock().expect("stream").error {
+            return Err(e.clone());
+        }
+        let head = frame::header(Kind::Data, 0, self.stream.id, data.len());
+        self.stream.conn.write_data_now(head, data, copy)
     }
 
     /// [`SendHalf::finish`] without waiting (the FIN goes behind everything sent before).
