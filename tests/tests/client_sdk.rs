@@ -22,6 +22,33 @@ async fn dialer(hub: &Hub, broker: &tether_e2e::Broker) -> anyhow::Result<Dialer
     .await?)
 }
 
+/// Writes `payload` and half-closes while reading the echo to its end (both at once, within
+/// 30 s); the echo must be the payload.
+async fn echo_round_trip<S>(s: S, payload: &[u8], what: &str) -> anyhow::Result<()>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite,
+{
+    let (mut r, mut w) = tokio::io::split(s);
+    let (wrote, back) = tokio::time::timeout(Duration::from_secs(30), async {
+        tokio::join!(
+            async {
+                w.write_all(payload).await?;
+                w.shutdown().await
+            },
+            async {
+                let mut back = Vec::new();
+                r.read_to_end(&mut back).await.map(|_| back)
+            }
+        )
+    })
+    .await?;
+    wrote?;
+    let back = back?;
+    assert_eq!(back.len(), payload.len(), "{what}");
+    assert!(back == payload, "{what}: echoed bytes differ");
+    Ok(())
+}
+
 /// A hub with broker `b1` and cluster `c1`, whose agent's API server is `apiserver`, once the
 /// tunnel is up. The agent must stay alive for as long as the test uses the tunnel.
 async fn one_cluster(
@@ -327,24 +354,7 @@ async fn sdk_over_the_plain_port_and_connect_share_it() -> anyhow::Result<()> {
             d.dial("c1", "127.0.0.1", echo.port()).await?
         };
         assert_eq!(s.is_unframed(), !framed);
-        let (mut r, mut w) = tokio::io::split(&mut s);
-        let (wrote, back) = tokio::time::timeout(Duration::from_secs(30), async {
-            tokio::join!(
-                async {
-                    w.write_all(&payload).await?;
-                    w.shutdown().await
-                },
-                async {
-                    let mut back = Vec::new();
-                    r.read_to_end(&mut back).await.map(|_| back)
-                }
-            )
-        })
-        .await?;
-        wrote?;
-        let back = back?;
-        assert_eq!(back.len(), payload.len(), "framed={framed}");
-        assert!(back == payload, "echoed bytes differ (framed={framed})");
+        echo_round_trip(&mut s, &payload, &format!("framed={framed}")).await?;
     }
 
     // No token: the broker names the missing credential.
@@ -727,24 +737,7 @@ async fn the_sdk_speaks_tether_dial_and_falls_back_to_http2() -> anyhow::Result<
             let s = d.dial("c1", "127.0.0.1", echo.port()).await?;
             assert_eq!(s.protocol(), expected, "{endpoint}");
             assert!(s.stream_id() > 0, "{endpoint}: the broker's stream id");
-            let (mut r, mut w) = tokio::io::split(s);
-            let (wrote, back) = tokio::time::timeout(Duration::from_secs(30), async {
-                tokio::join!(
-                    async {
-                        w.write_all(&payload).await?;
-                        w.shutdown().await
-                    },
-                    async {
-                        let mut back = Vec::new();
-                        r.read_to_end(&mut back).await.map(|_| back)
-                    }
-                )
-            })
-            .await?;
-            wrote?;
-            let back = back?;
-            assert_eq!(back.len(), payload.len(), "{endpoint}");
-            assert!(back == payload, "{endpoint}: echoed bytes differ");
+            echo_round_trip(s, &payload, &endpoint).await?;
             match d.dial("c1", "127.0.0.1", 1).await {
                 Err(ClientError::Dial { code, message }) => {
                     assert_eq!(

@@ -354,18 +354,13 @@ impl Dialer {
                 }
             })?;
         let (tx, rx, answer) = m.dial(cluster, target.wire_dest()).await?;
-        Ok(Some(DialStream {
-            out: Outbound::Mux(mux::MuxOut::new(tx)),
-            rx: Some(Inbound::Mux(rx)),
-            pending: Bytes::new(),
-            eof: false,
-            stream_id: answer.stream_id,
-            tunnel_rtt: (answer.tunnel_rtt_micros > 0)
-                .then(|| Duration::from_micros(u64::from(answer.tunnel_rtt_micros))),
+        Ok(Some(DialStream::new(
+            Outbound::Mux(mux::MuxOut::new(tx)),
+            Inbound::Mux(rx),
+            answer.stream_id,
+            u64::from(answer.tunnel_rtt_micros),
             load,
-            pool: ChunkPool::default(),
-            linger: true,
-        }))
+        )))
     }
 
     /// The unframed Dial; `None` when the broker does not serve it.
@@ -418,17 +413,13 @@ impl Dialer {
         }
         let stream_id = text("tether-stream-id").parse().unwrap_or(0);
         let rtt: u64 = text("tether-tunnel-rtt-micros").parse().unwrap_or(0);
-        Ok(Some(DialStream {
-            out: Outbound::Raw { tx, shut: false },
-            rx: Some(Inbound::Raw(body)),
-            pending: Bytes::new(),
-            eof: false,
+        Ok(Some(DialStream::new(
+            Outbound::Raw { tx, shut: false },
+            Inbound::Raw(body),
             stream_id,
-            tunnel_rtt: (rtt > 0).then(|| Duration::from_micros(rtt)),
+            rtt,
             load,
-            pool: ChunkPool::default(),
-            linger: true,
-        }))
+        )))
     }
 
     /// Opens a connection with the framed gRPC `Dial` RPC (one protobuf `DialFrame` per chunk),
@@ -489,21 +480,16 @@ impl Dialer {
                 }
             })
             .boxed();
-        Ok(DialStream {
-            out: Outbound::Framed {
+        Ok(DialStream::new(
+            Outbound::Framed {
                 tx: PollSender::new(tx),
                 abort: Some(abort_tx),
             },
-            rx: Some(Inbound::Framed(inbound)),
-            pending: Bytes::new(),
-            eof: false,
-            stream_id: result.stream_id,
-            tunnel_rtt: (result.tunnel_rtt_micros > 0)
-                .then(|| Duration::from_micros(result.tunnel_rtt_micros)),
+            Inbound::Framed(inbound),
+            result.stream_id,
+            result.tunnel_rtt_micros,
             load,
-            pool: ChunkPool::default(),
-            linger: true,
-        })
+        ))
     }
 
     /// Opens a connection to `cluster`'s API server.
@@ -755,6 +741,22 @@ pub struct DialStream {
 }
 
 impl DialStream {
+    /// A stream the broker accepted: its two halves, its id, the tunnel's round trip in µs
+    /// (0: unknown), and its share of its connection's load.
+    fn new(out: Outbound, rx: Inbound, stream_id: u64, rtt_micros: u64, load: ConnLoad) -> Self {
+        Self {
+            out,
+            rx: Some(rx),
+            pending: Bytes::new(),
+            eof: false,
+            stream_id,
+            tunnel_rtt: (rtt_micros > 0).then(|| Duration::from_micros(rtt_micros)),
+            load,
+            pool: ChunkPool::default(),
+            linger: true,
+        }
+    }
+
     /// Whether this stream uses the unframed Dial (`DialRaw`) rather than the framed gRPC one.
     pub fn is_unframed(&self) -> bool {
         !matches!(self.out, Outbound::Framed { .. })

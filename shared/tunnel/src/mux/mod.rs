@@ -185,7 +185,8 @@ struct Shared {
     role: Role,
     cfg: Config,
     /// Frames waiting for the socket: control frames, and frames written without waiting
-    /// ([`Shared::write_now`]) while another task held the writer.
+    /// ([`Shared::write_now`]) while another task held the writer. Lock order: `streams`, then
+    /// `control` (an `OPEN` is queued under the table's lock, so ids leave in order).
     control: Mutex<OutQueue>,
     io: tokio::sync::Mutex<Io>,
     flush_wake: Notify,
@@ -510,14 +511,23 @@ impl Shared {
 
     /// Queues `pieces` behind everything queued for the next writer (or the flusher).
     fn defer(&self, pieces: impl IntoIterator<Item = Piece>) {
+        self.enqueue_all(pieces);
+        self.flush_wake.notify_one();
+    }
+
+    /// Queues `piece` for the next writer without waking the flusher (the caller writes or
+    /// wakes it next).
+    fn enqueue(&self, piece: Piece) {
+        self.enqueue_all([piece]);
+    }
+
+    fn enqueue_all(&self, pieces: impl IntoIterator<Item = Piece>) {
         let mut q = self.control.lock().expect("control queue");
         if !q.tail.is_empty() {
             let tail = Bytes::from(std::mem::take(&mut q.tail));
             q.pieces.push_back(Piece::Buf(tail));
         }
         q.pieces.extend(pieces);
-        drop(q);
-        self.flush_wake.notify_one();
     }
 
     /// A write error ends the connection.
@@ -844,6 +854,7 @@ impl Mux {
         early: &Bytes,
     ) -> Result<(SendHalf, RecvHalf, OpenOk), OpenError> {
         let shared = &self.shared;
+        let payload = open.encode();
         let (stream, rx) = {
             let mut s = shared.streams.lock().expect("streams");
             if let Some(reason) = &s.closed {
@@ -871,6 +882,14 @@ impl Mux {
                 st.send_credit -= early.len() as i64;
             }
             s.map.insert(id, Arc::clone(&stream));
+            let mut out = Vec::with_capacity(2 * HEADER_LEN + payload.len() + early.len());
+            frame::put_frame(&mut out, Kind::Open, 0, id, &payload);
+            if !early.is_empty() {
+                frame::put_frame(&mut out, Kind::Data, 0, id, early);
+            }
+            // Queued under the table's lock: OPENs leave in the order of their ids, which the
+            // acceptor requires (two opens racing for the writer would otherwise swap them).
+            shared.enqueue(Piece::Buf(Bytes::from(out)));
             (stream, rx)
         };
         let send = SendHalf {
@@ -879,13 +898,8 @@ impl Mux {
         let recv = RecvHalf {
             stream: Arc::clone(&stream),
         };
-        let payload = open.encode();
-        let mut out = Vec::with_capacity(2 * HEADER_LEN + payload.len() + early.len());
-        frame::put_frame(&mut out, Kind::Open, 0, stream.id, &payload);
-        if !early.is_empty() {
-            frame::put_frame(&mut out, Kind::Data, 0, stream.id, early);
-        }
-        if let Err(e) = shared.write_now([Piece::Buf(Bytes::from(out)), Piece::Buf(Bytes::new())]) {
+        // Written now if the writer is free, else by its holder or the flusher.
+        if let Err(e) = shared.write_now([Piece::Buf(Bytes::new()), Piece::Buf(Bytes::new())]) {
             // The OPEN may have left before the connection failed: the agent may have dialled.
             return Err(OpenError::Lost(e.to_string()));
         }
@@ -1240,11 +1254,15 @@ impl Driver {
         // A large DATA frame whose payload `buf` is being read into, an allocation of exactly
         // the payload's size: the stream's inbox keeps it without a copy and pins nothing else.
         let mut large: Option<frame::Header> = None;
+        // A large frame just ended: the next read takes only a header, so that a large frame
+        // behind it is read straight into its own allocation (not partly into `buf` and copied).
+        let mut header_only = false;
         loop {
             if let Some(h) = large
                 && buf.len() == h.len
             {
                 large = None;
+                header_only = true;
                 self.on_frame(h, std::mem::take(&mut buf), true)?;
             }
             while large.is_none() && buf.len() >= HEADER_LEN {
@@ -1274,6 +1292,14 @@ impl Driver {
                             buf.len()
                         )));
                     }
+                    Ok(_) => continue,
+                    Err(e) => return Err(ConnError(format!("reading from the peer: {e}"))),
+                }
+            }
+            if std::mem::take(&mut header_only) && buf.is_empty() {
+                let mut head = (&mut self.rd).take(HEADER_LEN as u64);
+                match head.read_buf(&mut buf).await {
+                    Ok(0) => return Ok(()),
                     Ok(_) => continue,
                     Err(e) => return Err(ConnError(format!("reading from the peer: {e}"))),
                 }

@@ -380,3 +380,32 @@ async fn auth_applies_to_later_opens_and_open_ok_carries_the_answer() {
     let seen = seen.lock().unwrap().clone();
     assert_eq!(seen, vec![None, Some(Arc::from("Bearer t0k"))]);
 }
+
+/// Opens racing from many tasks on a multi-threaded runtime leave in the order of their stream
+/// ids (the acceptor ends the connection on an id below one it saw): every open is answered and
+/// the connection stays up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_opens_leave_in_id_order() {
+    let (broker, agent, _ev) = pair(1 << 16).await;
+    for round in 0..5 {
+        // The last round's streams are gone on both ends (the limit is 100 at once).
+        tokio::time::timeout(DEADLINE, agent.idle()).await.unwrap();
+        let opens: Vec<_> = (0..64)
+            .map(|i| {
+                let broker = broker.clone();
+                tokio::spawn(async move {
+                    let (mut tx, mut rx) = broker
+                        .open(&open("echo:race"), &Bytes::new())
+                        .await
+                        .unwrap_or_else(|e| panic!("round {round}, open {i}: {e:?}"));
+                    tx.send(Bytes::from_static(b"x")).await.unwrap();
+                    assert_eq!(read_n(&mut rx, 1).await, b"x");
+                })
+            })
+            .collect();
+        for o in opens {
+            tokio::time::timeout(DEADLINE, o).await.unwrap().unwrap();
+        }
+        assert!(!broker.is_closed(), "round {round}: the connection ended");
+    }
+}
