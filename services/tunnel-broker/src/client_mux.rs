@@ -108,16 +108,9 @@ async fn serve_stream(broker: Arc<Broker>, peer: Arc<Option<PeerCert>>, incoming
         recv,
     } = incoming;
     let stream_id = broker.next_stream_id();
-    let span = tracing::info_span!(
-        "grpc_stream",
-        stream = stream_id,
-        framing = "mux",
-        cluster = tracing::field::Empty,
-        target = tracing::field::Empty,
-        client = tracing::field::Empty
-    );
-    tether_telemetry::propagation::set_parent(
-        &span,
+    let span = crate::grpc::stream_span(
+        stream_id,
+        "mux",
         open.trace.iter().map(|(k, v)| (k.as_str(), v.as_str())),
     );
     async move {

@@ -380,6 +380,25 @@ impl pb::dialer_server::Dialer for DialerSvc {
     }
 }
 
+/// The span of one unframed native-Dial stream (`framing`: `raw` for `DialRaw`, `mux` for
+/// `tether-dial/1`), a child of the client's trace context (`trace`: its W3C fields).
+pub(crate) fn stream_span<K: AsRef<str>, V: AsRef<str>>(
+    stream_id: u64,
+    framing: &'static str,
+    trace: impl IntoIterator<Item = (K, V)>,
+) -> tracing::Span {
+    let span = tracing::info_span!(
+        "grpc_stream",
+        stream = stream_id,
+        framing,
+        cluster = tracing::field::Empty,
+        target = tracing::field::Empty,
+        client = tracing::field::Empty
+    );
+    tether_telemetry::propagation::set_parent(&span, trace);
+    span
+}
+
 /// Records the stream's cluster, target and client on the current span (the stream's, entered
 /// by the caller) and dials: the one open path of both gRPC Dial front ends (framed and raw).
 pub(crate) async fn dial_recorded(

@@ -38,6 +38,7 @@
 #![forbid(unsafe_code)]
 
 mod mux;
+mod opener;
 mod raw;
 
 pub use raw::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, SEND_BUFFER_BYTES};
@@ -284,7 +285,7 @@ impl Dialer {
                 )));
             }
         };
-        let opener = Arc::new(raw::Opener::new(cfg, endpoint.uri())?);
+        let opener = Arc::new(opener::Opener::new(cfg, endpoint.uri())?);
         let credential = cfg.token.as_ref().map(|t| format!("Bearer {}", t.0));
         let (mux, raw) = match mux::MuxConn::open(Arc::clone(&opener), credential).await {
             Ok(m) => (Some(m), raw::RawConn::lazy(opener)),

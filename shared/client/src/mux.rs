@@ -4,7 +4,7 @@
 //! On `https://` the TLS handshake offers ALPN `tether-dial/1`; on `http://` the connection opens
 //! with [`DIAL_PREFACE`]. A broker that does not speak it (an older one, or one with
 //! `tunnel.protocol: h2`) fails the handshake or answers the preface with an HTTP error: the
-//! [`crate::Dialer`] then keeps to the unframed Dial on HTTP/2 ([`crate::raw`]).
+//! [`crate::Dialer`] then keeps to the unframed Dial on HTTP/2 (module `raw`).
 //!
 //! - [`MuxConn`]: one connection, opened within the connect timeout, its credential sent once
 //!   (`AUTH`), kept alive with PINGs, reopened on the next dial once it broke or the broker
@@ -27,10 +27,9 @@ use tether_tunnel::mux::frame::{self, Kind};
 use tether_tunnel::mux::{self, Mux, Open, OpenError, OpenOk, RecvHalf, Role, SendHalf};
 use tether_tunnel::pump::AbortReason;
 use tokio::io::AsyncWriteExt as _;
-use tokio::net::TcpStream;
 use tokio_util::task::AbortOnDropHandle;
 
-use crate::raw::Opener;
+use crate::opener::{Alpn, Opener};
 use crate::{ClientError, MAX_FRAME_BYTES, STREAM_WINDOW_BYTES};
 
 pub use tether_tunnel::mux::frame::DIAL_PREFACE;
@@ -75,41 +74,25 @@ impl MuxConn {
     /// TCP, TLS (ALPN `tether-dial/1`) or the preface, the credential, and the broker's first
     /// frame, within the connect timeout.
     async fn connect(&self) -> Result<Live, ClientError> {
-        let o = &self.opener;
-        let addr = format!("{}:{}", o.host, o.port);
-        let fail = |what: &str, e: &dyn std::fmt::Display| {
-            ClientError::Connect(format!("{what} {addr}: {e}"))
-        };
+        let o = &*self.opener;
         let cfg = mux::Config {
             max_frame_bytes: MAX_FRAME_BYTES,
             stream_window_bytes: STREAM_WINDOW_BYTES,
             connection_window_bytes: CONNECTION_WINDOW_BYTES,
             max_streams: ACCEPTED_STREAMS,
         };
-        let open = async {
-            let mut tcp = TcpStream::connect((o.host.as_str(), o.port))
-                .await
-                .map_err(|e| fail("TCP connect to", &e))?;
-            let _ = tcp.set_nodelay(true);
-            let (mux, driver, _events) = match (&o.dial_tls, o.server_name()) {
-                (Some(connector), Some(name)) => {
-                    let tls = connector
-                        .connect(name, tcp)
-                        .await
-                        .map_err(|e| fail("TLS handshake (ALPN tether-dial/1) with", &e))?;
-                    mux::connect(tls, Role::Opener, cfg, None)
-                }
-                _ => {
-                    tcp.write_all(DIAL_PREFACE)
-                        .await
-                        .map_err(|e| fail("writing to", &e))?;
-                    mux::connect(tcp, Role::Opener, cfg, None)
-                }
-            };
+        o.open(Alpn::Dial, |mut io| async move {
+            if !o.is_tls() {
+                // No ALPN without TLS: the preface names the protocol.
+                io.write_all(DIAL_PREFACE)
+                    .await
+                    .map_err(|e| o.fail("writing to", &e))?;
+            }
+            let (mux, driver, _events) = mux::connect(io, Role::Opener, cfg, None);
             if let Some(c) = &self.credential {
                 mux.send_control(Kind::Auth, &frame::encode_text(c))
                     .await
-                    .map_err(|e| fail("sending credentials to", &e))?;
+                    .map_err(|e| o.fail("sending credentials to", &e))?;
             }
             let task = {
                 let mux = mux.clone();
@@ -131,12 +114,10 @@ impl MuxConn {
             };
             mux.peer_known()
                 .await
-                .map_err(|e| fail("no tether-dial/1 (the broker speaks HTTP/2 only?) at", &e))?;
+                .map_err(|e| o.fail("no tether-dial/1 (the broker speaks HTTP/2 only?) at", &e))?;
             Ok(Live { mux, _task: task })
-        };
-        tokio::time::timeout(o.timeout, open)
-            .await
-            .map_err(|_| fail("timed out connecting to", &format_args!("{:?}", o.timeout)))?
+        })
+        .await
     }
 
     /// The connection for one more stream: the current one, or a new one when it ended, is

@@ -20,9 +20,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use h2::client::{ResponseFuture, SendRequest};
 use h2::{Reason, RecvStream, SendStream};
-use tokio::net::TcpStream;
 
-use crate::{ChunkPool, ClientError, DialerConfig, MAX_FRAME_BYTES, STREAM_WINDOW_BYTES};
+use crate::opener::{Alpn, Opener};
+use crate::{ChunkPool, ClientError, MAX_FRAME_BYTES, STREAM_WINDOW_BYTES};
 
 /// Bytes one stream may have queued in h2 beyond what the broker's window lets out (h2's
 /// `max_send_buffer_size`); a write waits past it. Four frames, hyper's default. One A/B pair
@@ -33,21 +33,6 @@ pub const SEND_BUFFER_BYTES: usize = 4 * MAX_FRAME_BYTES;
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// A PING not answered within this much marks the connection dead.
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// How to open a connection to the broker (parsed once from [`DialerConfig`]).
-pub(crate) struct Opener {
-    pub(crate) host: String,
-    pub(crate) port: u16,
-    /// `https://…:port` or `http://…:port`: the `:scheme` and `:authority` of each request.
-    base: String,
-    tls: Option<(
-        tokio_rustls::TlsConnector,
-        rustls::pki_types::ServerName<'static>,
-    )>,
-    /// The same TLS client offering ALPN `tether-dial/1` (the [`crate::mux`] connection).
-    pub(crate) dial_tls: Option<tokio_rustls::TlsConnector>,
-    pub(crate) timeout: Duration,
-}
 
 /// One HTTP/2 connection to a broker for unframed dials, reopened on demand once broken.
 pub(crate) struct RawConn {
@@ -64,14 +49,14 @@ struct Live {
 impl RawConn {
     /// Opens the first connection now (so a wrong address, CA or certificate fails `connect`).
     pub(crate) async fn open(opener: Arc<Opener>) -> Result<Self, ClientError> {
-        let live = opener.connect().await?;
+        let live = connect(&opener).await?;
         Ok(Self {
             opener,
             live: tokio::sync::Mutex::new(Some(live)),
         })
     }
 
-    /// Opens its connection on the first dial (the [`crate::mux`] connection serves the dials
+    /// Opens its connection on the first dial (the `tether-dial/1` connection serves the dials
     /// until the broker stops speaking `tether-dial/1`).
     pub(crate) fn lazy(opener: Arc<Opener>) -> Self {
         Self {
@@ -97,7 +82,7 @@ impl RawConn {
             return Ok((send, Arc::clone(&l.ended)));
         }
         *live = None;
-        let l = self.opener.connect().await?;
+        let l = connect(&self.opener).await?;
         let (send, ended) = (l.send.clone(), Arc::clone(&l.ended));
         *live = Some(l);
         let send = send.ready().await.map_err(|e| {
@@ -120,11 +105,11 @@ impl RawConn {
             let req = headers(
                 http::Request::builder()
                     .method(http::Method::POST)
-                    .uri(format!("{}{}", self.opener.base, crate::RAW_DIAL_PATH)),
+                    .uri(format!("{}{}", self.opener.base(), crate::RAW_DIAL_PATH)),
             )
             .body(())
             .map_err(|e| ClientError::Endpoint {
-                endpoint: self.opener.base.clone(),
+                endpoint: self.opener.base().to_owned(),
                 reason: e.to_string(),
             })?;
             let (resp, body): (ResponseFuture, SendStream<Bytes>) =
@@ -158,86 +143,15 @@ fn retryable(e: &h2::Error) -> bool {
     e.reason() == Some(Reason::REFUSED_STREAM) || e.is_go_away() || e.is_io()
 }
 
-impl Opener {
-    /// The server name the broker's certificate must carry (TLS only).
-    pub(crate) fn server_name(&self) -> Option<rustls::pki_types::ServerName<'static>> {
-        self.tls.as_ref().map(|(_, name)| name.clone())
-    }
-
-    pub(crate) fn new(cfg: &DialerConfig, uri: &http::Uri) -> Result<Self, ClientError> {
-        let bad = |reason: String| ClientError::Endpoint {
-            endpoint: cfg.endpoint.clone(),
-            reason,
-        };
-        let host = uri
-            .host()
-            .ok_or_else(|| bad("no host".into()))?
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .to_owned();
-        let https = uri.scheme_str() == Some("https");
-        let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
-        let authority = uri
-            .authority()
-            .map(|a| a.as_str().to_owned())
-            .unwrap_or_default();
-        let (tls, dial_tls) = if https {
-            let (config, name) = tls_config(cfg).map_err(bad)?;
-            let with = |alpn: &[u8]| {
-                let mut c = config.clone();
-                c.alpn_protocols = vec![alpn.to_vec()];
-                tokio_rustls::TlsConnector::from(Arc::new(c))
-            };
-            (Some((with(b"h2"), name)), Some(with(tether_tls::ALPN_DIAL)))
-        } else {
-            (None, None)
-        };
-        Ok(Self {
-            host,
-            port,
-            base: format!("{}://{authority}", if https { "https" } else { "http" }),
-            tls,
-            dial_tls,
-            timeout: cfg.connect_timeout,
-        })
-    }
-
-    /// TCP, TLS when configured, and the HTTP/2 handshake, all within the connect timeout;
-    /// the connection and its keepalive then run on their own task.
-    async fn connect(&self) -> Result<Live, ClientError> {
-        let addr = format!("{}:{}", self.host, self.port);
-        let fail = |what: &str, e: &dyn std::fmt::Display| {
-            ClientError::Connect(format!("{what} {addr}: {e}"))
-        };
-        let open = async {
-            let tcp = TcpStream::connect((self.host.as_str(), self.port))
-                .await
-                .map_err(|e| fail("TCP connect to", &e))?;
-            let _ = tcp.set_nodelay(true);
-            match &self.tls {
-                Some((connector, name)) => {
-                    let tls = connector
-                        .connect(name.clone(), tcp)
-                        .await
-                        .map_err(|e| fail("TLS handshake with", &e))?;
-                    handshake(tls)
-                        .await
-                        .map_err(|e| fail("HTTP/2 handshake with", &e))
-                }
-                None => handshake(tcp)
-                    .await
-                    .map_err(|e| fail("HTTP/2 handshake with", &e)),
-            }
-        };
-        tokio::time::timeout(self.timeout, open)
+/// The HTTP/2 connection: TCP, TLS with ALPN `h2` for `https://`, then the HTTP/2 handshake,
+/// within the connect timeout; the connection and its keepalive then run on their own task.
+async fn connect(o: &Opener) -> Result<Live, ClientError> {
+    o.open(Alpn::H2, |io| async move {
+        handshake(io)
             .await
-            .map_err(|_| {
-                fail(
-                    "timed out connecting to",
-                    &format_args!("{:?}", self.timeout),
-                )
-            })?
-    }
+            .map_err(|e| o.fail("HTTP/2 handshake with", &e))
+    })
+    .await
 }
 
 /// The HTTP/2 client handshake on `io`; spawns the connection task.
@@ -274,38 +188,6 @@ where
         flag.store(true, Ordering::Release);
     });
     Ok(Live { send, ended })
-}
-
-/// rustls client configuration for the broker's client TLS listener: its CA, the expected name,
-/// the client certificate if any (ALPN set by the caller).
-fn tls_config(
-    cfg: &DialerConfig,
-) -> Result<(rustls::ClientConfig, rustls::pki_types::ServerName<'static>), String> {
-    let mut roots = rustls::RootCertStore::empty();
-    let cas = tether_tls::pem::certs_from_pem(cfg.ca_pem.as_bytes())
-        .map_err(|e| format!("CA bundle: {e}"))?;
-    for ca in cas {
-        roots
-            .add(ca)
-            .map_err(|e| format!("CA bundle: certificate not usable as a root: {e}"))?;
-    }
-    let builder = tether_tls::client_config_builder().with_root_certificates(roots);
-    let mut config = match &cfg.client_cert {
-        Some(c) => {
-            let chain = tether_tls::pem::certs_from_pem(c.cert_pem.as_bytes())
-                .map_err(|e| format!("client certificate: {e}"))?;
-            let key = tether_tls::pem::key_from_pem(c.key_pem.as_bytes())
-                .map_err(|e| format!("client key: {e}"))?;
-            builder
-                .with_client_auth_cert(chain, key)
-                .map_err(|e| format!("client certificate and key: {e}"))?
-        }
-        None => builder.with_no_client_auth(),
-    };
-    config.alpn_protocols = vec![b"h2".to_vec()];
-    let name = rustls::pki_types::ServerName::try_from(cfg.server_name.clone())
-        .map_err(|e| format!("server name {:?}: {e}", cfg.server_name))?;
-    Ok((config, name))
 }
 
 /// `poll_write` on a raw stream: copies up to the capacity h2 granted (the broker's window,

@@ -121,16 +121,9 @@ fn refusal(e: &DialError) -> Response {
 /// Serves one unframed Dial.
 pub async fn serve(broker: Arc<Broker>, req: http::Request<Incoming>) -> Response {
     let stream_id = broker.next_stream_id();
-    let span = tracing::info_span!(
-        "grpc_stream",
-        stream = stream_id,
-        framing = "raw",
-        cluster = tracing::field::Empty,
-        target = tracing::field::Empty,
-        client = tracing::field::Empty
-    );
-    tether_telemetry::propagation::set_parent(
-        &span,
+    let span = super::stream_span(
+        stream_id,
+        "raw",
         req.headers()
             .iter()
             .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?))),

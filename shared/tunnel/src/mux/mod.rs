@@ -444,8 +444,7 @@ impl Shared {
     /// Writes `frames` (whole frames, built by the caller) and everything queued before them,
     /// under the writer lock; cancel-safe (bytes not written stay queued for the flusher).
     async fn write(&self, frames: Bytes) -> Result<(), AbortReason> {
-        self.write_pieces([Piece::Buf(frames), Piece::Buf(Bytes::new())])
-            .await
+        self.write_pieces([Piece::Buf(frames)]).await
     }
 
     /// [`Self::write`] of a DATA frame: its inline header, then its payload.
@@ -454,7 +453,10 @@ impl Shared {
             .await
     }
 
-    async fn write_pieces(&self, pieces: [Piece; 2]) -> Result<(), AbortReason> {
+    async fn write_pieces(
+        &self,
+        pieces: impl IntoIterator<Item = Piece>,
+    ) -> Result<(), AbortReason> {
         if self.closed.is_cancelled() {
             return Err(lost(&self.closed_reason()));
         }
@@ -540,7 +542,7 @@ impl Shared {
     /// A DATA frame written without waiting, straight from the caller's buffer when the writer
     /// is free and nothing is queued before it (no copy: the kernel, or TLS, takes the bytes
     /// from `data`); what the socket does not take now, or the whole frame when the writer is
-    /// busy, is copied with `copy` and queued for the writer or the flusher.
+    /// busy or frames wait before it, is copied with `copy` and queued.
     fn write_data_now(
         &self,
         head: [u8; HEADER_LEN],
@@ -554,86 +556,34 @@ impl Shared {
             self.defer([Piece::Head { b: head, at: 0 }, Piece::Buf(copy(data))]);
             return Ok(());
         };
-        let mut cx = Context::from_waker(Waker::noop());
         self.take_control(&mut io);
-        if !io.pending.is_empty() {
-            let polled = {
-                let flushing = flush(&mut io);
-                std::pin::pin!(flushing).poll(&mut cx)
-            };
-            match polled {
-                Poll::Ready(Ok(())) => {}
-                Poll::Ready(Err(e)) => {
+        let written = if io.pending.is_empty() {
+            match write_direct(&mut io, &head, data) {
+                Ok(n) => n,
+                Err(e) => {
                     drop(io);
                     return Err(self.write_failed(&e));
                 }
-                Poll::Pending => {
-                    io.pending.push_back(Piece::Head { b: head, at: 0 });
-                    io.pending.push_back(Piece::Buf(copy(data)));
-                    drop(io);
-                    self.flush_wake.notify_one();
-                    return Ok(());
-                }
             }
+        } else {
+            0
+        };
+        if written < HEADER_LEN {
+            let at = written as u8;
+            io.pending.push_back(Piece::Head { b: head, at });
+            io.pending.push_back(Piece::Buf(copy(data)));
+        } else if written < HEADER_LEN + data.len() {
+            io.pending
+                .push_back(Piece::Buf(copy(&data[written - HEADER_LEN..])));
         }
-        let total = HEADER_LEN + data.len();
-        let mut written = 0;
-        while written < total {
-            let slices = if written < HEADER_LEN {
-                [io::IoSlice::new(&head[written..]), io::IoSlice::new(data)]
-            } else {
-                [
-                    io::IoSlice::new(&data[written - HEADER_LEN..]),
-                    io::IoSlice::new(&[]),
-                ]
-            };
-            match io.w.as_mut().poll_write_vectored(&mut cx, &slices) {
-                Poll::Ready(Ok(0)) => {
-                    drop(io);
-                    return Err(self.write_failed(&io::ErrorKind::WriteZero.into()));
-                }
-                Poll::Ready(Ok(k)) => written += k,
-                Poll::Ready(Err(e)) => {
-                    drop(io);
-                    return Err(self.write_failed(&e));
-                }
-                Poll::Pending => break,
-            }
-        }
-        if written < total {
-            if written < HEADER_LEN {
-                io.pending.push_back(Piece::Head {
-                    b: head,
-                    at: written as u8,
-                });
-                io.pending.push_back(Piece::Buf(copy(data)));
-            } else {
-                io.pending
-                    .push_back(Piece::Buf(copy(&data[written - HEADER_LEN..])));
-            }
-            drop(io);
-            self.flush_wake.notify_one();
-            return Ok(());
-        }
-        match io.w.as_mut().poll_flush(&mut cx) {
-            Poll::Ready(Ok(())) => Ok(()),
-            Poll::Ready(Err(e)) => {
-                drop(io);
-                Err(self.write_failed(&e))
-            }
-            Poll::Pending => {
-                drop(io);
-                self.flush_wake.notify_one();
-                Ok(())
-            }
-        }
+        self.flush_now(io)
     }
 
     /// Writes `pieces` without waiting: at once when the writer is free (what the socket does
     /// not take now is left to the flusher), else queued behind the frames before them for the
     /// task holding the writer or the flusher, which write everything queued in one go (a burst
     /// of opens or answers leaves in a few writes, not one each).
-    fn write_now(&self, pieces: [Piece; 2]) -> Result<(), AbortReason> {
+    fn write_now(&self, pieces: impl IntoIterator<Item = Piece>) -> Result<(), AbortReason> {
         if self.closed.is_cancelled() {
             return Err(lost(&self.closed_reason()));
         }
@@ -644,6 +594,12 @@ impl Shared {
         };
         self.take_control(&mut io);
         io.pending.extend(pieces);
+        self.flush_now(io)
+    }
+
+    /// One non-blocking pass of [`flush`] under the writer lock; what the socket does not take
+    /// now is left to the flusher.
+    fn flush_now(&self, mut io: tokio::sync::MutexGuard<'_, Io>) -> Result<(), AbortReason> {
         let polled = {
             let flushing = flush(&mut io);
             std::pin::pin!(flushing).poll(&mut Context::from_waker(Waker::noop()))
@@ -692,6 +648,31 @@ impl Drop for FlushOnDrop<'_> {
             self.0.flush_wake.notify_one();
         }
     }
+}
+
+/// Writes `head` and `data` from the caller's buffers as far as the socket takes them now
+/// (nothing queued before them); returns how many bytes went.
+fn write_direct(io: &mut Io, head: &[u8; HEADER_LEN], data: &[u8]) -> io::Result<usize> {
+    let mut cx = Context::from_waker(Waker::noop());
+    let total = HEADER_LEN + data.len();
+    let mut written = 0;
+    while written < total {
+        let slices = if written < HEADER_LEN {
+            [io::IoSlice::new(&head[written..]), io::IoSlice::new(data)]
+        } else {
+            [
+                io::IoSlice::new(&data[written - HEADER_LEN..]),
+                io::IoSlice::new(&[]),
+            ]
+        };
+        match io.w.as_mut().poll_write_vectored(&mut cx, &slices) {
+            Poll::Ready(Ok(0)) => return Err(io::ErrorKind::WriteZero.into()),
+            Poll::Ready(Ok(k)) => written += k,
+            Poll::Ready(Err(e)) => return Err(e),
+            Poll::Pending => break,
+        }
+    }
+    Ok(written)
 }
 
 /// Writes every queued piece (several per vectored write: a frame's header and payload end up
@@ -899,7 +880,7 @@ impl Mux {
             stream: Arc::clone(&stream),
         };
         // Written now if the writer is free, else by its holder or the flusher.
-        if let Err(e) = shared.write_now([Piece::Buf(Bytes::new()), Piece::Buf(Bytes::new())]) {
+        if let Err(e) = shared.write_now([]) {
             // The OPEN may have left before the connection failed: the agent may have dialled.
             return Err(OpenError::Lost(e.to_string()));
         }
@@ -919,9 +900,7 @@ impl Responder {
 
     /// Answers without waiting for the writer (a burst of answers leaves together).
     fn answer(&self, frame: Bytes) -> Result<(), AbortReason> {
-        self.stream
-            .conn
-            .write_now([Piece::Buf(frame), Piece::Buf(Bytes::new())])
+        self.stream.conn.write_now([Piece::Buf(frame)])
     }
 
     /// The dial succeeded; a broker tells its `tether-dial/1` client the stream id and the
@@ -990,16 +969,8 @@ impl SendHalf {
     /// once when the connection's writer is free, else queued for the task holding it (or the
     /// flusher). What may be queued is bounded by the credit taken.
     pub fn send_reserved(&mut self, data: Bytes) -> Result<(), AbortReason> {
-        if data.is_empty() {
-            return Ok(());
-        }
-        if let Some(e) = &self.stream.st.lock().expect("stream").error {
-            return Err(e.clone());
-        }
-        let head = frame::header(Kind::Data, 0, self.stream.id, data.len());
-        self.stream
-            .conn
-            .write_now([Piece::Head { b: head, at: 0 }, Piece::Buf(data)])
+        // What must wait is kept as a slice of `data`, not copied.
+        self.send_reserved_from(&data, |rest| data.slice_ref(rest))
     }
 
     /// [`SendHalf::send_reserved`] from a borrowed buffer: written straight from `data` when
@@ -1029,9 +1000,7 @@ impl SendHalf {
             st.sent_fin = true;
         }
         let fin = frame_bytes(Kind::Data, FLAG_FIN, self.stream.id, &[]);
-        self.stream
-            .conn
-            .write_now([Piece::Buf(fin), Piece::Buf(Bytes::new())])
+        self.stream.conn.write_now([Piece::Buf(fin)])
     }
 
     fn poll_credit(&self, cx: &mut Context<'_>, want: usize) -> Poll<Result<usize, AbortReason>> {
