@@ -102,6 +102,10 @@ struct Args {
     /// Rounds of the stalled-reader measurement (default 5, quick 1).
     #[arg(long)]
     stall_rounds: Option<usize>,
+    /// Connections of the SDK's `Dialer` in the clients section, all opened at once
+    /// (`Dialer::connect_pool`); default: `Dialer::connect` (one, more on demand).
+    #[arg(long)]
+    sdk_connections: Option<usize>,
     /// Internal: run as the target server.
     #[arg(long, hide = true)]
     target_server: bool,
@@ -745,6 +749,8 @@ struct Setup {
     only: Vec<String>,
     /// Rounds of the stalled-reader measurement (default 5, quick 1).
     stall_rounds: usize,
+    /// Connections of the SDK's `Dialer` (clients section; `None`: `Dialer::connect`).
+    sdk_connections: Option<usize>,
 }
 
 impl Setup {
@@ -913,6 +919,7 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
             .stall_rounds
             .unwrap_or(if args.quick { 1 } else { 5 })
             .max(1),
+        sdk_connections: args.sdk_connections,
     };
     let tunnel_yaml = match &args.tunnel {
         Some(t) => format!("tunnel: {{{t}}}\n"),
@@ -1295,21 +1302,24 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         let mut rss_growth = 0u64;
         for round in 0..setup.stall_rounds {
             for via in Setup::order2(round) {
-                // Alone, stalled, alone: the "alone" figure is the mean of the two around the
-                // stalled half, so load from other work that rises or falls during the round
-                // hits both sides alike instead of deciding the ratio.
+                // Alone and stalled alternating, alone first and last (A S A S A): each side is
+                // the mean of its blocks, so load from other work that rises or falls during
+                // the round hits both sides alike, and one block that lands on a slow or fast
+                // scheduling pattern of the four busy processes (client, broker, agent, target
+                // on two cores: ±8 % between blocks here, for direct ±6 %) moves the ratio by
+                // half or a third as much as with one block a side.
                 let mut path_pids = vec![target_proc.pid()];
                 if via == Via::Tunnel {
                     path_pids.extend(pids);
                 }
                 let mut alone = Vec::new();
-                let mut with_stalled = 0.0;
-                for stalled in [false, true, false] {
+                let mut with_stalled = Vec::new();
+                for stalled in [false, true, false, true, false] {
                     let before: u64 = pids.iter().map(|p| rss(*p)).sum();
                     let rate =
                         download(&ends, via, HEALTHY, stalled, setup.secs, &path_pids).await?;
                     if stalled {
-                        with_stalled = rate;
+                        with_stalled.push(rate);
                     } else {
                         alone.push(rate);
                     }
@@ -1318,17 +1328,25 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
                         rss_growth = rss_growth.max(after.saturating_sub(before));
                     }
                 }
-                let r = [mean(&alone), with_stalled];
+                let r = [mean(&alone), mean(&with_stalled)];
                 kept[via as usize].push(r[1] / r[0]);
                 healthy_rate[via as usize].push(r[0]);
                 println!(
-                    "  {HEALTHY} healthy streams, {} round {}: {} alone (before {}, after {}), {} with 1 stalled ({:.0} %)",
+                    "  {HEALTHY} healthy streams, {} round {}: {} alone ({}), {} with 1 stalled ({}): {:.0} %",
                     via.name(),
                     round + 1,
                     gbit(r[0]),
-                    gbit(alone[0]),
-                    gbit(alone[1]),
+                    alone
+                        .iter()
+                        .map(|r| gbit(*r))
+                        .collect::<Vec<_>>()
+                        .join(", "),
                     gbit(r[1]),
+                    with_stalled
+                        .iter()
+                        .map(|r| gbit(*r))
+                        .collect::<Vec<_>>()
+                        .join(", "),
                     r[1] / r[0] * 100.0
                 );
             }

@@ -227,13 +227,18 @@ pub async fn section(
         token: Some(tether_client::Token(OPS_TOKEN.into())),
         connect_timeout: Duration::from_secs(10),
     };
-    let dialer = tether_client::Dialer::connect(sdk(format!("https://{}", broker.client_tls_addr)))
+    let connect = |cfg| async move {
+        match setup.sdk_connections {
+            Some(n) => tether_client::Dialer::connect_pool(cfg, n).await,
+            None => tether_client::Dialer::connect(cfg).await,
+        }
+    };
+    let dialer = connect(sdk(format!("https://{}", broker.client_tls_addr)))
         .await
         .context("SDK Dialer")?;
-    let dialer_plain =
-        tether_client::Dialer::connect(sdk(format!("http://{}", broker.client_addr)))
-            .await
-            .context("SDK Dialer to the plain port")?;
+    let dialer_plain = connect(sdk(format!("http://{}", broker.client_addr)))
+        .await
+        .context("SDK Dialer to the plain port")?;
     let (forward_proc, forward) = proxy_connect(hub, broker, false)?;
     let (forward_plain_proc, forward_plain) = proxy_connect(hub, broker, true)?;
     let relay = |name: &str, upstream: std::net::SocketAddr| {
