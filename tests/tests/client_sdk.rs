@@ -329,6 +329,56 @@ async fn pooled_dialer_spreads_streams_and_owned_bytes_round_trip() -> anyhow::R
     Ok(())
 }
 
+/// `Dialer::connect` opens one connection, and another only when a new stream finds every open
+/// one carrying a stream, up to the CPUs (at most `MAX_ON_DEMAND_CONNECTIONS`): streams one
+/// after another keep to one connection, concurrent streams spread, and past the cap they share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dialer_opens_connections_on_demand() -> anyhow::Result<()> {
+    let echo = echo_server().await?;
+    let (hub, broker, _agent) = one_cluster(echo).await?;
+    let d = dialer(&hub, &broker).await?;
+    assert_eq!(d.connections(), 1);
+    let payload: Vec<u8> = (0..300_000u32).map(|i| (i % 241) as u8).collect();
+    for i in 0..3 {
+        let s = d.dial("c1", "127.0.0.1", echo.port()).await?;
+        echo_round_trip(s, &payload, &format!("stream {i} of 3 in turn")).await?;
+    }
+    assert_eq!(d.connections(), 1, "streams in turn share one connection");
+
+    let cap = std::thread::available_parallelism()?
+        .get()
+        .min(tether_client::MAX_ON_DEMAND_CONNECTIONS);
+    let mut held = Vec::new();
+    for _ in 0..cap + 2 {
+        held.push(d.dial("c1", "127.0.0.1", echo.port()).await?);
+    }
+    assert_eq!(
+        d.connections(),
+        cap,
+        "one connection per busy stream, up to the cap"
+    );
+    let used: std::collections::HashSet<usize> = held.iter().map(|s| s.connection()).collect();
+    assert_eq!(
+        used.len(),
+        cap,
+        "the streams are spread over every connection"
+    );
+    for (i, s) in held.into_iter().enumerate() {
+        echo_round_trip(s, &payload, &format!("concurrent stream {i}")).await?;
+    }
+    let tls_mux = tether_e2e::metric(
+        broker.admin_addr,
+        "tether_broker_client_connections_total",
+        &[("listener", "tls"), ("protocol", "mux")],
+    )
+    .await?;
+    assert_eq!(
+        tls_mux, cap as f64,
+        "the broker saw exactly the dialer's connections"
+    );
+    Ok(())
+}
+
 /// The broker's plain client port serves the native Dial without TLS (h2c, bearer token) beside
 /// plain CONNECT: the SDK over `http://` carries the same bytes unframed and framed, a dial
 /// without a token is refused by name, a client certificate over `http://` is a config error
