@@ -615,10 +615,29 @@ impl Shared {
         }
     }
 
-    /// The open streams now (each locked on its own afterwards, never under the table's lock).
-    fn open_stream_list(&self) -> Vec<Arc<Stream>> {
+    /// Sets `which` (the window a new stream starts with) to `window` and changes every open
+    /// stream by the difference, in one step under the stream table's lock, where streams are
+    /// created: a stream opened meanwhile is either in the table and changed, or starts with
+    /// the new window — never both (credit twice: an opener that dialed right after the peer's
+    /// first `WINDOW` sent a window beyond the broker's and was reset) nor neither. Returns the
+    /// old window.
+    fn change_windows(
+        &self,
+        which: &AtomicU32,
+        window: u32,
+        apply: impl Fn(&mut StreamState, i64),
+    ) -> u32 {
         let s = self.streams.lock().expect("streams");
-        s.map.values().cloned().collect()
+        let old = which.swap(window, Ordering::Relaxed);
+        let delta = i64::from(window) - i64::from(old);
+        for stream in s.map.values() {
+            let mut st = stream.st.lock().expect("stream");
+            apply(&mut st, delta);
+            if let Some(w) = st.tx_waker.take() {
+                w.wake();
+            }
+        }
+        old
     }
 
     fn stream(&self, id: u32) -> Option<Arc<Stream>> {
@@ -795,11 +814,10 @@ impl Mux {
 
     /// Announces a new receive window for every stream (the adaptive window changed).
     pub fn set_recv_window(&self, window: u32) {
-        let old = self.shared.recv_window.swap(window, Ordering::Relaxed);
-        let delta = i64::from(window) - i64::from(old);
-        for s in self.shared.open_stream_list() {
-            s.st.lock().expect("stream").recv_granted += delta;
-        }
+        self.shared
+            .change_windows(&self.shared.recv_window, window, |st, delta| {
+                st.recv_granted += delta;
+            });
         self.shared
             .queue(Kind::Window, 0, 0, &self.shared.window_payload(window));
     }
@@ -1425,10 +1443,10 @@ impl Driver {
                 shared
                     .peer_max_streams
                     .store(max_streams, Ordering::Relaxed);
-                let old = shared.peer_window.swap(w, Ordering::Relaxed);
-                let first = !shared.peer_window_known.swap(true, Ordering::Relaxed);
-                if first {
-                    shared.peer_known.notify_waiters();
+                shared.change_windows(&shared.peer_window, w, |st, delta| {
+                    st.send_credit += delta;
+                });
+                if !shared.peer_window_known.swap(true, Ordering::Relaxed) {
                     // The peer's connection window replaces the provisional default.
                     let waiting = {
                         let mut c = shared.conn_flow.lock().expect("connection flow");
@@ -1436,14 +1454,7 @@ impl Driver {
                         std::mem::take(&mut c.waiting)
                     };
                     waiting.into_iter().for_each(Waker::wake);
-                }
-                let delta = i64::from(w) - i64::from(old);
-                for s in shared.open_stream_list() {
-                    let mut st = s.st.lock().expect("stream");
-                    st.send_credit += delta;
-                    if let Some(w) = st.tx_waker.take() {
-                        w.wake();
-                    }
+                    shared.peer_known.notify_waiters();
                 }
             }
             Kind::Open => self.on_open(h.stream, &payload)?,

@@ -409,3 +409,102 @@ async fn concurrent_opens_leave_in_id_order() {
         assert!(!broker.is_closed(), "round {round}: the connection ended");
     }
 }
+
+/// A window change racing stream opens on both ends (the acceptor's `set_recv_window`, the
+/// opener's handling of the `WINDOW` it sends): every stream ends up with the final window
+/// exactly once, as credit on the opener and as grant on the acceptor (the window change and
+/// the stream table share one lock; the narrow race itself is rarely hit here, the first-WINDOW
+/// case below hits it every run without that).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_change_racing_opens_reaches_every_stream_once() {
+    const SMALL: u32 = 16 << 10;
+    const LARGE: u32 = 32 << 10;
+    let (broker, agent, _ev) = pair(SMALL).await;
+    // 3 × 32 stalled streams stay on the agent (its echo holds them): below its limit of 100.
+    for round in 0..3 {
+        let stop = Arc::new(AtomicBool::new(false));
+        let toggler = {
+            let (agent, stop) = (agent.clone(), Arc::clone(&stop));
+            tokio::spawn(async move {
+                for i in 0..5_000u32 {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    agent.set_recv_window(if i % 2 == 0 { LARGE } else { SMALL });
+                    tokio::task::yield_now().await;
+                }
+            })
+        };
+        let opens: Vec<_> = (0..32)
+            .map(|_| {
+                let broker = broker.clone();
+                tokio::spawn(async move { broker.open(&open("stall:x"), &Bytes::new()).await })
+            })
+            .collect();
+        let mut streams = Vec::new();
+        for o in opens {
+            let (tx, rx) = tokio::time::timeout(DEADLINE, o)
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap_or_else(|e| panic!("round {round}: {e:?}"));
+            streams.push((tx, rx));
+        }
+        stop.store(true, Ordering::Relaxed);
+        toggler.await.unwrap();
+        agent.set_recv_window(LARGE);
+        // The PONG leaves the agent after its last WINDOW: once here, that WINDOW is applied.
+        tokio::time::timeout(DEADLINE, broker.ping())
+            .await
+            .unwrap()
+            .unwrap();
+        for (i, (tx, _rx)) in streams.iter_mut().enumerate() {
+            let credit = tx.try_reserve(1 << 20).unwrap();
+            assert_eq!(
+                credit, LARGE as usize,
+                "round {round}, stream {i}: credit after the final window"
+            );
+            tx.send_reserved(Bytes::from(vec![7u8; credit])).unwrap();
+        }
+        // The agent granted each stream the same window: a full window is taken, not reset.
+        tokio::time::timeout(DEADLINE, broker.ping())
+            .await
+            .unwrap()
+            .unwrap();
+        for (i, (tx, _rx)) in streams.iter_mut().enumerate() {
+            assert_eq!(
+                tx.try_reserve(1).map_err(|e| format!("{e:?}")),
+                Ok(0),
+                "round {round}, stream {i}: the agent must not reset a stream within its window"
+            );
+        }
+        drop(streams);
+        agent.set_recv_window(SMALL);
+        assert!(!broker.is_closed() && !agent.is_closed(), "round {round}");
+    }
+}
+
+/// A stream opened the moment the peer's first `WINDOW` is known (what a new SDK connection
+/// does) starts with exactly that window: the wake-up that `peer_known` gives comes after the
+/// window is applied to the streams already open, not before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_opened_as_the_peer_becomes_known_has_its_window_once() {
+    const WINDOW: u32 = 48 << 10;
+    for round in 0..200 {
+        let (broker, _agent, _ev) = pair(WINDOW).await;
+        tokio::time::timeout(DEADLINE, broker.peer_known())
+            .await
+            .unwrap()
+            .unwrap();
+        let (mut tx, _rx) =
+            tokio::time::timeout(DEADLINE, broker.open(&open("stall:x"), &Bytes::new()))
+                .await
+                .unwrap()
+                .unwrap();
+        assert_eq!(
+            tx.try_reserve(1 << 20).unwrap(),
+            WINDOW as usize,
+            "round {round}: a new stream's credit is the peer's window"
+        );
+    }
+}
