@@ -5,8 +5,8 @@
 //!   managed cluster and returns a [`DialStream`] that implements `AsyncRead + AsyncWrite`.
 //!   Many streams share a connection; [`Dialer::connect`] opens more connections on demand
 //!   (while every open one carries a stream, up to the CPUs), [`Dialer::connect_pool`] opens a
-//!   fixed number at once; each new stream goes on the least busy one. [`DialStream::send`] / [`DialStream::poll_recv`] move owned `Bytes`
-//!   without the copy that `AsyncWrite`/`AsyncRead` make (used by `tetherctl proxy connect`).
+//!   fixed number at once; each new stream goes on the least busy one. [`DialStream::send`] /
+//!   [`DialStream::poll_recv`] move owned `Bytes` without the copy that `AsyncWrite`/`AsyncRead` make (used by `tetherctl proxy connect`).
 //! - [`Dialer::kube_client`]: a `kube::Client` for a cluster whose every connection goes
 //!   through the tunnel to that cluster's API server (TLS to the API server end to end, with
 //!   the kubeconfig's CA and credentials).

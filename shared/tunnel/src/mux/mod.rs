@@ -619,25 +619,19 @@ impl Shared {
     /// stream by the difference, in one step under the stream table's lock, where streams are
     /// created: a stream opened meanwhile is either in the table and changed, or starts with
     /// the new window — never both (credit twice: an opener that dialed right after the peer's
-    /// first `WINDOW` sent a window beyond the broker's and was reset) nor neither. Returns the
-    /// old window.
+    /// first `WINDOW` sent a window beyond the broker's and was reset) nor neither.
     fn change_windows(
         &self,
         which: &AtomicU32,
         window: u32,
         apply: impl Fn(&mut StreamState, i64),
-    ) -> u32 {
+    ) {
         let s = self.streams.lock().expect("streams");
         let old = which.swap(window, Ordering::Relaxed);
         let delta = i64::from(window) - i64::from(old);
         for stream in s.map.values() {
-            let mut st = stream.st.lock().expect("stream");
-            apply(&mut st, delta);
-            if let Some(w) = st.tx_waker.take() {
-                w.wake();
-            }
+            apply(&mut stream.st.lock().expect("stream"), delta);
         }
-        old
     }
 
     fn stream(&self, id: u32) -> Option<Arc<Stream>> {
@@ -1445,6 +1439,9 @@ impl Driver {
                     .store(max_streams, Ordering::Relaxed);
                 shared.change_windows(&shared.peer_window, w, |st, delta| {
                     st.send_credit += delta;
+                    if let Some(w) = st.tx_waker.take() {
+                        w.wake();
+                    }
                 });
                 if !shared.peer_window_known.swap(true, Ordering::Relaxed) {
                     // The peer's connection window replaces the provisional default.
