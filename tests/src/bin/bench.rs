@@ -24,7 +24,8 @@
 //! [`tether_e2e::Hub`]. The target is this binary re-executed with `--target-server` (a separate
 //! process, so 10,000 idle streams fit in the file-descriptor limit); the first byte a client
 //! sends chooses what it does: `S` sink (counts bytes, answers the count on EOF), `G` endless
-//! source, `E` echo, `P` one byte back then echo; nothing = idle.
+//! source, `H` endless source counted for the stalled-reader measurement, `Q` that count, `E`
+//! echo, `P` one byte back then echo; nothing = idle.
 //!
 //! The `fleet` section (see [`fleet`]) puts N agents (default 1,000), all in one re-executed
 //! process, on one fresh broker.
@@ -38,6 +39,8 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
@@ -143,6 +146,22 @@ const BUF: usize = 256 << 10;
 const CLUSTER: &str = "c1";
 /// Healthy streams in the stalled-reader measurement.
 const HEALTHY: usize = 4;
+/// Blocks of one stalled-reader round: alone (`false`) and with a stalled reader (`true`),
+/// alternating, alone first and last (9 alone, 8 stalled).
+const STALL_BLOCKS: [bool; 17] = {
+    let mut b = [false; 17];
+    let mut i = 1;
+    while i < b.len() {
+        b[i] = true;
+        i += 2;
+    }
+    b
+};
+/// A stalled-reader block lasts the throughput measurement's time divided by this (0.5 s by
+/// default): short blocks, alternating, so that a slow spell of the machine (the four busy
+/// processes on two cores fall into scheduling patterns that last seconds: 9.1–9.5 Gbit/s,
+/// then 7.6–7.8 for 3 s, in one run here) hits alone and stalled blocks alike.
+const STALL_BLOCK_DIVISOR: f64 = 4.0;
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -254,6 +273,22 @@ async fn relay_connection(mut down: TcpStream, upstream: SocketAddr) -> std::io:
     Ok(())
 }
 
+/// Bytes the target wrote to held sources (mode `H`), and how many are open: what mode `Q`
+/// answers (the stalled-reader measurement waits on them, see [`wait_held`]).
+static HELD_WRITTEN: AtomicU64 = AtomicU64::new(0);
+static HELD_OPEN: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a held source as closed when it ends, however it ends.
+fn scopeguard_held() -> impl Drop {
+    struct Closed;
+    impl Drop for Closed {
+        fn drop(&mut self) {
+            HELD_OPEN.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+    Closed
+}
+
 async fn serve_target(mut s: TcpStream) -> std::io::Result<()> {
     s.set_nodelay(true)?;
     let mut mode = [0u8; 1];
@@ -267,6 +302,22 @@ async fn serve_target(mut s: TcpStream) -> std::io::Result<()> {
             loop {
                 s.write_all(&buf).await?;
             }
+        }
+        b'H' => {
+            // A source whose reader will stall: counted, so the bench sees it fill and go.
+            HELD_OPEN.fetch_add(1, Ordering::Relaxed);
+            let _open = scopeguard_held();
+            let buf = vec![0x5au8; BUF];
+            loop {
+                let n = s.write(&buf).await?;
+                HELD_WRITTEN.fetch_add(n as u64, Ordering::Relaxed);
+            }
+        }
+        b'Q' => {
+            let mut state = [0u8; 16];
+            state[..8].copy_from_slice(&HELD_WRITTEN.load(Ordering::Relaxed).to_le_bytes());
+            state[8..].copy_from_slice(&HELD_OPEN.load(Ordering::Relaxed).to_le_bytes());
+            s.write_all(&state).await?;
         }
         b'E' | b'P' => {
             if mode[0] == b'P' {
@@ -473,95 +524,133 @@ where
     Ok((total, (end - start).as_secs_f64()))
 }
 
-/// A path counts as quiet below this share of one CPU ...
-const STALL_QUIET_CPU: f64 = 0.05;
-/// ... over this window (twice in a row).
-const STALL_QUIET_WINDOW: Duration = Duration::from_millis(50);
-/// Longest wait for a stalled stream to fill its buffers.
-const STALL_FILL_DEADLINE: Duration = Duration::from_secs(5);
+/// Polls of the target's held-source state while waiting for a stalled stream to fill or go.
+const HELD_POLL: Duration = Duration::from_millis(50);
+/// Longest wait for a stalled stream to fill its buffers, or to be gone after it is dropped.
+const HELD_DEADLINE: Duration = Duration::from_secs(5);
 
-/// Waits until the processes `pids` are nearly idle (see [`download`]); on the deadline it
-/// says so and goes on.
-async fn wait_until_quiet(pids: &[u32]) {
-    let cpu = || pids.iter().map(|p| cpu_secs(*p)).sum::<f64>();
-    let deadline = Instant::now() + STALL_FILL_DEADLINE;
-    let mut quiet = 0;
-    let mut last = cpu();
-    while quiet < 2 {
+/// What the target says about its held sources (mode `H`, see [`serve_target`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Held {
+    /// Bytes written to held sources so far.
+    written: u64,
+    /// Held sources open now.
+    open: u64,
+}
+
+/// Asks the target (mode `Q`) for its held sources' state.
+async fn held_state(target: SocketAddr) -> anyhow::Result<Held> {
+    let mut s = TcpStream::connect(target).await?;
+    s.write_all(b"Q").await?;
+    let mut b = [0u8; 16];
+    s.read_exact(&mut b).await?;
+    let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+    Ok(Held {
+        written: word(0),
+        open: word(8),
+    })
+}
+
+/// Waits until the target's held source `open` is one and its writes stopped (two polls
+/// [`HELD_POLL`] apart without progress: the stalled stream filled every buffer and window on
+/// its way), or, with `open` zero, until the target saw the stream go (the tunnel's reset
+/// reached it). On [`HELD_DEADLINE`] it says so and goes on.
+async fn wait_held(target: SocketAddr, open: u64) -> anyhow::Result<()> {
+    let deadline = Instant::now() + HELD_DEADLINE;
+    let mut last = held_state(target).await?;
+    let mut still = 0;
+    loop {
+        if open == 0 && last.open == 0 {
+            return Ok(());
+        }
+        if open > 0 && still >= 2 {
+            return Ok(());
+        }
         if Instant::now() >= deadline {
             println!(
-                "  (stalled stream still moving bytes after {STALL_FILL_DEADLINE:?}; measuring anyway)"
+                "  (stalled stream not {} after {HELD_DEADLINE:?}: {last:?}; measuring anyway)",
+                if open == 0 { "gone" } else { "filled" }
             );
-            return;
+            return Ok(());
         }
-        tokio::time::sleep(STALL_QUIET_WINDOW).await;
-        let now = cpu();
-        if now - last < STALL_QUIET_CPU * STALL_QUIET_WINDOW.as_secs_f64() {
-            quiet += 1;
+        tokio::time::sleep(HELD_POLL).await;
+        let now = held_state(target).await?;
+        if now.open == open && now.written > 0 && now.written == last.written {
+            still += 1;
         } else {
-            quiet = 0;
+            still = 0;
         }
         last = now;
     }
 }
 
-/// Bulk download from sources on `healthy` connections for `dur`, optionally while one more
-/// stream's reader is stalled (it never reads). Returns the healthy streams' bytes/s.
+/// One round of the stalled-reader measurement on `via`: `healthy` bulk downloads (target mode
+/// `G`) run for the whole round while `blocks` of `dur` each are measured, alone (`false`) or
+/// with one more stream whose reader is stalled (`true`: it never reads). Returns the healthy
+/// streams' bytes/s of the alone blocks and of the stalled ones, and the largest growth of the
+/// RSS of `pids` (broker and agent) while a stream was stalled.
 ///
-/// The stalled stream is opened first and the measurement starts once it has filled every
-/// buffer and window on its way: when the processes of the path (`path_pids`: target, and
-/// broker and agent for the tunnel) have used less than [`STALL_QUIET_CPU`] of a CPU for two
-/// consecutive [`STALL_QUIET_WINDOW`]s (at most [`STALL_FILL_DEADLINE`]; a fixed pause was
-/// sometimes too short on a loaded machine, so the "stalled" half also measured the fill).
-async fn download(
+/// The healthy streams are the same in every block, so what differs between blocks is the
+/// stalled stream only. (Fresh streams per block added each connection's own luck — which core
+/// its softirqs land on, how its socket buffers autotune — ±5 % between blocks here, as large as
+/// what is measured.) A stalled stream is opened before its block and measured once it has
+/// filled every buffer and window on its way, and dropped after it; the next block starts once
+/// the target saw it go ([`wait_held`]).
+async fn stall_round(
     ends: &Ends,
     via: Via,
     healthy: usize,
-    stalled: bool,
+    blocks: &[bool],
     dur: Duration,
-    path_pids: &[u32],
-) -> anyhow::Result<f64> {
-    let stall = if stalled {
-        let mut s = ends.open(via).await?;
-        s.write_all(b"G").await?;
-        wait_until_quiet(path_pids).await;
-        Some(s)
-    } else {
-        None
-    };
-    let mut socks = Vec::new();
+    pids: &[u32],
+) -> anyhow::Result<(Vec<f64>, Vec<f64>, u64)> {
+    let received = Arc::new(AtomicU64::new(0));
+    let mut readers = tokio::task::JoinSet::new();
     for _ in 0..healthy {
         let mut s = ends.open(via).await?;
         s.write_all(b"G").await?;
-        socks.push(s);
+        let received = Arc::clone(&received);
+        readers.spawn(async move {
+            let mut buf = vec![0u8; BUF];
+            loop {
+                match s.read(&mut buf).await? {
+                    0 => bail!("the target ended a healthy stream"),
+                    n => received.fetch_add(n as u64, Ordering::Relaxed),
+                };
+            }
+        });
     }
-    let start = Instant::now();
-    let deadline = start + dur;
-    let tasks: Vec<_> = socks
-        .into_iter()
-        .map(|mut s| {
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; BUF];
-                let mut n = 0u64;
-                loop {
-                    match tokio::time::timeout_at(deadline.into(), s.read(&mut buf)).await {
-                        Ok(Ok(0)) => bail!("source closed"),
-                        Ok(Ok(m)) => n += m as u64,
-                        Ok(Err(e)) => return Err(e.into()),
-                        Err(_) => break,
-                    }
-                }
-                anyhow::Ok(n)
-            })
-        })
-        .collect();
-    let mut total = 0u64;
-    for t in tasks {
-        total += t.await??;
+    let (mut alone, mut with_stalled, mut rss_growth) = (Vec::new(), Vec::new(), 0u64);
+    for &stalled in blocks {
+        let before: u64 = pids.iter().map(|p| rss(*p)).sum();
+        let held = if stalled {
+            let mut s = ends.open(via).await?;
+            s.write_all(b"H").await?;
+            wait_held(ends.target, 1).await?;
+            Some(s)
+        } else {
+            None
+        };
+        let (from, start) = (received.load(Ordering::Relaxed), Instant::now());
+        tokio::select! {
+            () = tokio::time::sleep(dur) => {}
+            Some(r) = readers.join_next() => {
+                r??;
+                bail!("a healthy stream ended");
+            }
+        }
+        let rate = (received.load(Ordering::Relaxed) - from) as f64 / start.elapsed().as_secs_f64();
+        if let Some(s) = held {
+            let after: u64 = pids.iter().map(|p| rss(*p)).sum();
+            rss_growth = rss_growth.max(after.saturating_sub(before));
+            drop(s);
+            wait_held(ends.target, 0).await?;
+            with_stalled.push(rate);
+        } else {
+            alone.push(rate);
+        }
     }
-    let rate = total as f64 / start.elapsed().as_secs_f64();
-    drop(stall);
-    Ok(rate)
+    Ok((alone, with_stalled, rss_growth))
 }
 
 /// Connect (+ CONNECT through the tunnel; a relay just connects onward) and get the first byte
@@ -640,6 +729,13 @@ fn rss(pid: u32) -> u64 {
 
 fn gbit(bytes_per_sec: f64) -> String {
     format!("{:.2} Gbit/s", bytes_per_sec * 8.0 / 1e9)
+}
+
+/// The lowest and highest of `rates` (bytes/s), in Gbit/s.
+fn gbit_range(rates: &[f64]) -> String {
+    let lo = rates.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = rates.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    format!("{:.2}–{:.2}", lo * 8.0 / 1e9, hi * 8.0 / 1e9)
 }
 
 fn us(d: Duration) -> String {
@@ -1302,51 +1398,32 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         let mut rss_growth = 0u64;
         for round in 0..setup.stall_rounds {
             for via in Setup::order2(round) {
-                // Alone and stalled alternating, alone first and last (A S A S A): each side is
-                // the mean of its blocks, so load from other work that rises or falls during
-                // the round hits both sides alike, and one block that lands on a slow or fast
-                // scheduling pattern of the four busy processes (client, broker, agent, target
-                // on two cores: ±8 % between blocks here, for direct ±6 %) moves the ratio by
-                // half or a third as much as with one block a side.
-                let mut path_pids = vec![target_proc.pid()];
-                if via == Via::Tunnel {
-                    path_pids.extend(pids);
-                }
-                let mut alone = Vec::new();
-                let mut with_stalled = Vec::new();
-                for stalled in [false, true, false, true, false] {
-                    let before: u64 = pids.iter().map(|p| rss(*p)).sum();
-                    let rate =
-                        download(&ends, via, HEALTHY, stalled, setup.secs, &path_pids).await?;
-                    if stalled {
-                        with_stalled.push(rate);
-                    } else {
-                        alone.push(rate);
-                    }
-                    if stalled && via == Via::Tunnel {
-                        let after: u64 = pids.iter().map(|p| rss(*p)).sum();
-                        rss_growth = rss_growth.max(after.saturating_sub(before));
-                    }
-                }
+                // Alone and stalled alternating (STALL_BLOCKS): each side is the mean of its
+                // blocks, so load from other work that rises or falls during the round hits
+                // both sides alike.
+                let (alone, with_stalled, growth) = stall_round(
+                    &ends,
+                    via,
+                    HEALTHY,
+                    &STALL_BLOCKS,
+                    setup.secs.div_f64(STALL_BLOCK_DIVISOR),
+                    if via == Via::Tunnel { &pids[..] } else { &[] },
+                )
+                .await?;
+                rss_growth = rss_growth.max(growth);
                 let r = [mean(&alone), mean(&with_stalled)];
                 kept[via as usize].push(r[1] / r[0]);
                 healthy_rate[via as usize].push(r[0]);
                 println!(
-                    "  {HEALTHY} healthy streams, {} round {}: {} alone ({}), {} with 1 stalled ({}): {:.0} %",
+                    "  {HEALTHY} healthy streams, {} round {}: {} alone ({} blocks, {}), {} with 1 stalled ({} blocks, {}): {:.0} %",
                     via.name(),
                     round + 1,
                     gbit(r[0]),
-                    alone
-                        .iter()
-                        .map(|r| gbit(*r))
-                        .collect::<Vec<_>>()
-                        .join(", "),
+                    alone.len(),
+                    gbit_range(&alone),
                     gbit(r[1]),
-                    with_stalled
-                        .iter()
-                        .map(|r| gbit(*r))
-                        .collect::<Vec<_>>()
-                        .join(", "),
+                    with_stalled.len(),
+                    gbit_range(&with_stalled),
                     r[1] / r[0] * 100.0
                 );
             }
