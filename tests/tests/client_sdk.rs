@@ -379,6 +379,167 @@ async fn a_dialer_opens_connections_on_demand() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Dials started at once spread over the connections they open: a burst of `cap + 2` dials on
+/// a fresh `Dialer::connect` opens `cap` connections and puts no more than one stream more on
+/// any of them than on another (before, every dial that found the open connection busy waited
+/// for the same new one, so a burst went 1 : cap + 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_dials_spreads_over_the_connections_it_opens() -> anyhow::Result<()> {
+    let echo = echo_server().await?;
+    let (hub, broker, _agent) = one_cluster(echo).await?;
+    let d = dialer(&hub, &broker).await?;
+    let cap = std::thread::available_parallelism()?
+        .get()
+        .min(tether_client::MAX_ON_DEMAND_CONNECTIONS);
+    let burst =
+        futures::future::try_join_all((0..cap + 2).map(|_| d.dial("c1", "127.0.0.1", echo.port())))
+            .await?;
+    assert_eq!(
+        d.connections(),
+        cap,
+        "one connection per busy stream, up to the cap"
+    );
+    let mut per_conn = std::collections::HashMap::<usize, usize>::new();
+    for s in &burst {
+        *per_conn.entry(s.connection()).or_default() += 1;
+    }
+    let (lo, hi) = (
+        per_conn.values().min().copied().unwrap_or(0),
+        per_conn.values().max().copied().unwrap_or(0),
+    );
+    assert_eq!(
+        per_conn.len(),
+        cap,
+        "every connection carries streams: {per_conn:?}"
+    );
+    assert!(hi - lo <= 1, "streams spread evenly: {per_conn:?}");
+    let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 233) as u8).collect();
+    for (i, s) in burst.into_iter().enumerate() {
+        echo_round_trip(s, &payload, &format!("burst stream {i}")).await?;
+    }
+    Ok(())
+}
+
+/// A TCP forward to `upstream` that passes on the connections it is told to and closes the
+/// others at once; counts the connections it accepted.
+struct Gate {
+    addr: std::net::SocketAddr,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    open: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    _task: tokio_util::task::AbortOnDropHandle<()>,
+}
+
+impl Gate {
+    async fn start(upstream: std::net::SocketAddr) -> anyhow::Result<Self> {
+        use std::sync::atomic::Ordering;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = l.local_addr()?;
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let open = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let (a, o) = (accepted.clone(), open.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((mut down, _)) = l.accept().await {
+                a.fetch_add(1, Ordering::SeqCst);
+                if !o.load(Ordering::SeqCst) {
+                    continue; // dropped: closed at once
+                }
+                tokio::spawn(async move {
+                    if let Ok(mut up) = tokio::net::TcpStream::connect(upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut down, &mut up).await;
+                    }
+                });
+            }
+        });
+        Ok(Self {
+            addr,
+            accepted,
+            open,
+            _task: tokio_util::task::AbortOnDropHandle::new(task),
+        })
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn set_open(&self, open: bool) {
+        self.open.store(open, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A connection on demand that fails to open is not tried again by every dial: after the
+/// failure, dials share the open connection without a connect attempt for the backoff's pause
+/// (at least half of `ON_DEMAND_RETRY_INITIAL`), and once the broker is reachable again a later
+/// dial opens the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_connection_on_demand_backs_off() -> anyhow::Result<()> {
+    let echo = echo_server().await?;
+    let (hub, broker, _agent) = one_cluster(echo).await?;
+    let gate = Gate::start(broker.client_tls_addr).await?;
+    let d = Dialer::connect(DialerConfig {
+        endpoint: format!("https://{}", gate.addr),
+        server_name: "localhost".into(),
+        ca_pem: std::fs::read_to_string(hub.pki.ca_path())?,
+        client_cert: None,
+        token: Some(Token(OPS_TOKEN.into())),
+        connect_timeout: Duration::from_secs(5),
+    })
+    .await?;
+    if std::thread::available_parallelism()?.get() < 2 {
+        eprintln!("one CPU: no connections on demand to test");
+        return Ok(());
+    }
+    assert_eq!(gate.accepted(), 1);
+    let first = d.dial("c1", "127.0.0.1", echo.port()).await?;
+
+    // The broker cannot be reached any more: the next dial's connection on demand fails, and
+    // the dial shares the open connection.
+    gate.set_open(false);
+    let mut held = vec![d.dial("c1", "127.0.0.1", echo.port()).await?];
+    let failed_at = std::time::Instant::now();
+    // One attempt per protocol: tether-dial/1, then HTTP/2 (the TLS handshake failed, which
+    // an older broker without the ALPN would also do).
+    let tried = gate.accepted();
+    assert!(tried > 1, "the second dial tried a connection on demand");
+    assert_eq!(d.connections(), 1);
+    for _ in 0..5 {
+        held.push(d.dial("c1", "127.0.0.1", echo.port()).await?);
+    }
+    let dials_took = failed_at.elapsed();
+    if dials_took < tether_client::ON_DEMAND_RETRY_INITIAL / 2 {
+        assert_eq!(
+            gate.accepted(),
+            tried,
+            "dials within the pause after a failure try no connection ({dials_took:?})"
+        );
+    } else {
+        eprintln!("five dials took {dials_took:?}, longer than the shortest pause: not checked");
+    }
+    assert!(held.iter().all(|s| s.connection() == first.connection()));
+
+    // Reachable again: after the pause a dial opens the second connection.
+    gate.set_open(true);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while d.connections() < 2 {
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "no connection on demand within 20 s of the broker being reachable again"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        held.push(d.dial("c1", "127.0.0.1", echo.port()).await?);
+    }
+    let payload: Vec<u8> = (0..100_000u32).map(|i| (i % 229) as u8).collect();
+    let last = held.pop().expect("a stream");
+    assert_ne!(
+        last.connection(),
+        first.connection(),
+        "the new dial is on the new connection"
+    );
+    echo_round_trip(last, &payload, "stream on the new connection").await?;
+    echo_round_trip(first, &payload, "first stream").await?;
+    Ok(())
+}
+
 /// The broker's plain client port serves the native Dial without TLS (h2c, bearer token) beside
 /// plain CONNECT: the SDK over `http://` carries the same bytes unframed and framed, a dial
 /// without a token is refused by name, a client certificate over `http://` is a config error

@@ -181,7 +181,12 @@ async fn start(
         "cannot connect to the broker",
         backoff,
         shutdown,
-        |e| matches!(e, tether_client::ClientError::Connect(_)),
+        |e| {
+            matches!(
+                e,
+                tether_client::ClientError::Connect(_) | tether_client::ClientError::Unreachable(_)
+            )
+        },
         |e| readiness.set_not_ready(format!("connecting to the broker: {e}")),
         || Dialer::connect(dialer_cfg.clone()),
     )

@@ -10,6 +10,12 @@
 //! [`retry`] runs a start-up step (connect to NATS, to a broker, open a store) until it
 //! succeeds, a failure is not transient, or shutdown: a service whose dependency starts after it
 //! waits instead of exiting into a restart loop.
+//!
+//! Its own crate (re-exported as `tether_runtime::backoff`) so that the client SDK
+//! (`tether-client`, whose connections on demand back off after a failure) does not pull in the
+//! services' process plumbing.
+
+#![forbid(unsafe_code)]
 
 use std::time::{Duration, Instant};
 

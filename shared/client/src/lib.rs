@@ -134,6 +134,10 @@ pub enum ClientError {
     Endpoint { endpoint: String, reason: String },
     #[error("cannot connect to broker: {0}")]
     Connect(String),
+    /// The broker could not be reached: its TCP connect failed, or the connection was not up
+    /// within the connect timeout.
+    #[error("cannot reach broker: {0}")]
+    Unreachable(String),
     #[error("token is not a valid header value")]
     BadToken,
     #[error("broker refused the dial ({code:?}): {message}")]
@@ -160,9 +164,11 @@ pub enum ClientError {
 pub struct Dialer {
     /// Connection slots: those [`Dialer::connect_pool`] opened, and those [`Dialer::connect`]
     /// opens when a new stream finds every open connection busy.
-    conns: Arc<[tokio::sync::OnceCell<Conn>]>,
+    slots: Arc<[Slot]>,
     /// For the connections opened on demand.
     cfg: Arc<DialerConfig>,
+    /// After a connection on demand failed to open, when the next may be tried.
+    retry: Arc<std::sync::Mutex<OnDemandRetry>>,
     /// Where the search for the least busy connection starts (round robin among equals).
     next: Arc<AtomicUsize>,
     token: Option<MetadataValue<Ascii>>,
@@ -178,8 +184,68 @@ struct Conn {
     raw: raw::RawConn,
     /// The framed gRPC `Dial` (older brokers): a second connection, opened on first use.
     client: pb::dialer_client::DialerClient<Channel>,
-    /// Open [`DialStream`]s on this connection (each holds a [`ConnLoad`]).
-    open: Arc<AtomicUsize>,
+}
+
+/// One connection slot of a [`Dialer`]: its connection once opened, and its load.
+struct Slot {
+    conn: tokio::sync::OnceCell<Conn>,
+    /// Open [`DialStream`]s on this slot's connection (each holds a [`ConnLoad`]), and dials
+    /// waiting for it to open: concurrent dials that find every open connection busy spread
+    /// over the slots being opened instead of all waiting for the first.
+    load: Arc<AtomicUsize>,
+}
+
+impl Slot {
+    fn new(conn: Option<Conn>) -> Self {
+        Self {
+            conn: tokio::sync::OnceCell::new_with(conn),
+            load: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    fn load(&self) -> usize {
+        self.load.load(Ordering::Relaxed)
+    }
+}
+
+/// Backoff of connections on demand: after one failed to open, no other is tried before
+/// `not_before` (jittered, doubling from [`ON_DEMAND_RETRY_INITIAL`] up to
+/// [`ON_DEMAND_RETRY_MAX`] while they keep failing), so that against a broker that refuses
+/// connections each dial does not wait for a failed connect before it shares one.
+struct OnDemandRetry {
+    backoff: tether_backoff::Backoff,
+    not_before: Option<std::time::Instant>,
+}
+
+impl OnDemandRetry {
+    fn new() -> Self {
+        Self {
+            backoff: tether_backoff::Backoff::new(tether_backoff::BackoffConfig {
+                initial: ON_DEMAND_RETRY_INITIAL,
+                max: ON_DEMAND_RETRY_MAX,
+                // A connection that opened resets it ([`Self::opened`]).
+                reset_after: Duration::ZERO,
+                ..tether_backoff::BackoffConfig::default()
+            }),
+            not_before: None,
+        }
+    }
+
+    fn allowed(&self) -> bool {
+        self.not_before
+            .is_none_or(|t| std::time::Instant::now() >= t)
+    }
+
+    fn failed(&mut self) -> Duration {
+        let d = self.backoff.failed();
+        self.not_before = Some(std::time::Instant::now() + d);
+        d
+    }
+
+    fn opened(&mut self) {
+        self.backoff.reset();
+        self.not_before = None;
+    }
 }
 
 /// A stream's share of its connection's load (and the connection's index); released on drop.
@@ -195,6 +261,11 @@ impl Drop for ConnLoad {
 pub const MAX_CONNECTIONS: usize = 16;
 /// Most connections [`Dialer::connect`] opens on demand (and no more than the CPUs).
 pub const MAX_ON_DEMAND_CONNECTIONS: usize = 4;
+/// After a connection on demand failed to open, no other is tried for about this long (½ to 1×,
+/// jittered), doubling while they keep failing, up to [`ON_DEMAND_RETRY_MAX`].
+pub const ON_DEMAND_RETRY_INITIAL: Duration = Duration::from_secs(1);
+/// Longest pause of connections on demand after failures.
+pub const ON_DEMAND_RETRY_MAX: Duration = Duration::from_secs(60);
 
 /// Path of the unframed Dial (`docs/tunnel-protocol.md`).
 pub const RAW_DIAL_PATH: &str = "/tether.tunnel.v1.Dialer/DialRaw";
@@ -216,8 +287,12 @@ impl Dialer {
     /// a few in turn (a kube client's requests) keep to one connection; concurrent busy streams
     /// spread over as many connections as there are cores to encrypt and frame them (one
     /// connection is read by one task on the broker: 8 busy streams on one connection ran at
-    /// 0.85× the throughput of 8 CONNECTs, on two at 0.95×; docs/benchmarks.md). A connection
-    /// that cannot be opened on demand is not an error: the stream shares an open one.
+    /// 0.85× the throughput of 8 CONNECTs, on two at 0.95×; docs/benchmarks.md). Dials
+    /// started at once spread over the connections being opened (a dial waits for the one it
+    /// picked). A connection that cannot be opened on demand is not an error: the stream shares
+    /// an open one, and no other is tried for a jittered pause ([`ON_DEMAND_RETRY_INITIAL`],
+    /// doubling up to [`ON_DEMAND_RETRY_MAX`] while they keep failing). A broker that cannot be
+    /// reached at all ([`ClientError::Unreachable`]) is not tried again over HTTP/2.
     pub async fn connect(cfg: DialerConfig) -> Result<Self, ClientError> {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         Self::with_slots(cfg, 1, cpus.clamp(1, MAX_ON_DEMAND_CONNECTIONS)).await
@@ -238,8 +313,8 @@ impl Dialer {
         let opened =
             futures::future::try_join_all((0..open).map(|_| Self::connect_one(&cfg))).await?;
         let mut opened = opened.into_iter();
-        let conns: Arc<[tokio::sync::OnceCell<Conn>]> = (0..slots.max(open))
-            .map(|_| tokio::sync::OnceCell::new_with(opened.next()))
+        let slots: Arc<[Slot]> = (0..slots.max(open))
+            .map(|_| Slot::new(opened.next()))
             .collect();
         let token = match &cfg.token {
             Some(t) => Some(
@@ -250,8 +325,9 @@ impl Dialer {
             None => None,
         };
         Ok(Self {
-            conns,
+            slots,
             cfg: Arc::new(cfg),
+            retry: Arc::new(std::sync::Mutex::new(OnDemandRetry::new())),
             next: Arc::new(AtomicUsize::new(0)),
             token,
             raw: Arc::new(AtomicBool::new(true)),
@@ -260,33 +336,73 @@ impl Dialer {
 
     /// Number of connections to the broker opened so far.
     pub fn connections(&self) -> usize {
-        self.conns.iter().filter(|c| c.initialized()).count()
+        self.slots.iter().filter(|s| s.conn.initialized()).count()
     }
 
-    /// The open connection with the fewest open streams (ties: round robin), and its load
-    /// share; when that one carries a stream and a slot is free, a new connection in that slot.
+    /// The slot for a new stream, with the stream counted in its load: the least loaded of the
+    /// open connections and of the slots being opened (ties: an open connection, then round
+    /// robin); when that one carries a stream, a free slot, whose connection is then opened
+    /// (unless one failed to open within [`OnDemandRetry`]'s pause). A dial that picks a slot
+    /// being opened waits for it; if it fails to open, the dial shares the least busy open one.
     async fn pick(&self) -> (&Conn, ConnLoad) {
         let start = self.next.fetch_add(1, Ordering::Relaxed);
-        let n = self.conns.len();
-        let load = |c: &Conn| c.open.load(Ordering::Relaxed);
-        let (mut i, mut c) = (0..n)
-            .map(|i| (start + i) % n)
-            .filter_map(|i| Some((i, self.conns[i].get()?)))
-            .min_by_key(|(_, c)| load(c))
+        let n = self.slots.len();
+        let in_turn = || (0..n).map(|i| (start + i) % n);
+        let open_or_opening = |i: &usize| {
+            let s = &self.slots[*i];
+            s.conn.initialized() || s.load() > 0
+        };
+        let (best, best_load) = in_turn()
+            .filter(open_or_opening)
+            .map(|i| (i, self.slots[i].load()))
+            .min_by_key(|&(i, load)| (load, !self.slots[i].conn.initialized()))
             .expect("the first connection is opened by connect");
-        if load(c) > 0
-            && let Some(free) = self.conns.iter().position(|s| !s.initialized())
+        let mut i = best;
+        if best_load > 0
+            && let Some(free) = in_turn().find(|i| !open_or_opening(i))
+            && self.retry.lock().expect("retry state").allowed()
         {
-            match self.conns[free]
-                .get_or_try_init(|| Self::connect_one(&self.cfg))
-                .await
-            {
-                Ok(new) => (i, c) = (free, new),
-                Err(e) => tracing::debug!(error = %e, "no connection on demand; sharing one"),
-            }
+            i = free;
         }
-        c.open.fetch_add(1, Ordering::Relaxed);
-        (c, ConnLoad(Arc::clone(&c.open), i))
+        let slot = &self.slots[i];
+        slot.load.fetch_add(1, Ordering::Relaxed);
+        let load = ConnLoad(Arc::clone(&slot.load), i);
+        if let Some(c) = slot.conn.get() {
+            return (c, load);
+        }
+        let opened = slot
+            .conn
+            .get_or_try_init(|| async {
+                if !self.retry.lock().expect("retry state").allowed() {
+                    // This dial waited for an opening that failed; another failure would not
+                    // tell anything new.
+                    return Err(ClientError::Connect(
+                        "an earlier connection on demand failed to open".into(),
+                    ));
+                }
+                let r = Self::connect_one(&self.cfg).await;
+                let mut retry = self.retry.lock().expect("retry state");
+                match &r {
+                    Ok(_) => retry.opened(),
+                    Err(e) => {
+                        let pause = retry.failed();
+                        tracing::debug!(error = %e, ?pause, "no connection on demand; sharing one");
+                    }
+                }
+                r
+            })
+            .await;
+        if let Ok(c) = opened {
+            return (c, load);
+        }
+        drop(load);
+        let (i, c) = in_turn()
+            .filter_map(|i| Some((i, self.slots[i].conn.get()?)))
+            .min_by_key(|&(i, _)| self.slots[i].load())
+            .expect("the first connection is opened by connect");
+        let slot = &self.slots[i];
+        slot.load.fetch_add(1, Ordering::Relaxed);
+        (c, ConnLoad(Arc::clone(&slot.load), i))
     }
 
     async fn connect_one(cfg: &DialerConfig) -> Result<Conn, ClientError> {
@@ -328,6 +444,8 @@ impl Dialer {
         let credential = cfg.token.as_ref().map(|t| format!("Bearer {}", t.0));
         let (mux, raw) = match mux::MuxConn::open(Arc::clone(&opener), credential).await {
             Ok(m) => (Some(m), raw::RawConn::lazy(opener)),
+            // Not reached at all: HTTP/2 would not be either (and would wait once more).
+            Err(e @ ClientError::Unreachable(_)) => return Err(e),
             Err(e) => {
                 // An older broker (or `tunnel.protocol: h2`): HTTP/2, whose connect error (if
                 // any) names what is wrong.
@@ -351,7 +469,6 @@ impl Dialer {
             raw,
             client: pb::dialer_client::DialerClient::new(channel)
                 .max_decoding_message_size(4 * MAX_FRAME_BYTES),
-            open: Arc::new(AtomicUsize::new(0)),
         })
     }
 

@@ -100,6 +100,11 @@ impl Opener {
         ClientError::Connect(format!("{what} {}:{}: {e}", self.host, self.port))
     }
 
+    /// [`Self::fail`] for a broker that could not be reached at all (TCP, or the timeout).
+    fn unreachable(&self, what: &str, e: &dyn std::fmt::Display) -> ClientError {
+        ClientError::Unreachable(format!("{what} {}:{}: {e}", self.host, self.port))
+    }
+
     /// TCP, TLS (ALPN of `alpn`) for `https://`, then `then` on the connection (the protocol's
     /// own handshake), all within the connect timeout.
     pub(crate) async fn open<T, Fut>(
@@ -113,7 +118,7 @@ impl Opener {
         let work = async {
             let tcp = TcpStream::connect((self.host.as_str(), self.port))
                 .await
-                .map_err(|e| self.fail("TCP connect to", &e))?;
+                .map_err(|e| self.unreachable("TCP connect to", &e))?;
             let _ = tcp.set_nodelay(true);
             let io: Box<dyn BrokerIo> = match &self.tls {
                 Some(t) => {
@@ -134,7 +139,7 @@ impl Opener {
         tokio::time::timeout(self.timeout, work)
             .await
             .map_err(|_| {
-                self.fail(
+                self.unreachable(
                     "timed out connecting to",
                     &format_args!("{:?}", self.timeout),
                 )

@@ -15,7 +15,7 @@
 //! - [`shutdown`]: a root [`CancellationToken`](tokio_util::sync::CancellationToken) cancelled on
 //!   SIGTERM or SIGINT, from which every component derives its own child token.
 
-pub mod backoff;
+pub use tether_backoff as backoff;
 pub mod process;
 pub mod service;
 pub mod shutdown;
