@@ -2,7 +2,7 @@
 //! OTLP/gRPC (to a real OTLP receiver in this test), the stream's spans carry the cluster and
 //! stream id, and the agent's span joins the broker's trace (context carried in the tunnel's
 //! HTTP/2 headers). A CONNECT request with a W3C `traceparent` header puts both in the client's
-//! trace.
+//! trace, and so does a dial of the Rust SDK made inside a traced span (on each of its protocols).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -82,8 +82,8 @@ fn attr<'a>(s: &'a SpanRecord, k: &str) -> Option<&'a str> {
         .map(|(_, v)| v.as_str())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn spans_are_exported_and_joined_across_the_tunnel() -> anyhow::Result<()> {
+/// A real OTLP receiver on 127.0.0.1:0, and a hub whose processes export to it.
+async fn traced_hub() -> anyhow::Result<(Receiver, Hub)> {
     let receiver = Receiver::default();
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let otlp = l.local_addr()?;
@@ -93,7 +93,6 @@ async fn spans_are_exported_and_joined_across_the_tunnel() -> anyhow::Result<()>
             .add_service(svc)
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
     );
-
     let mut hub = Hub::new()?;
     hub.env = vec![
         (
@@ -102,6 +101,103 @@ async fn spans_are_exported_and_joined_across_the_tunnel() -> anyhow::Result<()>
         ),
         ("OTEL_BSP_SCHEDULE_DELAY".into(), "100".into()),
     ];
+    Ok((receiver, hub))
+}
+
+/// The broker's span named `name` and the agent's stream span in trace `trace`, once exported.
+async fn spans_in_trace(
+    receiver: &Receiver,
+    name: &str,
+    trace: &[u8],
+) -> anyhow::Result<(SpanRecord, SpanRecord)> {
+    tether_test_support::wait_until_async(
+        Duration::from_secs(20),
+        "broker and agent spans in the client's trace",
+        || async {
+            let spans = receiver.0.lock().expect("lock").clone();
+            let in_trace = |service: &str, name: &str| {
+                spans
+                    .iter()
+                    .find(|s| s.service == service && s.name == name && s.trace_id == trace)
+                    .cloned()
+            };
+            Some((
+                in_trace("tunnel-broker", name)?,
+                in_trace("tunnel-agent", "agent_stream")?,
+            ))
+        },
+    )
+    .await
+}
+
+/// An application traced with OpenTelemetry dials through the SDK inside a span of its trace:
+/// the broker's and the agent's spans of each stream join that trace, on `tether-dial/1` and
+/// on the framed gRPC Dial.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sdk_dial_joins_the_callers_trace() -> anyhow::Result<()> {
+    use opentelemetry::trace::TracerProvider as _;
+    use tracing::Instrument as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    // The application's tracing: an OpenTelemetry layer (no exporter needed here) and the W3C
+    // propagator, as an application that exports its own traces sets them up.
+    opentelemetry::global::set_text_map_propagator(
+        opentelemetry_sdk::propagation::TraceContextPropagator::new(),
+    );
+    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder().build();
+    tracing::subscriber::set_global_default(
+        tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("sdk-test"))),
+    )?;
+
+    let (receiver, hub) = traced_hub().await?;
+    let echo = echo_server().await?;
+    let broker = hub.start_broker("b1", "")?;
+    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&broker, "c1").await?;
+    let d = tether_client::Dialer::connect(tether_client::DialerConfig {
+        endpoint: format!("https://{}", broker.client_tls_addr),
+        server_name: "localhost".into(),
+        ca_pem: std::fs::read_to_string(hub.pki.ca_path())?,
+        client_cert: None,
+        token: Some(tether_client::Token(OPS_TOKEN.into())),
+        connect_timeout: Duration::from_secs(5),
+    })
+    .await?;
+
+    for (i, framed) in [false, true].into_iter().enumerate() {
+        let trace = format!("4bf92f3577b34da6a3ce929d0e0e47{i:02x}");
+        let span = tracing::info_span!("application_request");
+        tether_telemetry::propagation::set_parent(
+            &span,
+            [(
+                "traceparent",
+                format!("00-{trace}-00f067aa0ba902b7-01").as_str(),
+            )],
+        );
+        let dial = async {
+            if framed {
+                d.dial_framed("c1", "127.0.0.1", echo.port()).await
+            } else {
+                d.dial("c1", "127.0.0.1", echo.port()).await
+            }
+        };
+        let mut s = dial.instrument(span).await?;
+        assert_eq!(s.is_unframed(), !framed);
+        s.write_all(b"traced").await?;
+        let mut six = [0u8; 6];
+        s.read_exact(&mut six).await?;
+        drop(s);
+        let (b, a) = spans_in_trace(&receiver, "grpc_stream", &hex::decode(&trace)?).await?;
+        assert_eq!(attr(&b, "client"), Some("ops"), "framed={framed}: {b:?}");
+        assert_eq!(attr(&a, "stream"), attr(&b, "stream"), "{a:?} / {b:?}");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_are_exported_and_joined_across_the_tunnel() -> anyhow::Result<()> {
+    let (receiver, hub) = traced_hub().await?;
     let echo = echo_server().await?;
     let broker = hub.start_broker("b1", "")?;
     let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
@@ -172,25 +268,7 @@ async fn spans_are_exported_and_joined_across_the_tunnel() -> anyhow::Result<()>
     s.write_all(b"traced").await?;
     s.read_exact(&mut six).await?;
     drop(s);
-    let client_trace = hex::decode(CLIENT_TRACE)?;
-    let (b, a) = tether_test_support::wait_until_async(
-        Duration::from_secs(20),
-        "broker and agent spans in the client's trace",
-        || async {
-            let spans = receiver.0.lock().expect("lock").clone();
-            let in_trace = |service: &str, name: &str| {
-                spans
-                    .iter()
-                    .find(|s| s.service == service && s.name == name && s.trace_id == client_trace)
-                    .cloned()
-            };
-            Some((
-                in_trace("tunnel-broker", "connect_stream")?,
-                in_trace("tunnel-agent", "agent_stream")?,
-            ))
-        },
-    )
-    .await?;
+    let (b, a) = spans_in_trace(&receiver, "connect_stream", &hex::decode(CLIENT_TRACE)?).await?;
     assert_eq!(attr(&b, "client"), Some("ops"), "{b:?}");
     assert_eq!(attr(&a, "stream"), attr(&b, "stream"), "{a:?} / {b:?}");
     Ok(())

@@ -274,6 +274,24 @@ pub const RAW_DIAL_PATH: &str = "/tether.tunnel.v1.Dialer/DialRaw";
 /// connection that merely died is caught by the keepalive sooner.
 pub const DIAL_ANSWER_TIMEOUT: Duration = Duration::from_secs(75);
 
+/// The W3C trace context (`traceparent`, `tracestate`) of the caller's current span, sent with
+/// every dial so that the broker's and the agent's spans of the stream join the caller's trace.
+/// Empty unless the application traces with OpenTelemetry (a `tracing-opentelemetry` layer and a
+/// global text-map propagator, as `opentelemetry_sdk`'s `TraceContextPropagator`).
+fn trace_context() -> Vec<(String, String)> {
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    struct Fields(Vec<(String, String)>);
+    impl opentelemetry::propagation::Injector for Fields {
+        fn set(&mut self, key: &str, value: String) {
+            self.0.push((key.to_owned(), value));
+        }
+    }
+    let cx = tracing::Span::current().context();
+    let mut fields = Fields(Vec::new());
+    opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&cx, &mut fields));
+    fields.0
+}
+
 /// Largest refusal message read from the broker.
 const MAX_REFUSAL_BYTES: usize = 16 * 1024;
 /// Budget for reading a refusal's message once its head arrived.
@@ -529,6 +547,7 @@ impl Dialer {
     ) -> Result<Option<DialStream>, ClientError> {
         let (conn, load) = self.pick().await;
         let port = port.to_string();
+        let trace = trace_context();
         let (resp, tx) = conn
             .raw
             .request(|req| {
@@ -537,6 +556,9 @@ impl Dialer {
                     .header("tether-cluster", cluster)
                     .header("tether-host", host)
                     .header("tether-port", port.as_str());
+                let req = trace
+                    .iter()
+                    .fold(req, |req, (k, v)| req.header(k.as_str(), v.as_str()));
                 match &self.token {
                     Some(t) => req.header("authorization", t.as_encoded_bytes()),
                     None => req,
@@ -604,6 +626,14 @@ impl Dialer {
         });
         if let Some(t) = &self.token {
             req.metadata_mut().insert("authorization", t.clone());
+        }
+        for (k, v) in trace_context() {
+            if let (Ok(k), Ok(v)) = (
+                tonic::metadata::MetadataKey::from_bytes(k.as_bytes()),
+                v.parse(),
+            ) {
+                req.metadata_mut().insert(k, v);
+            }
         }
         let (conn, load) = self.pick().await;
         let answer = async {

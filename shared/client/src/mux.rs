@@ -149,7 +149,7 @@ impl MuxConn {
             cluster: cluster.to_owned(),
             tag: 0,
             dial_timeout_ms: 0,
-            trace: Vec::new(),
+            trace: crate::trace_context(),
         };
         let mut failed = None;
         let mut last = String::new();
