@@ -540,6 +540,43 @@ async fn a_failed_connection_on_demand_backs_off() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// When its broker starts to drain, a `Dialer`'s `tether-dial/1` connection gets a GOAWAY: the
+/// stream open on it keeps working through the drain grace, and new dials no longer go to that
+/// broker. Here no other broker answers at the address, so they fail to reach one (behind a
+/// load balancer they would reach another broker); before, they opened streams on the draining
+/// broker that the end of its grace would cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_broker_sends_its_dial_clients_away() -> anyhow::Result<()> {
+    let echo = echo_server().await?;
+    let (hub, broker, _agent) = one_cluster(echo).await?;
+    let d = dialer(&hub, &broker).await?;
+    let held = d.dial("c1", "127.0.0.1", echo.port()).await?;
+    assert_eq!(held.protocol(), "tether-dial/1");
+    broker.child.terminate();
+    // Well within the broker's drain grace (10 s in the test config).
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let refused = loop {
+        match d.dial("c1", "127.0.0.1", echo.port()).await {
+            Err(e) => break e,
+            Ok(s) => {
+                anyhow::ensure!(
+                    std::time::Instant::now() < deadline,
+                    "dials still open streams on the draining broker after 5 s"
+                );
+                drop(s);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    assert!(
+        matches!(refused, ClientError::Unreachable(_)),
+        "a new dial goes to a new connection, which the draining broker no longer accepts: {refused}"
+    );
+    let payload: Vec<u8> = (0..100_000u32).map(|i| (i % 227) as u8).collect();
+    echo_round_trip(held, &payload, "the stream open when the drain began").await?;
+    Ok(())
+}
+
 /// The broker's plain client port serves the native Dial without TLS (h2c, bearer token) beside
 /// plain CONNECT: the SDK over `http://` carries the same bytes unframed and framed, a dial
 /// without a token is refused by name, a client certificate over `http://` is a config error

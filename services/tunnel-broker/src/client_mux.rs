@@ -40,7 +40,7 @@ pub use tether_tunnel::mux::frame::DIAL_PREFACE;
 pub const PROTOCOL_LABEL: &str = "mux";
 
 /// Serves one client connection until it ends (the client closes it, its keepalive fails, or
-/// the broker's drain ends the handler).
+/// the broker's drain ends the handler); when the drain starts the client gets a GOAWAY.
 pub async fn serve<T>(broker: Arc<Broker>, io: T, peer: Option<PeerCert>)
 where
     T: AsyncRead + AsyncWrite + Send + 'static,
@@ -73,12 +73,22 @@ where
         None,
         None,
     );
+    // When the broker starts to drain: GOAWAY, so the client opens its new streams on a new
+    // connection (another broker) while the streams open here finish within the drain grace.
+    let go_away = async {
+        broker.draining.cancelled().await;
+        if conn.go_away("the broker is draining").await.is_ok() {
+            tracing::debug!("tether-dial connection told to go away: draining");
+        }
+        std::future::pending::<()>().await
+    };
     tokio::select! {
         reason = driver.run() => tracing::debug!(%reason, "tether-dial connection ended"),
         e = alive => {
             tracing::info!(error = %e, "tether-dial client did not answer keepalive");
             conn.close(format!("keepalive: {e}"));
         }
+        () = go_away => {}
     }
 }
 

@@ -35,6 +35,9 @@ pub struct Broker {
     /// Every open stream, whatever its front end, holds a token of this drain (see
     /// [`StreamTicket`]); shutdown waits on it for `drain_grace`.
     pub streams: tether_runtime::Drain,
+    /// Cancelled when the broker starts to drain: persistent client connections
+    /// (`tether-dial/1`) are then told to open their new streams elsewhere (GOAWAY).
+    pub draining: tokio_util::sync::CancellationToken,
     next_stream: AtomicU64,
 }
 
@@ -112,6 +115,7 @@ impl Broker {
             settings,
             dial_timeout,
             streams: tether_runtime::Drain::new("tunnel-broker streams"),
+            draining: tokio_util::sync::CancellationToken::new(),
             next_stream: AtomicU64::new(1),
         }
     }

@@ -421,6 +421,7 @@ pub async fn run(
     shutdown.cancelled().await;
     tracing::info!(grace = ?cfg.drain_grace, "draining: no new connections, agents asked to move");
     accepting.cancel();
+    broker.draining.cancel();
     readiness.set_not_ready("draining");
     let _ = draining_tx.send(true);
     let table = routes.borrow().clone();

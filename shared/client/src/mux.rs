@@ -131,7 +131,17 @@ impl MuxConn {
         {
             return Ok(l.mux.clone());
         }
-        *live = None;
+        if let Some(old) = live.take()
+            && !old.mux.is_closed()
+            && old.mux.open_streams() > 0
+        {
+            // Told to go away (the broker drains) or refused a stream: the streams open on it
+            // finish there (the broker ends it at the end of its drain grace at the latest).
+            tokio::spawn(async move {
+                old.mux.idle().await;
+                drop(old);
+            });
+        }
         let l = self.connect().await?;
         let mux = l.mux.clone();
         *live = Some(l);
