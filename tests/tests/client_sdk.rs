@@ -11,8 +11,13 @@ use tether_e2e::{Hub, OPS_TOKEN, echo_server, wait_agent_ready, wait_tunnel};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn dialer(hub: &Hub, broker: &tether_e2e::Broker) -> anyhow::Result<Dialer> {
+    dialer_at(hub, broker.client_tls_addr).await
+}
+
+/// A `Dialer` (the ops token) to a broker's client TLS port at `addr`.
+async fn dialer_at(hub: &Hub, addr: std::net::SocketAddr) -> anyhow::Result<Dialer> {
     Ok(Dialer::connect(DialerConfig {
-        endpoint: format!("https://{}", broker.client_tls_addr),
+        endpoint: format!("https://{addr}"),
         server_name: "localhost".into(),
         ca_pem: std::fs::read_to_string(hub.pki.ca_path())?,
         client_cert: None,
@@ -476,15 +481,7 @@ async fn a_failed_connection_on_demand_backs_off() -> anyhow::Result<()> {
     let echo = echo_server().await?;
     let (hub, broker, _agent) = one_cluster(echo).await?;
     let gate = Gate::start(broker.client_tls_addr).await?;
-    let d = Dialer::connect(DialerConfig {
-        endpoint: format!("https://{}", gate.addr),
-        server_name: "localhost".into(),
-        ca_pem: std::fs::read_to_string(hub.pki.ca_path())?,
-        client_cert: None,
-        token: Some(Token(OPS_TOKEN.into())),
-        connect_timeout: Duration::from_secs(5),
-    })
-    .await?;
+    let d = dialer_at(&hub, gate.addr).await?;
     if std::thread::available_parallelism()?.get() < 2 {
         eprintln!("one CPU: no connections on demand to test");
         return Ok(());
@@ -519,22 +516,17 @@ async fn a_failed_connection_on_demand_backs_off() -> anyhow::Result<()> {
 
     // Reachable again: after the pause a dial opens the second connection.
     gate.set_open(true);
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while d.connections() < 2 {
-        anyhow::ensure!(
-            std::time::Instant::now() < deadline,
-            "no connection on demand within 20 s of the broker being reachable again"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        held.push(d.dial("c1", "127.0.0.1", echo.port()).await?);
-    }
+    let last = tether_test_support::wait_until_async(
+        Duration::from_secs(20),
+        "a dial on a connection on demand once the broker is reachable again",
+        || async {
+            let s = d.dial("c1", "127.0.0.1", echo.port()).await.ok()?;
+            (s.connection() != first.connection()).then_some(s)
+        },
+    )
+    .await?;
+    assert_eq!(d.connections(), 2);
     let payload: Vec<u8> = (0..100_000u32).map(|i| (i % 229) as u8).collect();
-    let last = held.pop().expect("a stream");
-    assert_ne!(
-        last.connection(),
-        first.connection(),
-        "the new dial is on the new connection"
-    );
     echo_round_trip(last, &payload, "stream on the new connection").await?;
     echo_round_trip(first, &payload, "first stream").await?;
     Ok(())
@@ -554,20 +546,12 @@ async fn a_draining_broker_sends_its_dial_clients_away() -> anyhow::Result<()> {
     assert_eq!(held.protocol(), "tether-dial/1");
     broker.child.terminate();
     // Well within the broker's drain grace (10 s in the test config).
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    let refused = loop {
-        match d.dial("c1", "127.0.0.1", echo.port()).await {
-            Err(e) => break e,
-            Ok(s) => {
-                anyhow::ensure!(
-                    std::time::Instant::now() < deadline,
-                    "dials still open streams on the draining broker after 5 s"
-                );
-                drop(s);
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    };
+    let refused = tether_test_support::wait_until_async(
+        Duration::from_secs(5),
+        "a dial that no longer opens a stream on the draining broker",
+        || async { d.dial("c1", "127.0.0.1", echo.port()).await.err() },
+    )
+    .await?;
     assert!(
         matches!(refused, ClientError::Unreachable(_)),
         "a new dial goes to a new connection, which the draining broker no longer accepts: {refused}"

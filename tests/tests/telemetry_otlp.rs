@@ -82,6 +82,32 @@ fn attr<'a>(s: &'a SpanRecord, k: &str) -> Option<&'a str> {
         .map(|(_, v)| v.as_str())
 }
 
+/// A traced hub ([`traced_hub`]) with broker `b1` and cluster `c1` (an echo server as its API
+/// server), once the tunnel is up.
+struct TracedCluster {
+    receiver: Receiver,
+    hub: Hub,
+    broker: tether_e2e::Broker,
+    _agent: tether_e2e::Agent,
+    echo: std::net::SocketAddr,
+}
+
+async fn traced_cluster() -> anyhow::Result<TracedCluster> {
+    let (receiver, hub) = traced_hub().await?;
+    let echo = echo_server().await?;
+    let broker = hub.start_broker("b1", "")?;
+    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&broker, "c1").await?;
+    Ok(TracedCluster {
+        receiver,
+        hub,
+        broker,
+        _agent: agent,
+        echo,
+    })
+}
+
 /// A real OTLP receiver on 127.0.0.1:0, and a hub whose processes export to it.
 async fn traced_hub() -> anyhow::Result<(Receiver, Hub)> {
     let receiver = Receiver::default();
@@ -149,12 +175,8 @@ async fn an_sdk_dial_joins_the_callers_trace() -> anyhow::Result<()> {
             .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("sdk-test"))),
     )?;
 
-    let (receiver, hub) = traced_hub().await?;
-    let echo = echo_server().await?;
-    let broker = hub.start_broker("b1", "")?;
-    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
-    wait_agent_ready(&agent).await?;
-    wait_tunnel(&broker, "c1").await?;
+    let c = traced_cluster().await?;
+    let (receiver, hub, broker, echo) = (&c.receiver, &c.hub, &c.broker, c.echo);
     let d = tether_client::Dialer::connect(tether_client::DialerConfig {
         endpoint: format!("https://{}", broker.client_tls_addr),
         server_name: "localhost".into(),
@@ -188,7 +210,7 @@ async fn an_sdk_dial_joins_the_callers_trace() -> anyhow::Result<()> {
         let mut six = [0u8; 6];
         s.read_exact(&mut six).await?;
         drop(s);
-        let (b, a) = spans_in_trace(&receiver, "grpc_stream", &hex::decode(&trace)?).await?;
+        let (b, a) = spans_in_trace(receiver, "grpc_stream", &hex::decode(&trace)?).await?;
         assert_eq!(attr(&b, "client"), Some("ops"), "framed={framed}: {b:?}");
         assert_eq!(attr(&a, "stream"), attr(&b, "stream"), "{a:?} / {b:?}");
     }
@@ -197,12 +219,8 @@ async fn an_sdk_dial_joins_the_callers_trace() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_are_exported_and_joined_across_the_tunnel() -> anyhow::Result<()> {
-    let (receiver, hub) = traced_hub().await?;
-    let echo = echo_server().await?;
-    let broker = hub.start_broker("b1", "")?;
-    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
-    wait_agent_ready(&agent).await?;
-    wait_tunnel(&broker, "c1").await?;
+    let c = traced_cluster().await?;
+    let (receiver, broker) = (&c.receiver, &c.broker);
 
     let mut s = match connect(broker.client_addr, "c1:443", Some(OPS_TOKEN)).await? {
         Ok(s) => s,
@@ -268,7 +286,7 @@ async fn spans_are_exported_and_joined_across_the_tunnel() -> anyhow::Result<()>
     s.write_all(b"traced").await?;
     s.read_exact(&mut six).await?;
     drop(s);
-    let (b, a) = spans_in_trace(&receiver, "connect_stream", &hex::decode(CLIENT_TRACE)?).await?;
+    let (b, a) = spans_in_trace(receiver, "connect_stream", &hex::decode(CLIENT_TRACE)?).await?;
     assert_eq!(attr(&b, "client"), Some("ops"), "{b:?}");
     assert_eq!(attr(&a, "stream"), attr(&b, "stream"), "{a:?} / {b:?}");
     Ok(())
