@@ -97,12 +97,16 @@ impl Opener {
 
     /// A connection error naming `what` failed and the broker's address.
     pub(crate) fn fail(&self, what: &str, e: &dyn std::fmt::Display) -> ClientError {
-        ClientError::Connect(format!("{what} {}:{}: {e}", self.host, self.port))
+        ClientError::Connect(self.describe(what, e))
     }
 
     /// [`Self::fail`] for a broker that could not be reached at all (TCP, or the timeout).
     fn unreachable(&self, what: &str, e: &dyn std::fmt::Display) -> ClientError {
-        ClientError::Unreachable(format!("{what} {}:{}: {e}", self.host, self.port))
+        ClientError::Unreachable(self.describe(what, e))
+    }
+
+    fn describe(&self, what: &str, e: &dyn std::fmt::Display) -> String {
+        format!("{what} {}:{}: {e}", self.host, self.port)
     }
 
     /// TCP, TLS (ALPN of `alpn`) for `https://`, then `then` on the connection (the protocol's

@@ -591,11 +591,11 @@ async fn wait_held(target: SocketAddr, open: u64) -> anyhow::Result<()> {
 /// RSS of `pids` (broker and agent) while a stream was stalled.
 ///
 /// The healthy streams are the same in every block, so what differs between blocks is the
-/// stalled stream only. (Fresh streams per block added each connection's own luck — which core
-/// its softirqs land on, how its socket buffers autotune — ±5 % between blocks here, as large as
-/// what is measured.) A stalled stream is opened before its block and measured once it has
-/// filled every buffer and window on its way, and dropped after it; the next block starts once
-/// the target saw it go ([`wait_held`]).
+/// stalled stream and the machine's own drift (fresh streams per block also measured each new
+/// connection's luck); the drift comes in spells of seconds, hence short alternating blocks
+/// ([`STALL_BLOCKS`], [`STALL_BLOCK_DIVISOR`]). A stalled stream is opened before its block and
+/// measured once it has filled every buffer and window on its way, and dropped after it; the
+/// next block starts once the target saw it go ([`wait_held`]).
 async fn stall_round(
     ends: &Ends,
     via: Via,
