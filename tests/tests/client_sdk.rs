@@ -532,32 +532,48 @@ async fn a_failed_connection_on_demand_backs_off() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// When its broker starts to drain, a `Dialer`'s `tether-dial/1` connection gets a GOAWAY: the
-/// stream open on it keeps working through the drain grace, and new dials no longer go to that
-/// broker. Here no other broker answers at the address, so they fail to reach one (behind a
-/// load balancer they would reach another broker); before, they opened streams on the draining
-/// broker that the end of its grace would cut.
+/// When its broker starts to drain, a `Dialer`'s connection gets a GOAWAY — the mux's on
+/// `tether-dial/1`, HTTP/2's (hyper's graceful shutdown) on the unframed Dial of a broker that
+/// speaks only HTTP/2: the stream open on it keeps working through the drain grace, and new
+/// dials no longer go to that broker. Here no other broker answers at the address, so they fail
+/// to reach one (behind a load balancer they would reach another broker); before, they opened
+/// streams on the draining broker that the end of its grace would cut.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_broker_sends_its_dial_clients_away() -> anyhow::Result<()> {
     let echo = echo_server().await?;
-    let (hub, broker, _agent) = one_cluster(echo).await?;
-    let d = dialer(&hub, &broker).await?;
-    let held = d.dial("c1", "127.0.0.1", echo.port()).await?;
-    assert_eq!(held.protocol(), "tether-dial/1");
-    broker.child.terminate();
-    // Well within the broker's drain grace (10 s in the test config).
-    let refused = tether_test_support::wait_until_async(
-        Duration::from_secs(5),
-        "a dial that no longer opens a stream on the draining broker",
-        || async { d.dial("c1", "127.0.0.1", echo.port()).await.err() },
-    )
-    .await?;
-    assert!(
-        matches!(refused, ClientError::Unreachable(_)),
-        "a new dial goes to a new connection, which the draining broker no longer accepts: {refused}"
-    );
-    let payload: Vec<u8> = (0..100_000u32).map(|i| (i % 227) as u8).collect();
-    echo_round_trip(held, &payload, "the stream open when the drain began").await?;
+    for (config, protocol) in [
+        ("", "tether-dial/1"),
+        ("tunnel:\n  protocol: h2\n", "DialRaw"),
+    ] {
+        let hub = Hub::new()?;
+        let broker = hub.start_broker("b1", config)?;
+        let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, config)?;
+        wait_agent_ready(&agent).await?;
+        wait_tunnel(&broker, "c1").await?;
+        let d = dialer(&hub, &broker).await?;
+        let held = d.dial("c1", "127.0.0.1", echo.port()).await?;
+        assert_eq!(held.protocol(), protocol);
+        broker.child.terminate();
+        // Well within the broker's drain grace (10 s in the test config).
+        let refused = tether_test_support::wait_until_async(
+            Duration::from_secs(5),
+            "a dial that no longer opens a stream on the draining broker",
+            || async { d.dial("c1", "127.0.0.1", echo.port()).await.err() },
+        )
+        .await?;
+        assert!(
+            matches!(refused, ClientError::Unreachable(_)),
+            "{protocol}: a new dial goes to a new connection, which the draining broker no \
+             longer accepts: {refused}"
+        );
+        let payload: Vec<u8> = (0..100_000u32).map(|i| (i % 227) as u8).collect();
+        echo_round_trip(
+            held,
+            &payload,
+            &format!("{protocol}: the stream open when the drain began"),
+        )
+        .await?;
+    }
     Ok(())
 }
 
@@ -828,7 +844,8 @@ async fn a_dialer_whose_connection_broke_dials_on_a_new_one() -> anyhow::Result<
 }
 
 /// `Dialer::connect` fails with what is wrong: a broker certificate from another CA, a name the
-/// certificate does not carry, a CA bundle that is not PEM, nothing listening.
+/// certificate does not carry (both `Certificate` errors, after one handshake: HTTP/2 is not
+/// tried after them), a CA bundle that is not PEM, nothing listening.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dialer_connect_errors_name_what_is_wrong() -> anyhow::Result<()> {
     let hub = Hub::new()?;
@@ -848,17 +865,35 @@ async fn dialer_connect_errors_name_what_is_wrong() -> anyhow::Result<()> {
         Err(e) => e.to_string(),
     };
 
-    let e = err(Dialer::connect(cfg(other_ca, "localhost")).await);
+    // A certificate not accepted is a `Certificate` error, and the SDK does not try HTTP/2
+    // after `tether-dial/1` failed that way: one connection (counted by a TCP forward).
+    let gate = Gate::start(broker.client_tls_addr).await?;
+    let through_gate = |ca_pem: String, server_name: &str| DialerConfig {
+        endpoint: format!("https://{}", gate.addr),
+        ..cfg(ca_pem, server_name)
+    };
+    let cert_err = |r: Result<Dialer, ClientError>| match r {
+        Ok(_) => panic!("connected"),
+        Err(e @ ClientError::Certificate(_)) => e.to_string(),
+        Err(e) => panic!("expected a certificate error, got {e:?}"),
+    };
+    let e = cert_err(Dialer::connect(through_gate(other_ca, "localhost")).await);
     // (the other CA has the same name as the broker's: the signature is what fails)
     assert!(
         e.contains("TLS handshake") && e.contains("invalid peer certificate"),
         "{e}"
     );
-    let e = err(Dialer::connect(cfg(ca.clone(), "not-the-broker.example")).await);
+    assert_eq!(
+        gate.accepted(),
+        1,
+        "one handshake for a certificate not accepted"
+    );
+    let e = cert_err(Dialer::connect(through_gate(ca.clone(), "not-the-broker.example")).await);
     assert!(
         e.contains("TLS handshake") && e.contains("not valid for name"),
         "{e}"
     );
+    assert_eq!(gate.accepted(), 2, "one handshake for a name not matched");
     let e = err(Dialer::connect(cfg("not a certificate".into(), "localhost")).await);
     assert!(
         e.contains("CA bundle") && e.contains("no CERTIFICATE"),

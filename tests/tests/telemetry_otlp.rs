@@ -157,8 +157,8 @@ async fn spans_in_trace(
 }
 
 /// An application traced with OpenTelemetry dials through the SDK inside a span of its trace:
-/// the broker's and the agent's spans of each stream join that trace, on `tether-dial/1` and
-/// on the framed gRPC Dial.
+/// the broker's and the agent's spans of each stream join that trace, on `tether-dial/1`, on the
+/// framed gRPC Dial and on the unframed Dial over HTTP/2 (a broker that speaks only HTTP/2).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_sdk_dial_joins_the_callers_trace() -> anyhow::Result<()> {
     use opentelemetry::trace::TracerProvider as _;
@@ -177,17 +177,37 @@ async fn an_sdk_dial_joins_the_callers_trace() -> anyhow::Result<()> {
 
     let c = traced_cluster().await?;
     let (receiver, hub, broker, echo) = (&c.receiver, &c.hub, &c.broker, c.echo);
-    let d = tether_client::Dialer::connect(tether_client::DialerConfig {
-        endpoint: format!("https://{}", broker.client_tls_addr),
-        server_name: "localhost".into(),
-        ca_pem: std::fs::read_to_string(hub.pki.ca_path())?,
-        client_cert: None,
-        token: Some(tether_client::Token(OPS_TOKEN.into())),
-        connect_timeout: Duration::from_secs(5),
-    })
-    .await?;
+    // A broker that speaks only HTTP/2 (as an older one): the SDK's unframed Dial, whose
+    // context travels in the request's headers.
+    let h2 = "tunnel:\n  protocol: h2\n";
+    let h2_broker = hub.start_broker("b2", h2)?;
+    let _h2_agent = hub.start_agent("c1", "c1", &[vec![h2_broker.agent_addr]], echo, h2)?;
+    wait_tunnel(&h2_broker, "c1").await?;
+    let dialer = |addr: std::net::SocketAddr| async move {
+        tether_client::Dialer::connect(tether_client::DialerConfig {
+            endpoint: format!("https://{addr}"),
+            server_name: "localhost".into(),
+            ca_pem: std::fs::read_to_string(hub.pki.ca_path())?,
+            client_cert: None,
+            token: Some(tether_client::Token(OPS_TOKEN.into())),
+            connect_timeout: Duration::from_secs(5),
+        })
+        .await
+        .map_err(anyhow::Error::from)
+    };
+    let (current, older) = (
+        dialer(broker.client_tls_addr).await?,
+        dialer(h2_broker.client_tls_addr).await?,
+    );
 
-    for (i, framed) in [false, true].into_iter().enumerate() {
+    for (i, (d, framed, protocol)) in [
+        (&current, false, "tether-dial/1"),
+        (&current, true, "Dial"),
+        (&older, false, "DialRaw"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
         let trace = format!("4bf92f3577b34da6a3ce929d0e0e47{i:02x}");
         let span = tracing::info_span!("application_request");
         tether_telemetry::propagation::set_parent(
@@ -205,13 +225,13 @@ async fn an_sdk_dial_joins_the_callers_trace() -> anyhow::Result<()> {
             }
         };
         let mut s = dial.instrument(span).await?;
-        assert_eq!(s.is_unframed(), !framed);
+        assert_eq!(s.protocol(), protocol);
         s.write_all(b"traced").await?;
         let mut six = [0u8; 6];
         s.read_exact(&mut six).await?;
         drop(s);
         let (b, a) = spans_in_trace(receiver, "grpc_stream", &hex::decode(&trace)?).await?;
-        assert_eq!(attr(&b, "client"), Some("ops"), "framed={framed}: {b:?}");
+        assert_eq!(attr(&b, "client"), Some("ops"), "{protocol}: {b:?}");
         assert_eq!(attr(&a, "stream"), attr(&b, "stream"), "{a:?} / {b:?}");
     }
     Ok(())

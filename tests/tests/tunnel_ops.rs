@@ -1,6 +1,7 @@
 //! Operations through real processes: certificate rotation on disk while a stream is moving
 //! data, broker drain (SIGTERM) moving the agent to a second broker while an open stream
-//! finishes, and the TLS client port (HTTP CONNECT over TLS with a token or a client
+//! finishes, a draining broker sending its service-proxy clients away (HTTP/1.1 close, HTTP/2
+//! GOAWAY), and the TLS client port (HTTP CONNECT over TLS with a token or a client
 //! certificate).
 
 use std::sync::Arc;
@@ -375,6 +376,89 @@ async fn keepalive_detects_frozen_agent_which_then_reconnects() -> anyhow::Resul
     )
     .await?;
     assert_eq!(connects, 2.0, "the agent should have reconnected once");
+    Ok(())
+}
+
+/// SIGTERM on a broker with the HTTP service proxy: a kept-alive HTTP/1.1 client connection is
+/// closed and an HTTP/2 one gets a GOAWAY at once (hyper's graceful shutdown), so clients move
+/// to another broker for their next requests instead of sending them to one that is going away
+/// until its grace (10 s here) runs out. A CONNECT stream held open keeps the broker draining.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_broker_sends_its_service_proxy_clients_away() -> anyhow::Result<()> {
+    use http_body_util::{BodyExt as _, Empty};
+    use hyper_util::rt::TokioIo;
+
+    let hub = Hub::new()?;
+    let echo = echo_server().await?;
+    let mut broker = hub.start_broker("b1", "service_proxy:\n  listen: 127.0.0.1:0\n")?;
+    let ready = tether_test_support::read_ready_file(
+        &hub.path().join("broker-b1.ready"),
+        Duration::from_secs(10),
+    )?;
+    let sp: std::net::SocketAddr = ready["service_proxy"]
+        .as_str()
+        .ok_or_else(|| anyhow::anyhow!("ready file has no service_proxy address"))?
+        .parse()?;
+    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&broker, "c1").await?;
+    let ca = hub.pki.ca_path();
+    let request = || {
+        http::Request::get("/c1/version")
+            .header("host", "localhost")
+            .header("authorization", format!("Bearer {OPS_TOKEN}"))
+            .body(Empty::<bytes::Bytes>::new())
+    };
+
+    // HTTP/1.1: one request answered on a kept-alive connection.
+    let tls = tether_e2e::tls_connect(sp, client_tls_config(&ca, &[b"http/1.1"], None)?).await?;
+    let (mut h1, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
+    let h1_conn = tokio::spawn(conn);
+    let resp = h1.send_request(request()?).await?;
+    let keep_alive = resp
+        .headers()
+        .get(http::header::CONNECTION)
+        .is_none_or(|v| !v.as_bytes().eq_ignore_ascii_case(b"close"));
+    resp.into_body().collect().await?;
+    assert!(keep_alive, "the first answer keeps the connection");
+
+    // HTTP/2: one request answered.
+    let tls = tether_e2e::tls_connect(sp, client_tls_config(&ca, &[b"h2"], None)?).await?;
+    let (h2, conn) = h2::client::handshake(tls).await?;
+    let h2_conn = tokio::spawn(conn);
+    let mut h2 = h2.ready().await?;
+    let (resp, _) = h2.send_request(request()?.map(|_| ()), true)?;
+    let mut body = resp.await?.into_body();
+    while let Some(chunk) = body.data().await {
+        chunk?;
+    }
+
+    // A stream open through the drain keeps the broker draining (an idle one exits at once).
+    let held = connect_ok(broker.client_addr, &tether_e2e::qualified("c1", echo)).await?;
+    broker.child.terminate();
+    // Both connections end well within the grace: HTTP/1.1 closed, HTTP/2 after its GOAWAY.
+    tokio::time::timeout(Duration::from_secs(5), h1_conn)
+        .await
+        .map_err(|_| anyhow::anyhow!("the HTTP/1.1 connection stayed open while draining"))??
+        .ok();
+    let ended = tokio::time::timeout(Duration::from_secs(5), h2_conn)
+        .await
+        .map_err(|_| anyhow::anyhow!("the HTTP/2 connection stayed open while draining"))??;
+    if let Err(e) = ended {
+        assert!(e.is_go_away(), "the HTTP/2 connection ended by GOAWAY: {e}");
+    }
+    match h2.ready().await {
+        Err(e) => assert!(
+            e.is_go_away() || e.is_io(),
+            "no new stream after the GOAWAY: {e}"
+        ),
+        Ok(_) => anyhow::bail!("the HTTP/2 connection still takes streams while draining"),
+    }
+    assert!(
+        broker.child.try_wait().is_none(),
+        "the broker still drains (its stream is open)"
+    );
+    drop(held);
     Ok(())
 }
 

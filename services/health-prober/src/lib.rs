@@ -175,17 +175,17 @@ async fn start(
         None => None,
     };
 
-    // The broker: only an unreachable one is waited for (a bad endpoint or token is not).
+    // The broker: only an unreachable one is waited for (a bad endpoint or token is not). A
+    // certificate not accepted is waited for too: during a CA rotation the broker may present
+    // its new certificate before the prober's CA bundle has it.
     readiness.set_not_ready("connecting to the broker");
     let dialer = tether_runtime::retry(
         "cannot connect to the broker",
         backoff,
         shutdown,
         |e| {
-            matches!(
-                e,
-                tether_client::ClientError::Connect(_) | tether_client::ClientError::Unreachable(_)
-            )
+            use tether_client::ClientError as E;
+            matches!(e, E::Connect(_) | E::Unreachable(_) | E::Certificate(_))
         },
         |e| readiness.set_not_ready(format!("connecting to the broker: {e}")),
         || Dialer::connect(dialer_cfg.clone()),

@@ -18,6 +18,7 @@
 //! - [`service_proxy`]: the HTTP service proxy (`/<cluster>/…` URLs for kube clients), its
 //!   tunnel-stream connection pool and the default-deny service allowlist.
 //! - [`linger`]: plain CONNECT clients of a killed broker see a reset, not a clean EOF.
+//! - [`drain`]: on drain, HTTP client connections are told to go elsewhere (GOAWAY, close).
 //! - [`metrics`]: Prometheus metrics.
 //! - [`test_hooks`]: test-only fault injection (config `test_hooks`, off by default).
 //!
@@ -34,6 +35,7 @@ pub mod config;
 pub mod connect;
 pub mod control;
 pub mod dial;
+pub mod drain;
 pub mod grpc;
 pub mod handle;
 pub mod linger;

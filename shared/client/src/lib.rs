@@ -138,6 +138,11 @@ pub enum ClientError {
     /// within the connect timeout.
     #[error("cannot reach broker: {0}")]
     Unreachable(String),
+    /// The TLS handshake failed over a certificate: the broker's was not accepted (CA, name,
+    /// validity) or it refused ours. Another protocol on the same port would fail the same way,
+    /// so it is not tried.
+    #[error("cannot connect to broker: {0}")]
+    Certificate(String),
     #[error("token is not a valid header value")]
     BadToken,
     #[error("broker refused the dial ({code:?}): {message}")]
@@ -462,8 +467,11 @@ impl Dialer {
         let credential = cfg.token.as_ref().map(|t| format!("Bearer {}", t.0));
         let (mux, raw) = match mux::MuxConn::open(Arc::clone(&opener), credential).await {
             Ok(m) => (Some(m), raw::RawConn::lazy(opener)),
-            // Not reached at all: HTTP/2 would not be either (and would wait once more).
-            Err(e @ ClientError::Unreachable(_)) => return Err(e),
+            // Not reached at all, or a certificate not accepted: HTTP/2 would fail the same
+            // way (and would wait, or handshake, once more).
+            Err(e @ (ClientError::Unreachable(_) | ClientError::Certificate(_))) => {
+                return Err(e);
+            }
             Err(e) => {
                 // An older broker (or `tunnel.protocol: h2`): HTTP/2, whose connect error (if
                 // any) names what is wrong.

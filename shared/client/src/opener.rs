@@ -105,6 +105,19 @@ impl Opener {
         ClientError::Unreachable(self.describe(what, e))
     }
 
+    /// A failed TLS handshake: [`ClientError::Certificate`] when a certificate was the reason
+    /// (ours verifying the broker's, or the broker's alert about ours), else
+    /// [`ClientError::Connect`] (an older broker may refuse `tether-dial/1`'s ALPN and still
+    /// speak HTTP/2).
+    fn tls_failed(&self, what: &str, e: &std::io::Error) -> ClientError {
+        let tls = e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>());
+        if tls.is_some_and(is_certificate_error) {
+            ClientError::Certificate(self.describe(what, e))
+        } else {
+            self.fail(what, e)
+        }
+    }
+
     fn describe(&self, what: &str, e: &dyn std::fmt::Display) -> String {
         format!("{what} {}:{}: {e}", self.host, self.port)
     }
@@ -133,7 +146,7 @@ impl Opener {
                     let tls = connector
                         .connect(t.name.clone(), tcp)
                         .await
-                        .map_err(|e| self.fail(what, &e))?;
+                        .map_err(|e| self.tls_failed(what, &e))?;
                     Box::new(tls)
                 }
                 None => Box::new(tcp),
@@ -180,4 +193,25 @@ fn tls_config(
     let name = rustls::pki_types::ServerName::try_from(cfg.server_name.clone())
         .map_err(|e| format!("server name {:?}: {e}", cfg.server_name))?;
     Ok((config, name))
+}
+
+/// Whether a TLS handshake failed over a certificate, which no other protocol on the same port
+/// would get past.
+fn is_certificate_error(e: &rustls::Error) -> bool {
+    use rustls::AlertDescription as A;
+    match e {
+        rustls::Error::InvalidCertificate(_) | rustls::Error::NoCertificatesPresented => true,
+        rustls::Error::AlertReceived(a) => matches!(
+            a,
+            A::BadCertificate
+                | A::UnsupportedCertificate
+                | A::CertificateRevoked
+                | A::CertificateExpired
+                | A::CertificateUnknown
+                | A::UnknownCA
+                | A::CertificateRequired
+                | A::AccessDenied
+        ),
+        _ => false,
+    }
 }
