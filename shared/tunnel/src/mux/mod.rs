@@ -173,8 +173,6 @@ struct Streams {
     next_id: u32,
     /// Highest stream id the acceptor has seen.
     last_seen: u32,
-    /// The peer's GOAWAY: no stream above it is taken.
-    peer_goaway: Option<u32>,
     /// We sent GOAWAY: new OPENs are refused.
     going_away: bool,
     /// Why the connection ended.
@@ -201,7 +199,9 @@ struct Shared {
     peer_max_streams: AtomicU32,
     /// Connection-level flow control (both directions).
     conn_flow: Mutex<ConnFlow>,
-    /// The peer sent GOAWAY or DRAIN: no new streams go here.
+    /// The peer sent GOAWAY or DRAIN: no new streams go here. Set before the GOAWAY handler
+    /// takes the stream table's lock, so an `OPEN` registered under that lock either sees it
+    /// or is in the table the handler scans for streams above the peer's last.
     draining: AtomicBool,
     pong: Mutex<Option<([u8; 8], oneshot::Sender<()>)>>,
     closed: CancellationToken,
@@ -343,7 +343,6 @@ where
             map: HashMap::new(),
             next_id: 1,
             last_seen: 0,
-            peer_goaway: None,
             going_away: false,
             closed: None,
         }),
@@ -855,9 +854,9 @@ impl Mux {
                     "the tunnel connection is closed: {reason}"
                 )));
             }
-            if s.peer_goaway.is_some() || shared.draining.load(Ordering::Relaxed) {
+            if shared.draining.load(Ordering::Relaxed) {
                 return Err(OpenError::NotTaken(
-                    "the agent is closing this tunnel (GOAWAY)".into(),
+                    "the peer is closing this connection (GOAWAY or DRAIN)".into(),
                 ));
             }
             let id = s.next_id;
@@ -1512,8 +1511,7 @@ impl Driver {
                 let (last, reason) = frame::decode_goaway(&payload)?;
                 shared.draining.store(true, Ordering::Relaxed);
                 let not_taken: Vec<_> = {
-                    let mut s = shared.streams.lock().expect("streams");
-                    s.peer_goaway = Some(last);
+                    let s = shared.streams.lock().expect("streams");
                     s.map
                         .iter()
                         .filter(|(id, _)| **id > last)
@@ -1524,7 +1522,7 @@ impl Driver {
                     let mut st = stream.st.lock().expect("stream");
                     if let Some(o) = st.opened.take() {
                         let _ = o.send(Err(OpenError::NotTaken(format!(
-                            "the agent is closing this tunnel (GOAWAY: {reason}) and did not take the stream"
+                            "the peer is closing this connection (GOAWAY: {reason}) and did not take the stream"
                         ))));
                     }
                     st.error = Some(AbortReason::PeerReset("not taken (GOAWAY)".into()));
