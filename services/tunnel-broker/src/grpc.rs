@@ -110,7 +110,7 @@ impl GrpcFrontEnd {
             .keep_alive_interval(s.keepalive_interval)
             .keep_alive_timeout(s.keepalive_timeout)
             .timer(hyper_util::rt::TokioTimer::new());
-        let conn = b.serve_connection(TokioIo::new(io), TowerToHyperService::new(svc));
+        let conn = Box::pin(b.serve_connection(TokioIo::new(io), TowerToHyperService::new(svc)));
         // Draining: GOAWAY, so the client's next dials open a connection to another broker.
         if let Err(e) = crate::drain::serve_until_drained(conn, &self.broker.draining, |c| {
             c.graceful_shutdown()

@@ -196,7 +196,7 @@ impl ServiceProxy {
             .header_read_timeout(HEAD_TIMEOUT);
         b.http2()
             .max_header_list_size(u32::try_from(max).unwrap_or(u32::MAX));
-        let conn = b.serve_connection_with_upgrades(TokioIo::new(io), svc);
+        let conn = Box::pin(b.serve_connection_with_upgrades(TokioIo::new(io), svc));
         // Draining: HTTP/2 GOAWAY, HTTP/1.1 closed once the request in flight is answered.
         if let Err(e) = crate::drain::serve_until_drained(conn, &self.inner.broker.draining, |c| {
             c.graceful_shutdown()
