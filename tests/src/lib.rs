@@ -87,6 +87,19 @@ impl Hub {
     }
 
     /// Starts broker `id`. `extra` is appended to its YAML config (top-level keys).
+    /// The HTTP service proxy's address of broker `id` (started with a `service_proxy`
+    /// section), from its ready file (waited for up to 10 s).
+    pub fn service_proxy_addr(&self, id: &str) -> anyhow::Result<SocketAddr> {
+        let ready = tether_test_support::read_ready_file(
+            &self.path().join(format!("broker-{id}.ready")),
+            Duration::from_secs(10),
+        )?;
+        let addr = ready["service_proxy"].as_str().ok_or_else(|| {
+            anyhow::anyhow!("broker {id}'s ready file has no service_proxy address")
+        })?;
+        Ok(addr.parse()?)
+    }
+
     pub fn start_broker(&self, id: &str, extra: &str) -> anyhow::Result<Broker> {
         self.start_broker_at(id, extra, None, "127.0.0.1")
     }

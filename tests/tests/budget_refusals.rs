@@ -27,7 +27,6 @@ use tether_e2e::{
 };
 use tether_proto::konnectivity as k;
 use tether_proto::tunnel::v1 as pb;
-use tether_test_support::read_ready_file;
 
 /// What every refusal names.
 const BUDGET: &str = "budgets.max_streams_per_cluster = 1";
@@ -49,11 +48,7 @@ async fn every_front_end_answers_a_budget_refusal_as_documented() -> anyhow::Res
         "b1",
         "budgets:\n  max_streams_per_cluster: 1\nservice_proxy:\n  listen: 127.0.0.1:0\n",
     )?;
-    let ready = read_ready_file(&hub.path().join("broker-b1.ready"), Duration::from_secs(10))?;
-    let sp_addr: std::net::SocketAddr = ready["service_proxy"]
-        .as_str()
-        .ok_or_else(|| anyhow::anyhow!("ready file has no service_proxy address"))?
-        .parse()?;
+    let sp_addr = hub.service_proxy_addr("b1")?;
     let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
     wait_agent_ready(&agent).await?;
     wait_tunnel(&broker, "c1").await?;

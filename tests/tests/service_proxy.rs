@@ -33,7 +33,7 @@ use tether_control::store::Store as _;
 use tether_e2e::apiserver::{AGENT_SA_TOKEN, KUBE_TOKEN, KubeApiServer};
 use tether_e2e::control_plane::{ControlPlane, broker_control_plane_yaml, tunnel_hub_from_ca};
 use tether_e2e::{OPS_TOKEN, metric, wait_tunnel};
-use tether_test_support::{bin, read_ready_file};
+use tether_test_support::bin;
 
 const KUBECTL_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -158,11 +158,7 @@ async fn kubectl_through_the_service_proxy() -> anyhow::Result<()> {
             broker_control_plane_yaml(&cp.hub_dir, &cp.nats_url, "localhost")
         ),
     )?;
-    let ready = read_ready_file(&hub.path().join("broker-sp1.ready"), Duration::from_secs(5))?;
-    let sp_addr = ready["service_proxy"]
-        .as_str()
-        .context("ready file has no service_proxy address")?
-        .to_owned();
+    let sp_addr = hub.service_proxy_addr("sp1")?;
     let sa_token = dir.path().join("sa.token");
     std::fs::write(&sa_token, AGENT_SA_TOKEN)?;
     let _agent = hub.start_agent(

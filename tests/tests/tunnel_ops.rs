@@ -391,14 +391,7 @@ async fn a_draining_broker_sends_its_service_proxy_clients_away() -> anyhow::Res
     let hub = Hub::new()?;
     let echo = echo_server().await?;
     let mut broker = hub.start_broker("b1", "service_proxy:\n  listen: 127.0.0.1:0\n")?;
-    let ready = tether_test_support::read_ready_file(
-        &hub.path().join("broker-b1.ready"),
-        Duration::from_secs(10),
-    )?;
-    let sp: std::net::SocketAddr = ready["service_proxy"]
-        .as_str()
-        .ok_or_else(|| anyhow::anyhow!("ready file has no service_proxy address"))?
-        .parse()?;
+    let sp = hub.service_proxy_addr("b1")?;
     let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
     wait_agent_ready(&agent).await?;
     wait_tunnel(&broker, "c1").await?;

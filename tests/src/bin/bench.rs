@@ -1575,7 +1575,6 @@ mod sproxy {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    use anyhow::Context as _;
     use http_body_util::BodyExt as _;
     use hyper_util::rt::TokioIo;
     use tether_e2e::apiserver::{AGENT_SA_TOKEN, KUBE_TOKEN, KubeApiServer};
@@ -1687,14 +1686,7 @@ mod sproxy {
     pub async fn section(hub: &Hub, setup: &Setup) -> anyhow::Result<Row> {
         let api = KubeApiServer::start(hub).await?;
         let broker = hub.start_broker("b3", "service_proxy:\n  listen: 127.0.0.1:0\n")?;
-        let ready = tether_test_support::read_ready_file(
-            &hub.path().join("broker-b3.ready"),
-            Duration::from_secs(5),
-        )?;
-        let service_proxy = ready["service_proxy"]
-            .as_str()
-            .context("no service_proxy address")?
-            .parse()?;
+        let service_proxy = hub.service_proxy_addr("b3")?;
         let token = hub.path().join("bench-sa.token");
         std::fs::write(&token, AGENT_SA_TOKEN)?;
         let agent = hub.start_agent(
