@@ -94,10 +94,11 @@ impl GrpcFrontEnd {
             let routes = routes.clone();
             let broker = Arc::clone(&broker);
             async move {
+                crate::drain::refuse_if_draining(&broker.draining, req.version())?;
                 if req.uri().path() == raw::PATH {
-                    Ok(raw::serve(broker, req).await)
+                    Ok::<_, h2::Error>(raw::serve(broker, req).await)
                 } else {
-                    routes.oneshot(req).await
+                    Ok(routes.oneshot(req).await.unwrap_or_else(|e| match e {}))
                 }
             }
         });

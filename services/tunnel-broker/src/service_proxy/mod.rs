@@ -27,7 +27,6 @@
 pub mod allowlist;
 pub mod pool;
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -186,7 +185,10 @@ impl ServiceProxy {
         let svc = hyper::service::service_fn(move |req| {
             let me = me.clone();
             let peer = Arc::clone(&peer);
-            async move { Ok::<_, Infallible>(me.handle(req, peer.as_ref().as_ref()).await) }
+            async move {
+                crate::drain::refuse_if_draining(&me.inner.broker.draining, req.version())?;
+                Ok::<_, h2::Error>(me.handle(req, peer.as_ref().as_ref()).await)
+            }
         });
         let max = self.inner.cfg.max_header_bytes;
         let mut b = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
