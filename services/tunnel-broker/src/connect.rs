@@ -546,6 +546,53 @@ impl<W: AsyncWrite + Unpin + Send> AbortableWrite for AbortFlagWriteHalf<W> {
 mod tests {
     use super::*;
 
+    /// Measured 2,936 B (rustc 1.95, dev profile).
+    const PLAIN_FUTURE_BYTES: usize = 3_200;
+    /// Measured 6,232 B (the TLS session, inline, is most of it).
+    const TLS_FUTURE_BYTES: usize = 6_656;
+
+    /// The size of the future `f` returns, without calling it (so no socket or TLS session is
+    /// needed to measure a connection's future).
+    fn future_size<A, F: Future>(_: impl FnOnce(A) -> F) -> usize {
+        std::mem::size_of::<F>()
+    }
+
+    /// Every client connection's task holds its future for the connection's life, and most are
+    /// idle CONNECT streams: the broker's memory per idle stream (`tether-bench --only idle`,
+    /// 5.2–5.5 KiB) is mostly this future. A branch that grows it (a hyper connection held
+    /// inline once grew every plain-port connection's by ~1.9 KiB: 7.1 KiB per idle stream)
+    /// fails here rather than only in a benchmark. The bounds are the sizes measured in the dev
+    /// profile CI builds (`cargo nextest`), plus a margin for compiler changes.
+    #[test]
+    fn a_client_connections_future_stays_small() {
+        let routes =
+            tokio::sync::watch::channel(Arc::new(crate::registry::RouteTable::default())).1;
+        let peers = tokio::sync::watch::channel(Arc::new(Vec::new())).1;
+        let broker = Arc::new(Broker::new(
+            "b".into(),
+            routes,
+            crate::auth::Auth::new(&[]),
+            crate::metrics::BrokerMetrics::new(&prometheus::Registry::new()).expect("metrics"),
+            tether_tunnel::settings::TunnelSettings::default(),
+            Duration::from_secs(1),
+            peers,
+        ));
+        let grpc = crate::grpc::GrpcFrontEnd::new(Arc::clone(&broker));
+        let plain = future_size(|tcp: TcpStream| serve_plain(Arc::clone(&broker), &grpc, tcp));
+        let tls = future_size(|io: tokio_rustls::server::TlsStream<TcpStream>| {
+            serve_tls(Arc::clone(&broker), io, None)
+        });
+        eprintln!("plain-port connection future {plain} B, TLS CONNECT {tls} B");
+        assert!(
+            plain <= PLAIN_FUTURE_BYTES,
+            "plain-port connection future grew: {plain} B"
+        );
+        assert!(
+            tls <= TLS_FUTURE_BYTES,
+            "TLS CONNECT connection future grew: {tls} B"
+        );
+    }
+
     async fn head_error(head: &[u8]) -> String {
         let mut s = head;
         match read_head(&mut s, false, false).await {
