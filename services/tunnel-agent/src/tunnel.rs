@@ -860,3 +860,32 @@ async fn dial(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Measured 2,576 B (rustc 1.95, dev profile); see the test.
+    const MUX_STREAM_FUTURE_BYTES: usize = 2_816;
+
+    /// Each `tether-tunnel/2` stream's task holds this future for the stream's life, most of
+    /// the agent's memory per idle stream (`tether-bench --only idle`, 5.1–5.4 KiB): a change
+    /// that grows it fails here, not only in a benchmark. Measured from the function's type;
+    /// the bound is the dev-profile size CI builds, plus a margin for compiler changes.
+    #[test]
+    fn a_mux_streams_future_stays_small() {
+        fn future_size<A, F: Future>(_: impl FnOnce(A) -> F) -> usize {
+            std::mem::size_of::<F>()
+        }
+        let size = future_size(
+            |(incoming, shared): (tether_tunnel::mux::Incoming, Arc<AgentShared>)| {
+                handle_mux_dial(incoming, shared)
+            },
+        );
+        eprintln!("tether-tunnel/2 stream future {size} B");
+        assert!(
+            size <= MUX_STREAM_FUTURE_BYTES,
+            "a tunnel stream's future grew: {size} B"
+        );
+    }
+}
