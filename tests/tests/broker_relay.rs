@@ -13,12 +13,31 @@ use tether_e2e::{
 use tether_test_support::wait_until_async;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+const H2: &str = "tunnel:\n  protocol: h2\n";
+
+/// A stream to b2, which has no tunnel for the cluster, goes b2 → b1 → agent with every byte
+/// and the half-close intact, on the relay protocol the two brokers agree on: `tether-relay/2`
+/// when both speak it, `tether-relay/1` (HTTP/2) when either is configured with
+/// `tunnel.protocol: h2` (b1 then does not offer `/2`, or b2 does not ask for it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_is_relayed_to_the_broker_holding_the_tunnel() -> anyhow::Result<()> {
+    for (b1_config, b2_config, protocol) in [("", "", "mux"), (H2, "", "h2"), ("", H2, "h2")] {
+        relayed_round_trip(b1_config, b2_config, protocol)
+            .await
+            .map_err(|e| e.context(format!("relay expected on {protocol}")))?;
+    }
+    Ok(())
+}
+
+async fn relayed_round_trip(
+    b1_config: &str,
+    b2_config: &str,
+    protocol: &str,
+) -> anyhow::Result<()> {
     let hub = Hub::new()?;
     let echo = echo_server().await?;
-    let b1 = hub.start_broker("b1", "")?;
-    let b2 = hub.start_broker("b2", &peers_yaml(&b1))?;
+    let b1 = hub.start_broker("b1", b1_config)?;
+    let b2 = hub.start_broker("b2", &format!("{b2_config}{}", peers_yaml(&b1)))?;
     let agent = hub.start_agent("c1", "c1", &[vec![b1.agent_addr]], echo, "")?;
     wait_agent_ready(&agent).await?;
     wait_tunnel(&b1, "c1").await?;
@@ -65,6 +84,19 @@ async fn stream_is_relayed_to_the_broker_holding_the_tunnel() -> anyhow::Result<
             "tether_broker_stream_duration_seconds_count{frontend=\"relay\",result=\"ok\"}"
         )),
         "b1 did not account a relayed stream:\n{metrics}"
+    );
+    let (_, metrics) = admin_get(b2.admin_addr, "/metrics").await?;
+    let links = |p: &str| {
+        sum_samples(
+            &metrics,
+            "tether_broker_relay_connections_total",
+            &[("protocol", p)],
+        )
+    };
+    let other = if protocol == "mux" { "h2" } else { "mux" };
+    assert!(
+        links(protocol) >= 1.0 && links(other) == 0.0,
+        "b2's relay links by protocol, {protocol} expected:\n{metrics}"
     );
 
     // An unknown cluster is still a clear 502 after asking the peer.

@@ -96,7 +96,9 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
         .await
         .map_err(|_| AcceptError::Timeout(hs))?
         .map_err(|e| AcceptError::Tls(e.to_string()))?;
-    if tls.get_ref().1.alpn_protocol() == Some(tether_tls::ALPN_RELAY) {
+    let alpn = tls.get_ref().1.alpn_protocol();
+    let relay_v2 = alpn == Some(tether_tls::ALPN_RELAY_V2);
+    if relay_v2 || alpn == Some(tether_tls::ALPN_RELAY) {
         let cert = tls
             .get_ref()
             .1
@@ -111,10 +113,18 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
                 "relay connection without a broker certificate".into(),
             ));
         };
-        side.tasks.spawn(
-            "relay connection",
-            crate::peers::serve_relay(Arc::clone(&side.broker), tls, id, side.close.child_token()),
-        );
+        let (broker, stop) = (Arc::clone(&side.broker), side.close.child_token());
+        if relay_v2 {
+            side.tasks.spawn(
+                "relay connection",
+                crate::peers::serve_relay_mux(broker, tls, id, stop),
+            );
+        } else {
+            side.tasks.spawn(
+                "relay connection",
+                crate::peers::serve_relay(broker, tls, id, stop),
+            );
+        }
         return Ok(());
     }
     let cert = tls

@@ -543,10 +543,10 @@ async fn connection_task<F, Fut>(
 }
 
 /// ALPN ids of the agent listener: the tunnel protocols `protocol` allows (preferred first),
-/// then relay links from peer brokers.
+/// then relay links from peer brokers ([`peers::relay_alpn`]).
 fn agent_listener_alpn(protocol: tether_tunnel::settings::TunnelProtocol) -> Vec<&'static [u8]> {
     let mut alpn = protocol.alpn().to_vec();
-    alpn.push(tether_tls::ALPN_RELAY);
+    alpn.extend(peers::relay_alpn(protocol));
     alpn
 }
 

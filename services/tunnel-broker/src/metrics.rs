@@ -46,6 +46,9 @@ pub struct BrokerMetrics {
     /// Agent tunnels established, by protocol (`mux`: `tether-tunnel/2`, `h2`:
     /// `tether-tunnel/1`).
     pub tunnel_connections: IntCounterVec,
+    /// Relay connections this broker opened to peer brokers, by protocol (`mux`:
+    /// `tether-relay/2`, `h2`: `tether-relay/1`).
+    pub relay_connections: IntCounterVec,
 }
 
 impl BrokerMetrics {
@@ -207,6 +210,13 @@ impl BrokerMetrics {
                 Opts::new(
                     "tether_broker_tunnel_connections_total",
                     "Agent tunnels established (hello answered), by protocol (mux = tether-tunnel/2, h2 = tether-tunnel/1).",
+                ),
+                &["protocol"],
+            ).registered(registry)?,
+            relay_connections: IntCounterVec::new(
+                Opts::new(
+                    "tether_broker_relay_connections_total",
+                    "Relay connections opened to peer brokers, by protocol (mux = tether-relay/2, h2 = tether-relay/1).",
                 ),
                 &["protocol"],
             ).registered(registry)?,

@@ -2,12 +2,20 @@
 //! cluster relays the stream to a peer that has one.
 //!
 //! - Dialling side: one supervised [`PeerConnector`] actor per configured peer keeps an mTLS
-//!   connection to the peer's agent listener with ALPN `tether-relay/1` (this broker's own
-//!   certificate, CN `tether:broker:<id>`), and is the HTTP/2 client on it. Live peer
-//!   connections are published in a [`PeerTable`]; `dial::Broker` tries them in turn
-//!   when it has no local tunnel (a peer without the cluster answers `no_tunnel` at once).
-//! - Serving side: [`serve_relay`] answers a peer's `dial` requests from **local** tunnels only
-//!   (so a relay never loops) and splices the two HTTP/2 streams; windows chain end to end.
+//!   connection to the peer's agent listener (this broker's own certificate, CN
+//!   `tether:broker:<id>`) and opens the streams on it: with ALPN `tether-relay/2` on the frames
+//!   of `tether-tunnel/2` ([`tether_tunnel::mux`], the dialling broker the opener), or with
+//!   `tether-relay/1` as the HTTP/2 client (a peer that does not offer `/2`, or either broker
+//!   configured with `tunnel.protocol: h2`; [`relay_alpn`]). Live peer connections are
+//!   published in a [`PeerTable`]; `dial::Broker` tries them in turn when it has no local tunnel
+//!   (a peer without the cluster answers `no_tunnel` at once).
+//! - Serving side: [`serve_relay`] (HTTP/2) and [`serve_relay_mux`] answer a peer's dials from
+//!   **local** tunnels only (so a relay never loops) and splice the two streams; windows chain
+//!   end to end.
+//!
+//! Why `/2`: a relayed stream crosses two links, and on HTTP/2 the relay link costs what
+//! `tether-tunnel/1` cost an agent tunnel (two tasks per hop, HPACK'd requests); behind a load
+//! balancer most dials of a multi-broker hub are relayed.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -19,6 +27,9 @@ use h2::server::SendResponse;
 use http::{Request, Response};
 use tether_runtime::{Backoff, BackoffConfig};
 use tether_tls::TlsMaterial;
+use tether_tunnel::keepalive::Pinger;
+use tether_tunnel::mux::{self, Incoming, OnOpen, OpenOk, Role};
+use tether_tunnel::settings::TunnelProtocol;
 use tether_tunnel::wire::{self, DialErrorKind};
 use tether_tunnel::{DialError, Target};
 use tokio::sync::watch;
@@ -35,6 +46,18 @@ use crate::handle::TunnelHandle;
 pub const RELAY_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
 /// See [`RELAY_KEEPALIVE_INTERVAL`].
 pub const RELAY_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// ALPN ids of relay links for a broker whose tunnels speak `protocol`, preferred first: the
+/// dialling broker offers them, the agent listener accepts them. `tunnel.protocol: h2` keeps a
+/// broker's relays on HTTP/2 too, as its tunnels and client dials.
+pub fn relay_alpn(protocol: TunnelProtocol) -> &'static [&'static [u8]] {
+    const BOTH: &[&[u8]] = &[tether_tls::ALPN_RELAY_V2, tether_tls::ALPN_RELAY];
+    const V1: &[&[u8]] = &[tether_tls::ALPN_RELAY];
+    match protocol {
+        TunnelProtocol::Mux => BOTH,
+        TunnelProtocol::H2 => V1,
+    }
+}
 
 /// Live peer connections, published as a `watch` snapshot (peer id order).
 #[derive(Clone)]
@@ -188,6 +211,7 @@ impl PeerConnector {
         let me = ctx.address();
         let stop = self.stop.clone();
         let tasks = self.tasks.clone();
+        let relay_connections = self.broker.metrics.relay_connections.clone();
         self.tasks.spawn("peer relay connector", async move {
             let opened = tokio::select! {
                 r = open_peer(&peer, &tls, &settings, &tasks) => r,
@@ -195,30 +219,49 @@ impl PeerConnector {
             };
             let (reason, was_up) = match opened {
                 Err(e) => (e.to_string(), false),
-                Ok((send, conn_end, pp)) => {
-                    let handle = Arc::new(TunnelHandle::new(
-                        generation,
-                        String::new(),
-                        format!("broker/{}", peer.id),
-                        send,
-                        max_pending,
-                    ));
+                Ok(PeerConn { link, end, pinger }) => {
+                    let agent = format!("broker/{}", peer.id);
+                    let closer = match &link {
+                        Link::Mux(m) => Some(m.clone()),
+                        Link::H2(_) => None,
+                    };
+                    let handle = Arc::new(match link {
+                        Link::H2(send) => {
+                            TunnelHandle::new(generation, String::new(), agent, send, max_pending)
+                        }
+                        Link::Mux(m) => {
+                            TunnelHandle::new_mux(generation, String::new(), agent, m, max_pending)
+                        }
+                    });
+                    // A mux connection lives until closed (HTTP/2's ends with its last handle
+                    // and stream): closed below whenever the connector lets go of it.
+                    let close = |why: &str| {
+                        if let Some(m) = &closer {
+                            m.close(format!("relay connection closed: {why}"));
+                        }
+                    };
+                    let protocol = handle.protocol();
+                    relay_connections.with_label_values(&[protocol]).inc();
                     table.set(&peer.id, Some(Arc::clone(&handle)));
-                    tracing::info!(peer = %peer.id, address = %peer.address, "relay connection to peer up");
+                    tracing::info!(peer = %peer.id, address = %peer.address, protocol, "relay connection to peer up");
                     let reason = tokio::select! {
                         _ = stop.cancelled() => {
                             table.set(&peer.id, None);
+                            close("the peer was dropped or the broker drained");
                             return;
                         }
-                        r = conn_end => r.unwrap_or_else(|_| "connection task ended".into()),
-                        e = tether_tunnel::keepalive::run_measured(
-                            pp,
+                        r = end => r.unwrap_or_else(|_| "connection task ended".into()),
+                        e = tether_tunnel::keepalive::run_probed(
+                            pinger,
                             settings.keepalive_interval.min(RELAY_KEEPALIVE_INTERVAL),
                             settings.keepalive_timeout.min(RELAY_KEEPALIVE_TIMEOUT),
                             handle.rtt_cell(),
+                            None,
+                            None,
                         ) => e.to_string(),
                     };
                     table.set(&peer.id, None);
+                    close(&reason);
                     (reason, true)
                 }
             };
@@ -231,11 +274,21 @@ impl PeerConnector {
     }
 }
 
-type PeerConn = (
-    h2::client::SendRequest<Bytes>,
-    tokio::sync::oneshot::Receiver<String>,
-    h2::PingPong,
-);
+/// An open relay connection to a peer.
+struct PeerConn {
+    link: Link,
+    /// Why the connection's task ended.
+    end: tokio::sync::oneshot::Receiver<String>,
+    pinger: Pinger,
+}
+
+/// What streams are opened on.
+enum Link {
+    /// `tether-relay/1`.
+    H2(h2::client::SendRequest<Bytes>),
+    /// `tether-relay/2`.
+    Mux(mux::Mux),
+}
 
 /// Why a relay connection to a peer could not be opened; each keeps its source.
 #[derive(Debug, thiserror::Error)]
@@ -266,7 +319,7 @@ async fn open_peer(
     let hs = settings.handshake_timeout;
     let timeout = |step| PeerConnectError::Timeout { step, after: hs };
     let name = rustls::pki_types::ServerName::try_from(peer.server_name.clone())?;
-    let cfg = tls.client_config(&[tether_tls::ALPN_RELAY])?;
+    let cfg = tls.client_config(relay_alpn(settings.protocol))?;
     let tcp = tokio::time::timeout(hs, tokio::net::TcpStream::connect(&peer.address))
         .await
         .map_err(|_| timeout("connect"))?
@@ -276,12 +329,31 @@ async fn open_peer(
         .await
         .map_err(|_| timeout("TLS"))?
         .map_err(PeerConnectError::Handshake)?;
+    let (tx, end) = tokio::sync::oneshot::channel();
+    if stream.get_ref().1.alpn_protocol() == Some(tether_tls::ALPN_RELAY_V2) {
+        let (m, driver, events) = mux::connect(
+            stream,
+            Role::Opener,
+            mux::Config::from_settings(settings),
+            None,
+        );
+        // The peer's GOAWAY and DRAIN act on the connection itself (no new streams go to it).
+        drop(events);
+        // Ends when the peer closes it, or when the connector closes it (Link::close).
+        tasks.spawn("peer relay connection", async move {
+            let _ = tx.send(driver.run().await);
+        });
+        return Ok(PeerConn {
+            pinger: Pinger::Mux(m.clone()),
+            link: Link::Mux(m),
+            end,
+        });
+    }
     let (send, mut conn) =
         tokio::time::timeout(hs, settings.client_builder().handshake::<_, Bytes>(stream))
             .await
             .map_err(|_| timeout("HTTP/2 handshake"))??;
     let pp = conn.ping_pong().expect("ping_pong taken once");
-    let (tx, rx) = tokio::sync::oneshot::channel();
     // Ends when the connector drops its handle (the peer is dropped or the broker drains).
     tasks.spawn("peer relay connection", async move {
         let reason = match conn.await {
@@ -290,7 +362,11 @@ async fn open_peer(
         };
         let _ = tx.send(reason);
     });
-    Ok((send, rx, pp))
+    Ok(PeerConn {
+        link: Link::H2(send),
+        end,
+        pinger: pp.into(),
+    })
 }
 
 impl Handler<PeerEnded> for PeerConnector {
@@ -351,6 +427,120 @@ pub async fn serve_relay<S>(
             _ = stop.cancelled() => return tracing::debug!(peer = %peer_id, "relay connection closed: broker drained"),
         }
     }
+}
+
+/// Serves a peer broker's `tether-relay/2` connection: each `OPEN` is answered from local
+/// tunnels ([`relay_open`]). Ends when the peer closes it, its keepalive fails, or `stop`
+/// (the end of this broker's drain) closes it.
+pub async fn serve_relay_mux<S>(
+    broker: Arc<Broker>,
+    io: S,
+    peer_id: String,
+    stop: tokio_util::sync::CancellationToken,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
+{
+    let on_open: OnOpen = {
+        let broker = Arc::clone(&broker);
+        Arc::new(move |incoming| {
+            tokio::spawn(relay_open(Arc::clone(&broker), incoming));
+        })
+    };
+    let s = &broker.settings;
+    let (conn, driver, events) = mux::connect(
+        io,
+        Role::Acceptor,
+        mux::Config::from_settings(s),
+        Some(on_open),
+    );
+    drop(events);
+    tracing::info!(peer = %peer_id, "serving relay connection from peer (tether-relay/2)");
+    let rtt = std::sync::atomic::AtomicU64::new(0);
+    let keepalive = tether_tunnel::keepalive::run_probed(
+        Pinger::Mux(conn.clone()),
+        s.keepalive_interval,
+        s.keepalive_timeout,
+        &rtt,
+        None,
+        None,
+    );
+    let run = driver.run();
+    tokio::pin!(run);
+    tokio::select! {
+        reason = &mut run => return tracing::info!(peer = %peer_id, %reason, "relay connection ended"),
+        e = keepalive => {
+            tracing::info!(peer = %peer_id, error = %e, "relay peer unresponsive");
+            conn.close(format!("keepalive: {e}"));
+        }
+        _ = stop.cancelled() => {
+            tracing::debug!(peer = %peer_id, "relay connection closed: broker drained");
+            conn.close("the broker drained");
+        }
+    }
+    // Closed above: the driver resets the open streams and closes the connection cleanly.
+    run.await;
+}
+
+/// One `OPEN` on a `tether-relay/2` connection: dial a local tunnel, answer, splice.
+async fn relay_open(broker: Arc<Broker>, incoming: Incoming) {
+    let Incoming {
+        open,
+        auth: _,
+        responder,
+        send,
+        recv,
+    } = incoming;
+    let stream_id = broker.next_stream_id();
+    let span = tracing::info_span!("relay_stream", stream = stream_id, cluster = %open.cluster, target = %open.target, origin_stream = open.tag);
+    tether_telemetry::propagation::set_parent(
+        &span,
+        open.trace.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+    );
+    async move {
+        let opened = match Target::from_wire(&open.cluster, &open.target) {
+            Ok(target) => {
+                let timeout = (open.dial_timeout_ms > 0)
+                    .then(|| Duration::from_millis(u64::from(open.dial_timeout_ms)));
+                broker.dial_for_peer(&target, stream_id, timeout).await
+            }
+            Err(e) => Err(DialError::new(DialErrorKind::BadRequest, e.to_string())),
+        };
+        let crate::dial::OpenStream {
+            send: to_tunnel,
+            recv: from_tunnel,
+            ticket,
+        } = match opened {
+            Ok(o) => o,
+            Err(e) => {
+                let _ = responder.fail(e.kind.metric_label(), &e.message).await;
+                return;
+            }
+        };
+        let answer = OpenOk {
+            stream_id,
+            tunnel_rtt_micros: ticket
+                .tunnel_rtt()
+                .map_or(0, |d| u32::try_from(d.as_micros()).unwrap_or(u32::MAX)),
+        };
+        if let Err(e) = responder.ok_with(answer).await {
+            broker.finish(
+                &ticket,
+                &Err(tether_tunnel::pump::SpliceError {
+                    reason: e,
+                    stats: Default::default(),
+                }),
+            );
+            return;
+        }
+        let r = tether_tunnel::relay::splice_streams(
+            (send.into(), recv.into()),
+            (to_tunnel, from_tunnel),
+        )
+        .await;
+        broker.finish(&ticket, &r);
+    }
+    .instrument(span)
+    .await
 }
 
 async fn relay_request(

@@ -35,6 +35,9 @@ pub const ALPN_TUNNEL_V2: &[u8] = b"tether-tunnel/2";
 pub const ALPN_DIAL: &[u8] = b"tether-dial/1";
 /// ALPN protocol of broker→broker relay connections (the dialling broker is the HTTP/2 client).
 pub const ALPN_RELAY: &[u8] = b"tether-relay/1";
+/// ALPN protocol of broker→broker relay connections on the frames of `tether-tunnel/2` (the
+/// dialling broker opens the streams), offered before `tether-relay/1`.
+pub const ALPN_RELAY_V2: &[u8] = b"tether-relay/2";
 
 /// A rustls client-config builder on [`crypto_provider`] with rustls' safe default protocol
 /// versions (TLS 1.3 and 1.2): the start of every client config Tether builds outside

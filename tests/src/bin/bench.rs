@@ -60,6 +60,8 @@ tether_runtime::data_plane_allocator!();
 
 #[path = "bench/clients.rs"]
 mod clients;
+#[path = "bench/peers.rs"]
+mod peers;
 #[path = "bench/ssh.rs"]
 mod ssh;
 
@@ -98,8 +100,8 @@ struct Args {
     /// (`GLIBC_TUNABLES`, see tether_runtime::GLIBC_TUNABLES_DATA_PLANE), to measure its effect.
     #[arg(long)]
     glibc_default: bool,
-    /// Run only these sections: tput1, tput8, rr, open, clients, stall, idle, fleet, sproxy
-    /// (comma-separated).
+    /// Run only these sections: tput1, tput8, rr, open, clients, peers, stall, idle, fleet,
+    /// sproxy (comma-separated).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Rounds of the stalled-reader measurement (default 5, quick 1).
@@ -1384,6 +1386,23 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
             &broker,
             &setup,
             &[target_proc.pid(), broker.child.pid(), agent.child.pid()],
+        )
+        .await?
+        {
+            table.add(row);
+        }
+    }
+
+    // Streams relayed by a peer broker without the tunnel: `tether-relay/2` against `/1`.
+    if setup.wants("peers") {
+        // Dropped at the end of the block: the two extra brokers stop before the next section.
+        let peers = peers::Peers::start(&hub, &broker, &tunnel_yaml).await?;
+        for row in peers::section(
+            &setup,
+            &ends,
+            &peers,
+            [broker.child.pid(), agent.child.pid()],
+            [std::process::id(), target_proc.pid()],
         )
         .await?
         {
