@@ -22,7 +22,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use tether_tunnel::keepalive::{self, Pinger};
-use tether_tunnel::mux::{self, Incoming, OnOpen, OpenOk, Role};
+use tether_tunnel::mux::{self, Incoming, OnOpen, OpenOk, Responder, Role};
 use tether_tunnel::pump::ByteCounters;
 use tether_tunnel::relay;
 use tether_tunnel::wire::DialErrorKind;
@@ -135,34 +135,14 @@ async fn serve_stream(broker: Arc<Broker>, peer: Arc<Option<PeerCert>>, incoming
             crate::grpc::dial_recorded(&broker, &client, &target, stream_id, timeout).await
         }
         .await;
-        let OpenStream {
+        let Some(OpenStream {
             send: to_tunnel,
             recv: from_tunnel,
             ticket,
-        } = match opened {
-            Ok(o) => o,
-            Err(e) => {
-                let _ = responder.fail(e.kind.metric_label(), &e.message).await;
-                return;
-            }
-        };
-        let answer = OpenOk {
-            stream_id,
-            tunnel_rtt_micros: ticket
-                .tunnel_rtt()
-                .map_or(0, |d| u32::try_from(d.as_micros()).unwrap_or(u32::MAX)),
-        };
-        if let Err(e) = responder.ok_with(answer).await {
-            // The client's connection is gone: the tunnel's stream is dropped (reset).
-            broker.finish(
-                &ticket,
-                &Err(tether_tunnel::pump::SpliceError {
-                    reason: e,
-                    stats: Default::default(),
-                }),
-            );
+        }) = answer_open(&broker, responder, stream_id, opened).await
+        else {
             return;
-        }
+        };
         let meter = Meter {
             pacer: &ticket.pacer,
             counters: &broker.counters,
@@ -177,6 +157,44 @@ async fn serve_stream(broker: Arc<Broker>, peer: Arc<Option<PeerCert>>, incoming
     }
     .instrument(span)
     .await
+}
+
+/// Answers an `OPEN` this broker took (a client's on `tether-dial/1`, a peer broker's on
+/// `tether-relay/2`) with its dial's result: `OPEN_ERR` with the error's kind and message, or
+/// `OPEN_OK` with the broker's stream id and the tunnel's last round trip. Returns the open
+/// stream, or `None` when the dial failed or the answer could not go out (the opener's
+/// connection is gone: the tunnel's stream is finished as failed, which resets it).
+pub(crate) async fn answer_open(
+    broker: &Broker,
+    responder: Responder,
+    stream_id: u64,
+    opened: Result<OpenStream, DialError>,
+) -> Option<OpenStream> {
+    let stream = match opened {
+        Ok(o) => o,
+        Err(e) => {
+            let _ = responder.fail(e.kind.metric_label(), &e.message).await;
+            return None;
+        }
+    };
+    let answer = OpenOk {
+        stream_id,
+        tunnel_rtt_micros: stream
+            .ticket
+            .tunnel_rtt()
+            .map_or(0, |d| u32::try_from(d.as_micros()).unwrap_or(u32::MAX)),
+    };
+    if let Err(e) = responder.ok_with(answer).await {
+        broker.finish(
+            &stream.ticket,
+            &Err(tether_tunnel::pump::SpliceError {
+                reason: e,
+                stats: Default::default(),
+            }),
+        );
+        return None;
+    }
+    Some(stream)
 }
 
 /// Counts a relayed chunk and paces its direction by the cluster's CPU share, as the other

@@ -28,7 +28,7 @@ use http::{Request, Response};
 use tether_runtime::{Backoff, BackoffConfig};
 use tether_tls::TlsMaterial;
 use tether_tunnel::keepalive::Pinger;
-use tether_tunnel::mux::{self, Incoming, OnOpen, OpenOk, Role};
+use tether_tunnel::mux::{self, Incoming, OnOpen, Role};
 use tether_tunnel::settings::TunnelProtocol;
 use tether_tunnel::wire::{self, DialErrorKind};
 use tether_tunnel::{DialError, Target};
@@ -505,33 +505,14 @@ async fn relay_open(broker: Arc<Broker>, incoming: Incoming) {
             }
             Err(e) => Err(DialError::new(DialErrorKind::BadRequest, e.to_string())),
         };
-        let crate::dial::OpenStream {
+        let Some(crate::dial::OpenStream {
             send: to_tunnel,
             recv: from_tunnel,
             ticket,
-        } = match opened {
-            Ok(o) => o,
-            Err(e) => {
-                let _ = responder.fail(e.kind.metric_label(), &e.message).await;
-                return;
-            }
-        };
-        let answer = OpenOk {
-            stream_id,
-            tunnel_rtt_micros: ticket
-                .tunnel_rtt()
-                .map_or(0, |d| u32::try_from(d.as_micros()).unwrap_or(u32::MAX)),
-        };
-        if let Err(e) = responder.ok_with(answer).await {
-            broker.finish(
-                &ticket,
-                &Err(tether_tunnel::pump::SpliceError {
-                    reason: e,
-                    stats: Default::default(),
-                }),
-            );
+        }) = crate::client_mux::answer_open(&broker, responder, stream_id, opened).await
+        else {
             return;
-        }
+        };
         let r = tether_tunnel::relay::splice_streams(
             (send.into(), recv.into()),
             (to_tunnel, from_tunnel),

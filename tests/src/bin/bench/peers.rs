@@ -98,30 +98,29 @@ pub async fn section(
     }
 
     // Throughput, 1 stream.
+    let cpu_now = |i: usize| cpu_of(&hops(i));
     let mut rates = [Vec::new(), Vec::new(), Vec::new()];
-    let (mut cpu, mut gbytes) = ([0.0f64; 3], [0.0f64; 3]);
+    let mut gbytes = [0.0f64; 3];
+    let cpu = rotated(setup.rounds, cpu_now, async |i| {
+        let (bytes, secs) = upload(&paths[i].1, Via::Tunnel, 1, setup.secs).await?;
+        gbytes[i] += bytes as f64 / 1e9;
+        rates[i].push(bytes as f64 / secs);
+        Ok(())
+    })
+    .await?;
     let (mut v2_vs_v1, mut v2_vs_tunnel) = (Vec::new(), Vec::new());
-    for round in 0..setup.rounds {
-        let mut r = [0.0f64; 3];
-        for k in 0..3 {
-            let i = (k + round) % 3;
-            let c0 = cpu_of(&hops(i));
-            let (bytes, secs) = upload(&paths[i].1, Via::Tunnel, 1, setup.secs).await?;
-            cpu[i] += (cpu_of(&hops(i)) - c0).max(0.0);
-            gbytes[i] += bytes as f64 / 1e9;
-            r[i] = bytes as f64 / secs;
-            rates[i].push(r[i]);
-        }
-        v2_vs_v1.push(r[1] / r[2]);
-        v2_vs_tunnel.push(r[1] / r[0]);
+    for (round, ((tunnel, v2), v1)) in rates[0].iter().zip(&rates[1]).zip(&rates[2]).enumerate() {
+        let r = |i: usize| [*tunnel, *v2, *v1][i];
+        v2_vs_v1.push(r(1) / r(2));
+        v2_vs_tunnel.push(r(1) / r(0));
         println!(
             "  relayed CONNECT, 1 stream, round {}: tunnel {}, relay/2 {}, relay/1 {} (relay/2 {:.2}× relay/1, {:.2}× tunnel)",
             round + 1,
-            gbit(r[0]),
-            gbit(r[1]),
-            gbit(r[2]),
-            r[1] / r[2],
-            r[1] / r[0]
+            gbit(r(0)),
+            gbit(r(1)),
+            gbit(r(2)),
+            r(1) / r(2),
+            r(1) / r(0)
         );
     }
     let per_gb = |i: usize| cpu[i] / gbytes[i];
@@ -163,22 +162,67 @@ pub async fn section(
         socks.push(s);
     }
     let mut samples = [Vec::new(), Vec::new(), Vec::new()];
-    let mut hop_cpu = [0.0f64; 3];
-    for block in 0..blocks {
+    let rr_cpu = rotated(blocks, cpu_now, async |i| {
+        request_response(&mut socks[i], per_block, &mut samples[i]).await
+    })
+    .await?;
+    rows.push(latency_row(
+        "relayed CONNECT, 64 B request/response",
+        "round trip",
+        samples,
+        rr_cpu,
+    ));
+
+    // New streams: a pipelining client (head and first byte in one write), in rotating blocks.
+    const BLOCK: usize = 25;
+    let blocks = if setup.quick { 6 } else { 24 };
+    let mut opens = [Vec::new(), Vec::new(), Vec::new()];
+    let open_cpu = rotated(blocks, cpu_now, async |i| {
+        for _ in 0..BLOCK {
+            opens[i].push(open_first_byte_pipelined(&paths[i].1).await?);
+        }
+        Ok(())
+    })
+    .await?;
+    rows.push(latency_row(
+        "relayed CONNECT, open → first byte (pipelining)",
+        "open+close",
+        opens,
+        open_cpu,
+    ));
+    Ok(rows)
+}
+
+/// Runs `each(i)` for the three paths (0 unrelayed, 1 relay/2, 2 relay/1) in `rounds` rounds,
+/// their order rotated every round; returns the CPU seconds (`cpu(i)` before and after) each
+/// path's processes spent in its runs.
+async fn rotated(
+    rounds: usize,
+    cpu: impl Fn(usize) -> f64,
+    mut each: impl AsyncFnMut(usize) -> anyhow::Result<()>,
+) -> anyhow::Result<[f64; 3]> {
+    let mut spent = [0.0f64; 3];
+    for round in 0..rounds {
         for k in 0..3 {
-            let i = (k + block) % 3;
-            let c0 = cpu_of(&hops(i));
-            request_response(&mut socks[i], per_block, &mut samples[i]).await?;
-            hop_cpu[i] += (cpu_of(&hops(i)) - c0).max(0.0);
+            let i = (k + round) % 3;
+            let c0 = cpu(i);
+            each(i).await?;
+            spent[i] += (cpu(i) - c0).max(0.0);
         }
     }
+    Ok(spent)
+}
+
+/// A latency row: each path's p50 and its processes' CPU per operation (`op`); met when
+/// relay/2's p50 is no higher than relay/1's.
+fn latency_row(what: &str, op: &str, mut samples: [Vec<Duration>; 3], cpu: [f64; 3]) -> Row {
     for s in &mut samples {
         s.sort();
     }
     let p50 = |i: usize| percentile(&samples[i], 0.5);
-    let per_rt = |i: usize| hop_cpu[i] / (blocks * per_block) as f64 * 1e6;
-    rows.push(Row {
-        what: "relayed CONNECT, 64 B request/response".into(),
+    let per_op = |i: usize| cpu[i] / samples[i].len().max(1) as f64 * 1e6;
+    Row {
+        what: what.into(),
         tunnel: format!(
             "p50 relay/2 {}, relay/1 {}, unrelayed {}",
             us(p50(1)),
@@ -186,53 +230,13 @@ pub async fn section(
             us(p50(0))
         ),
         result: format!(
-            "CPU per round trip (all processes on the path): relay/2 {:.1} µs, relay/1 {:.1} µs, unrelayed {:.1} µs",
-            per_rt(1),
-            per_rt(2),
-            per_rt(0)
+            "CPU per {op} (all processes on the path): relay/2 {:.1} µs, relay/1 {:.1} µs, unrelayed {:.1} µs",
+            per_op(1),
+            per_op(2),
+            per_op(0)
         ),
         target: "relay/2 p50 ≤ relay/1's".into(),
         ok: Some(p50(1) <= p50(2)),
         ..Row::default()
-    });
-
-    // New streams: a pipelining client (head and first byte in one write), in rotating blocks.
-    const BLOCK: usize = 25;
-    let blocks = if setup.quick { 6 } else { 24 };
-    let mut opens = [Vec::new(), Vec::new(), Vec::new()];
-    let mut open_cpu = [0.0f64; 3];
-    for block in 0..blocks {
-        for k in 0..3 {
-            let i = (k + block) % 3;
-            let c0 = cpu_of(&hops(i));
-            for _ in 0..BLOCK {
-                opens[i].push(open_first_byte_pipelined(&paths[i].1).await?);
-            }
-            open_cpu[i] += (cpu_of(&hops(i)) - c0).max(0.0);
-        }
     }
-    for s in &mut opens {
-        s.sort();
-    }
-    let open_p50 = |i: usize| percentile(&opens[i], 0.5);
-    let per_open = |i: usize| open_cpu[i] / (blocks * BLOCK) as f64 * 1e6;
-    rows.push(Row {
-        what: "relayed CONNECT, open → first byte (pipelining)".into(),
-        tunnel: format!(
-            "p50 relay/2 {}, relay/1 {}, unrelayed {}",
-            us(open_p50(1)),
-            us(open_p50(2)),
-            us(open_p50(0))
-        ),
-        result: format!(
-            "CPU per open+close (all processes on the path): relay/2 {:.0} µs, relay/1 {:.0} µs, unrelayed {:.0} µs",
-            per_open(1),
-            per_open(2),
-            per_open(0)
-        ),
-        target: "relay/2 p50 ≤ relay/1's".into(),
-        ok: Some(open_p50(1) <= open_p50(2)),
-        ..Row::default()
-    });
-    Ok(rows)
 }
