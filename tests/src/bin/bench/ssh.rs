@@ -58,7 +58,7 @@ fn find_tools() -> Result<PathBuf, String> {
     Ok(sshd)
 }
 
-fn free_port() -> anyhow::Result<SocketAddr> {
+pub fn free_port() -> anyhow::Result<SocketAddr> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
 }
 
@@ -189,7 +189,7 @@ pub async fn start(hub: &Hub, target: SocketAddr) -> anyhow::Result<Result<SshPe
     }))
 }
 
-fn log_tail(hub: &Hub, name: &str) -> String {
+pub fn log_tail(hub: &Hub, name: &str) -> String {
     let text = std::fs::read_to_string(hub.path().join(format!("{name}.log"))).unwrap_or_default();
     let tail: Vec<&str> = text.lines().rev().take(5).collect();
     format!(
