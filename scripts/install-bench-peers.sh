@@ -25,4 +25,4 @@ else
   # Not --locked: its lock file pins time 0.3.29, which no longer compiles on current Rust.
   cargo install rathole --version "$RATHOLE_VERSION"
 fi
-echo "install-bench-peers: $("${CARGO_HOME:-$HOME/.cargo}/bin/rathole" --version 2>/dev/null || rathole --version)"
+echo "install-bench-peers: rathole $( ("${CARGO_HOME:-$HOME/.cargo}/bin/rathole" --version 2>/dev/null || rathole --version) | sed -n "s/^Build Version: *//p")"
