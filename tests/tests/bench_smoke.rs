@@ -1,0 +1,70 @@
+//! `tether-bench` runs end to end: a quick run of its latency sections starts the real broker,
+//! agent, target, relays and whichever encrypted peers are installed (`ssh -R` from
+//! scripts/install-deps.sh; rathole only where scripts/install-bench-peers.sh ran), measures
+//! every path and prints a figure for each in the table. A smoke run: the figures themselves
+//! are judged in docs/benchmarks.md, not here (this keeps the bench from rotting between the
+//! sessions that run it).
+
+use std::process::Command;
+use std::time::Duration;
+
+use tether_test_support::Child;
+
+#[test]
+fn the_latency_sections_measure_every_path() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut cmd = Command::new(tether_test_support::bin("tether-bench")?);
+    cmd.args(["--quick", "--only", "rr,open"]);
+    let mut child = Child::spawn("bench", cmd, dir.path())?;
+    let status = child.wait_exit(Duration::from_secs(240))?;
+    let out = std::fs::read_to_string(child.log_path())?;
+    assert!(status.success(), "tether-bench failed ({status}):\n{out}");
+    let cells =
+        |line: &str| -> Vec<String> { line.split('|').map(|c| c.trim().to_string()).collect() };
+    let header = out
+        .lines()
+        .find(|l| l.starts_with("| measurement"))
+        .unwrap_or_else(|| panic!("no table in:\n{out}"));
+    let head = cells(header);
+    let column = |name: &str| {
+        head.iter()
+            .position(|c| c == name)
+            .unwrap_or_else(|| panic!("no column {name:?} in {header}"))
+    };
+    let peers = [
+        ("ssh -R", "ssh -R peer skipped"),
+        ("rathole tls", "rathole peer skipped"),
+    ];
+    for what in [
+        "64 B request/response p50",
+        "new stream, open → first byte p50",
+        "new stream, pipelined CONNECT → first byte p50",
+    ] {
+        let row = out
+            .lines()
+            .find(|l| l.starts_with(&format!("| {what} ")))
+            .unwrap_or_else(|| panic!("no row {what:?} in:\n{out}"));
+        let c = cells(row);
+        let figure = |col: &str| -> f64 {
+            let cell = &c[column(col)];
+            cell.trim_end_matches(" µs")
+                .parse()
+                .unwrap_or_else(|e| panic!("{what}, {col}: {cell:?} is not a figure ({e})"))
+        };
+        for path in ["direct", "relay ×2", "tunnel"] {
+            assert!(figure(path) > 0.0, "{what}: no {path} figure in {row}");
+        }
+        // A peer that runs has a figure; one that is not installed says why, once, up front.
+        for (peer, skipped) in peers {
+            if out.contains(skipped) {
+                assert!(
+                    c[column(peer)].is_empty(),
+                    "{what}: {peer} skipped but has a figure"
+                );
+            } else {
+                assert!(figure(peer) > 0.0, "{what}: no {peer} figure in {row}");
+            }
+        }
+    }
+    Ok(())
+}
