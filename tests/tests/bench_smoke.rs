@@ -1,24 +1,31 @@
 //! `tether-bench` runs end to end: a quick run of its latency sections starts the real broker,
 //! agent, target, relays and whichever encrypted peers are installed (`ssh -R` from
 //! scripts/install-deps.sh; rathole only where scripts/install-bench-peers.sh ran), measures
-//! every path and prints a figure for each in the table. A smoke run: the figures themselves
-//! are judged in docs/benchmarks.md, not here (this keeps the bench from rotting between the
-//! sessions that run it).
+//! every path and prints a figure for each in the table; a quick run of the `peers` section
+//! measures dials relayed by two more brokers over `tether-relay/2` and `/1`. Smoke runs: the
+//! figures themselves are judged in docs/benchmarks.md, not here (this keeps the bench from
+//! rotting between the sessions that run it).
 
 use std::process::Command;
 use std::time::Duration;
 
 use tether_test_support::Child;
 
-#[test]
-fn the_latency_sections_measure_every_path() -> anyhow::Result<()> {
+/// The output of `tether-bench --quick --only <sections>`, which must succeed.
+fn quick_run(sections: &str) -> anyhow::Result<String> {
     let dir = tempfile::tempdir()?;
     let mut cmd = Command::new(tether_test_support::bin("tether-bench")?);
-    cmd.args(["--quick", "--only", "rr,open"]);
+    cmd.args(["--quick", "--only", sections]);
     let mut child = Child::spawn("bench", cmd, dir.path())?;
     let status = child.wait_exit(Duration::from_secs(240))?;
     let out = std::fs::read_to_string(child.log_path())?;
     assert!(status.success(), "tether-bench failed ({status}):\n{out}");
+    Ok(out)
+}
+
+#[test]
+fn the_latency_sections_measure_every_path() -> anyhow::Result<()> {
+    let out = quick_run("rr,open")?;
     let cells =
         |line: &str| -> Vec<String> { line.split('|').map(|c| c.trim().to_string()).collect() };
     let header = out
@@ -64,6 +71,32 @@ fn the_latency_sections_measure_every_path() -> anyhow::Result<()> {
             } else {
                 assert!(figure(peer) > 0.0, "{what}: no {peer} figure in {row}");
             }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn relayed_dials_are_measured_on_both_relay_protocols() -> anyhow::Result<()> {
+    let out = quick_run("peers")?;
+    for (what, unit) in [
+        ("relayed CONNECT via a peer broker, 1 stream", " Gbit/s"),
+        ("relayed CONNECT, 64 B request/response", " µs"),
+        ("relayed CONNECT, open → first byte (pipelining)", " µs"),
+    ] {
+        let row = out
+            .lines()
+            .find(|l| l.starts_with(&format!("| {what} ")))
+            .unwrap_or_else(|| panic!("no row {what:?} in:\n{out}"));
+        // The tunnel cell: "[p50 ]relay/2 X<unit>, relay/1 Y<unit>, unrelayed Z<unit>".
+        for path in ["relay/2 ", "relay/1 ", "unrelayed "] {
+            let figure = row
+                .split(path)
+                .nth(1)
+                .and_then(|rest| rest.split(unit).next())
+                .and_then(|n| n.trim().parse::<f64>().ok())
+                .unwrap_or_else(|| panic!("{what}: no {path}figure in {row}"));
+            assert!(figure > 0.0, "{what}: {path}{figure} in {row}");
         }
     }
     Ok(())
