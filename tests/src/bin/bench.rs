@@ -1057,6 +1057,17 @@ fn added_within_peers(d: Duration, t: Duration, peers: &[Duration], without: Dur
     }
 }
 
+/// A peer that started, or `None` after saying why it cannot run here (its cells stay empty).
+fn running<T>(name: &str, started: Result<T, String>) -> Option<T> {
+    match started {
+        Ok(p) => Some(p),
+        Err(why) => {
+            println!("  {name} peer skipped: {why}");
+            None
+        }
+    }
+}
+
 /// `+N µs` (or `−N µs`) between two durations.
 fn added(a: Duration, b: Duration) -> String {
     let d = (a.as_secs_f64() - b.as_secs_f64()) * 1e6;
@@ -1160,24 +1171,12 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
     // client connects to sshd's forwarded port) and rathole over TLS (the same topology).
     let latency_or_tput = setup.wants_any(&["tput1", "tput8", "rr", "open"]);
     let ssh_peer = if latency_or_tput {
-        match ssh::start(&hub, target).await? {
-            Ok(p) => Some(p),
-            Err(why) => {
-                println!("  ssh -R peer skipped: {why}");
-                None
-            }
-        }
+        running("ssh -R", ssh::start(&hub, target).await?)
     } else {
         None
     };
     let rathole_peer = if latency_or_tput {
-        match rathole::start(&hub, target).await? {
-            Ok(p) => Some(p),
-            Err(why) => {
-                println!("  rathole peer skipped: {why}");
-                None
-            }
-        }
+        running("rathole", rathole::start(&hub, target).await?)
     } else {
         None
     };

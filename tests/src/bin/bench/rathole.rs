@@ -20,7 +20,7 @@
 //! none is there. Free ports are found as for sshd (bind port 0 and close it).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -48,6 +48,28 @@ impl RatholePeer {
     pub fn pids(&self) -> Vec<u32> {
         vec![self.server.pid(), self.client.pid()]
     }
+}
+
+/// Writes `<side>.toml` (`side`: "server" or "client"): the side's address line, the TLS
+/// transport (`tls`: its settings) with TCP_NODELAY, and the one service `target` (`service`:
+/// its address line) with its token and TCP_NODELAY.
+fn write_conf(
+    dir: &Path,
+    side: &str,
+    addr: &str,
+    tls: &str,
+    service: &str,
+) -> anyhow::Result<PathBuf> {
+    let path = dir.join(format!("{side}.toml"));
+    std::fs::write(
+        &path,
+        format!(
+            "[{side}]\n{addr}\n\n[{side}.transport]\ntype = \"tls\"\n\n\
+             [{side}.transport.tcp]\nnodelay = true\n\n[{side}.transport.tls]\n{tls}\n\n\
+             [{side}.services.target]\ntoken = \"{TOKEN}\"\n{service}\nnodelay = true\n"
+        ),
+    )?;
+    Ok(path)
 }
 
 fn find_rathole() -> Result<PathBuf, String> {
@@ -107,27 +129,25 @@ pub async fn start(hub: &Hub, target: SocketAddr) -> anyhow::Result<Result<Ratho
         );
     }
     let (control, visitor) = (free_port()?, free_port()?);
-    let server_conf = dir.join("server.toml");
-    std::fs::write(
-        &server_conf,
-        format!(
-            "[server]\nbind_addr = \"{control}\"\n\n[server.transport]\ntype = \"tls\"\n\n\
-             [server.transport.tcp]\nnodelay = true\n\n[server.transport.tls]\n\
-             pkcs12 = \"{}\"\npkcs12_password = \"{P12_PASSWORD}\"\n\n\
-             [server.services.target]\ntoken = \"{TOKEN}\"\nbind_addr = \"{visitor}\"\nnodelay = true\n",
+    let server_conf = write_conf(
+        &dir,
+        "server",
+        &format!("bind_addr = \"{control}\""),
+        &format!(
+            "pkcs12 = \"{}\"\npkcs12_password = \"{P12_PASSWORD}\"",
             p12.display()
         ),
+        &format!("bind_addr = \"{visitor}\""),
     )?;
-    let client_conf = dir.join("client.toml");
-    std::fs::write(
-        &client_conf,
-        format!(
-            "[client]\nremote_addr = \"{control}\"\n\n[client.transport]\ntype = \"tls\"\n\n\
-             [client.transport.tcp]\nnodelay = true\n\n[client.transport.tls]\n\
-             trusted_root = \"{}\"\nhostname = \"localhost\"\n\n\
-             [client.services.target]\ntoken = \"{TOKEN}\"\nlocal_addr = \"{target}\"\nnodelay = true\n",
+    let client_conf = write_conf(
+        &dir,
+        "client",
+        &format!("remote_addr = \"{control}\""),
+        &format!(
+            "trusted_root = \"{}\"\nhostname = \"localhost\"",
             tls.ca.display()
         ),
+        &format!("local_addr = \"{target}\""),
     )?;
     let spawn = |name: &str, mode: &str, conf: &PathBuf| {
         let mut cmd = Command::new(&exe);
