@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the benchmark peers that are not Debian packages (tether-bench only; the tests do not
 # need them): rathole 0.5.0, the Rust reverse tunnel, built from crates.io with its default
-# features (TLS through native-tls/OpenSSL, Noise). About 3 minutes on 2 cores; idempotent.
+# features (TLS through native-tls/OpenSSL, Noise). About 2 minutes on 2 cores; idempotent.
 #   bash scripts/install-bench-peers.sh
 # Installs into cargo's bin directory (~/.cargo/bin), where tether-bench looks after
 # $TETHER_BENCH_RATHOLE and PATH. `ssh -R` and stunnel come from scripts/install-deps.sh.

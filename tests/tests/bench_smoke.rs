@@ -40,7 +40,7 @@ fn the_latency_sections_measure_every_path() -> anyhow::Result<()> {
     };
     let peers = [
         ("ssh -R", "ssh -R peer skipped"),
-        ("rathole tls", "rathole peer skipped"),
+        ("rathole tls", "rathole tls peer skipped"),
     ];
     for what in [
         "64 B request/response p50",

@@ -1057,12 +1057,20 @@ fn added_within_peers(d: Duration, t: Duration, peers: &[Duration], without: Dur
     }
 }
 
-/// A peer that started, or `None` after saying why it cannot run here (its cells stay empty).
-fn running<T>(name: &str, started: Result<T, String>) -> Option<T> {
+/// A peer that started, or `None` after saying why it cannot run here (printed, and kept in
+/// `missing` for its throughput cells).
+fn running<T>(
+    peer: Via,
+    started: Result<T, String>,
+    missing: &mut [Option<String>; PEERS.len()],
+) -> Option<T> {
     match started {
         Ok(p) => Some(p),
         Err(why) => {
-            println!("  {name} peer skipped: {why}");
+            println!("  {} peer skipped: {why}", peer.name());
+            if let Some(i) = peer.peer() {
+                missing[i] = Some(format!("skipped: {why}"));
+            }
             None
         }
     }
@@ -1170,47 +1178,25 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
     // The encrypted peers, when installed: `ssh -R` (the cluster side runs ssh, the hub-side
     // client connects to sshd's forwarded port) and rathole over TLS (the same topology).
     let latency_or_tput = setup.wants_any(&["tput1", "tput8", "rr", "open"]);
+    // Why a peer's cells are empty, when it does not run ([`PEERS`] order).
+    let mut peer_missing: [Option<String>; PEERS.len()] = Default::default();
     let ssh_peer = if latency_or_tput {
-        running("ssh -R", ssh::start(&hub, target).await?)
+        running(Via::Ssh, ssh::start(&hub, target).await?, &mut peer_missing)
     } else {
         None
     };
     let rathole_peer = if latency_or_tput {
-        running("rathole", rathole::start(&hub, target).await?)
+        running(
+            Via::Rathole,
+            rathole::start(&hub, target).await?,
+            &mut peer_missing,
+        )
     } else {
         None
     };
     ends.peers = [
         ssh_peer.as_ref().map(|p| p.addr),
         rathole_peer.as_ref().map(|p| p.addr),
-    ];
-    if let Some(addr) = ends.peers[1] {
-        // rathole's client registers its service over the control channel after it started:
-        // ready when a byte goes through.
-        let probe = ends.clone();
-        tether_test_support::wait_until_async(
-            Duration::from_secs(15),
-            &format!("rathole forwarding {addr} to the target"),
-            || {
-                let probe = probe.clone();
-                async move {
-                    tokio::time::timeout(
-                        Duration::from_secs(1),
-                        open_first_byte(&probe, Via::Rathole),
-                    )
-                    .await
-                    .ok()?
-                    .ok()
-                    .map(|_| ())
-                }
-            },
-        )
-        .await?;
-    }
-    // Why a peer's cells are empty, when it does not run.
-    let peer_missing: [Option<&str>; PEERS.len()] = [
-        ssh_peer.is_none().then_some("skipped: no OpenSSH"),
-        rathole_peer.is_none().then_some("skipped: no rathole"),
     ];
     let pids = [broker.child.pid(), agent.child.pid()];
     // CPU of every process on a path: bench client and target, then the two hops of each path
@@ -1269,32 +1255,23 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
             );
             vs_direct.push(t / d);
             vs_relay.push(t / rl);
-            let mut peer_notes = String::new();
+            let (mut peer_rates, mut peer_ratios) = (String::new(), String::new());
             for (i, peer) in PEERS.iter().enumerate() {
                 let p = r[*peer as usize];
                 if p > 0.0 {
                     vs_peer[i].push(t / p);
-                    peer_notes.push_str(&format!(", {} {}", peer.name(), gbit(p)));
+                    peer_rates.push_str(&format!(", {} {}", peer.name(), gbit(p)));
+                    peer_ratios.push_str(&format!(", {:.2}× {}", t / p, peer.name()));
                 }
             }
             println!(
-                "  throughput {streams} stream(s), round {}: direct {}, relay {}, tunnel {}{peer_notes} (tunnel {:.2}× direct, {:.2}× relay{})",
+                "  throughput {streams} stream(s), round {}: direct {}, relay {}, tunnel {}{peer_rates} (tunnel {:.2}× direct, {:.2}× relay{peer_ratios})",
                 round + 1,
                 gbit(d),
                 gbit(rl),
                 gbit(t),
                 t / d,
                 t / rl,
-                PEERS
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, p)| r[**p as usize] > 0.0)
-                    .map(|(i, p)| format!(
-                        ", {:.2}× {}",
-                        vs_peer[i].last().copied().unwrap_or(0.0),
-                        p.name()
-                    ))
-                    .collect::<String>()
             );
         }
         let per_gb = |v: Via, i: usize| cpu[v as usize][i] / gbytes[v as usize];
@@ -1349,8 +1326,8 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
             direct: gbit(mean(&rates[0])),
             relay: gbit(mean(&rates[1])),
             tunnel: gbit(mean(&rates[2])),
-            peers: std::array::from_fn(|i| match peer_missing[i] {
-                Some(why) => why.to_string(),
+            peers: std::array::from_fn(|i| match &peer_missing[i] {
+                Some(why) => why.clone(),
                 None => gbit(mean(&rates[PEERS[i] as usize])),
             }),
             result: format!("{ratio:.2}×{}; {cpu_tunnel}", range_note(&vs_direct)),

@@ -27,6 +27,7 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use tether_e2e::Hub;
 use tether_test_support::Child;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 use super::ssh::{free_port, log_tail};
 
@@ -93,8 +94,8 @@ fn find_rathole() -> Result<PathBuf, String> {
         .ok_or_else(|| "no rathole (bash scripts/install-bench-peers.sh)".to_string())
 }
 
-/// Starts the rathole server and client forwarding to `target`. `Ok(Err(reason))` when rathole
-/// is not installed.
+/// Starts the rathole server and client forwarding to `target`, and returns once a byte went
+/// through. `Ok(Err(reason))` when rathole is not installed.
 pub async fn start(hub: &Hub, target: SocketAddr) -> anyhow::Result<Result<RatholePeer, String>> {
     let exe = match find_rathole() {
         Ok(p) => p,
@@ -168,6 +169,32 @@ pub async fn start(hub: &Hub, target: SocketAddr) -> anyhow::Result<Result<Ratho
     .await
     .with_context(|| log_tail(hub, "bench-rathole-server"))?;
     let client = spawn("bench-rathole-client", "--client", &client_conf)?;
+    // The client registers the service over the control channel after it started: ready when
+    // a byte goes through to the target and back (target mode `P`: one byte back).
+    tether_test_support::wait_until_async(
+        Duration::from_secs(15),
+        &format!("rathole forwarding {visitor} to {target}"),
+        || async move {
+            let probe = async {
+                let mut s = tokio::net::TcpStream::connect(visitor).await?;
+                s.write_all(b"P").await?;
+                s.read_exact(&mut [0u8; 1]).await?;
+                std::io::Result::Ok(())
+            };
+            tokio::time::timeout(Duration::from_secs(1), probe)
+                .await
+                .ok()?
+                .ok()
+        },
+    )
+    .await
+    .with_context(|| {
+        format!(
+            "{}; {}",
+            log_tail(hub, "bench-rathole-client"),
+            log_tail(hub, "bench-rathole-server")
+        )
+    })?;
     Ok(Ok(RatholePeer {
         server,
         client,
