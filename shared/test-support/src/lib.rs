@@ -231,6 +231,21 @@ where
     }
 }
 
+/// Waits until something accepts TCP connections on `addr` (a server that was just spawned),
+/// failing after `timeout` with `what` ("sshd", "the stunnel client", ...) in the message.
+pub async fn wait_accepting(
+    addr: std::net::SocketAddr,
+    timeout: Duration,
+    what: &str,
+) -> anyhow::Result<()> {
+    wait_until_async(
+        timeout,
+        &format!("{what} accepting on {addr}"),
+        || async move { tokio::net::TcpStream::connect(addr).await.ok().map(drop) },
+    )
+    .await
+}
+
 /// Reads a JSON ready-file written by a Tether binary, waiting for it to appear.
 pub fn read_ready_file(path: &Path, timeout: Duration) -> anyhow::Result<serde_json::Value> {
     wait_until(timeout, &format!("ready file {}", path.display()), || {

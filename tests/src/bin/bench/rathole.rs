@@ -156,18 +156,9 @@ pub async fn start(hub: &Hub, target: SocketAddr) -> anyhow::Result<Result<Ratho
         Child::spawn(name, cmd, hub.path())
     };
     let server = spawn("bench-rathole-server", "--server", &server_conf)?;
-    tether_test_support::wait_until_async(
-        Duration::from_secs(10),
-        &format!("rathole server listening on {control}"),
-        || async move {
-            tokio::net::TcpStream::connect(control)
-                .await
-                .ok()
-                .map(|_| ())
-        },
-    )
-    .await
-    .with_context(|| log_tail(hub, "bench-rathole-server"))?;
+    tether_test_support::wait_accepting(control, Duration::from_secs(10), "the rathole server")
+        .await
+        .with_context(|| log_tail(hub, "bench-rathole-server"))?;
     let client = spawn("bench-rathole-client", "--client", &client_conf)?;
     // The client registers the service over the control channel after it started: ready when
     // a byte goes through to the target and back (target mode `P`: one byte back).

@@ -122,18 +122,9 @@ pub async fn start(hub: &Hub, target: SocketAddr) -> anyhow::Result<Result<SshPe
     let mut cmd = Command::new(&sshd_exe);
     cmd.args(["-D", "-e", "-f"]).arg(&config);
     let sshd = Child::spawn("bench-sshd", cmd, hub.path())?;
-    tether_test_support::wait_until_async(
-        Duration::from_secs(10),
-        &format!("sshd listening on {listen}"),
-        || async move {
-            tokio::net::TcpStream::connect(listen)
-                .await
-                .ok()
-                .map(|_| ())
-        },
-    )
-    .await
-    .with_context(|| log_tail(hub, "bench-sshd"))?;
+    tether_test_support::wait_accepting(listen, Duration::from_secs(10), "sshd")
+        .await
+        .with_context(|| log_tail(hub, "bench-sshd"))?;
     let mut cmd = Command::new("ssh");
     // `-tt` + a command (not `-N`): an interactive session, for which both ssh and sshd set
     // TCP_NODELAY on the SSH connection (sshd sets it only for sessions with a pty).
@@ -164,24 +155,15 @@ pub async fn start(hub: &Hub, target: SocketAddr) -> anyhow::Result<Result<SshPe
         .arg(format!("{user}@127.0.0.1"))
         .args(["exec", "sleep", "2147483647"]);
     let client = Child::spawn("bench-ssh", cmd, hub.path())?;
-    tether_test_support::wait_until_async(
-        Duration::from_secs(15),
-        &format!("ssh -R forward listening on {forward}"),
-        || async move {
-            tokio::net::TcpStream::connect(forward)
-                .await
-                .ok()
-                .map(|_| ())
-        },
-    )
-    .await
-    .with_context(|| {
-        format!(
-            "{}; {}",
-            log_tail(hub, "bench-ssh"),
-            log_tail(hub, "bench-sshd")
-        )
-    })?;
+    tether_test_support::wait_accepting(forward, Duration::from_secs(15), "the ssh -R forward")
+        .await
+        .with_context(|| {
+            format!(
+                "{}; {}",
+                log_tail(hub, "bench-ssh"),
+                log_tail(hub, "bench-sshd")
+            )
+        })?;
     Ok(Ok(SshPeer {
         sshd,
         client,
