@@ -1216,8 +1216,23 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
 
     let mut table = Table::default();
 
-    // Throughput, 1 and 8 streams.
-    for (section, streams, goal) in [("tput1", 1usize, 0.35), ("tput8", 8, 0.4)] {
+    // product.md's "close to the floor": the tunnel's hops within this factor of the relay
+    // floor's two processes plus one AES-GCM encryption and decryption per byte.
+    const FLOOR_FACTOR: f64 = 1.15;
+    let tput_floor = if setup.wants("tput1") || setup.wants("tput8") {
+        let f = clients::measure_tls_floor(&hub).await?;
+        println!(
+            "  throughput: TLS floor (one AES-GCM seal and open per byte, rustls in memory) {f:.3} CPU-s/GB"
+        );
+        f
+    } else {
+        0.0
+    };
+
+    // Throughput, 1 and 8 streams; the fraction of direct is shown, not judged (product.md: on
+    // two cores the loopback figures are CPU-bound, so the targets are against peers and the
+    // floor measured in the same run).
+    for (section, streams) in [("tput1", 1usize), ("tput8", 8)] {
         if !setup.wants(section) {
             continue;
         }
@@ -1313,6 +1328,9 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         let ahead = ran
             .iter()
             .all(|i| median(&vs_peer[*i]) >= 1.0 && per_gb(Via::Tunnel, 1) <= per_gb(PEERS[*i], 1));
+        // Close to the floor: the hops' CPU per GB against the relays' plus the TLS floor.
+        let floor = per_gb(Via::Relay, 1) + tput_floor;
+        let vs_floor = per_gb(Via::Tunnel, 1) / floor;
         table.add(Row {
             what: format!(
                 "throughput, {streams} stream{}",
@@ -1326,7 +1344,10 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
                 None => gbit(mean(&rates[PEERS[i] as usize])),
             }),
             result: format!("{ratio:.2}×{}; {cpu_tunnel}", range_note(&vs_direct)),
-            vs_relay: format!("{ratio_relay:.2}×{}; {cpu_relay}", range_note(&vs_relay)),
+            vs_relay: format!(
+                "{ratio_relay:.2}×{}; {cpu_relay}; broker+agent {vs_floor:.2}× relays + TLS floor ({floor:.2})",
+                range_note(&vs_relay)
+            ),
             vs_peers: std::array::from_fn(|i| {
                 if vs_peer[i].is_empty() {
                     String::new()
@@ -1340,9 +1361,9 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
                 }
             }),
             target: format!(
-                "≥ {goal}× direct, ahead of every encrypted peer (tput and hop CPU-s/GB)"
+                "ahead of every encrypted peer (tput and hop CPU-s/GB); broker+agent CPU-s/GB ≤ {FLOOR_FACTOR}× relays + TLS floor"
             ),
-            ok: Some(ratio >= goal && ahead),
+            ok: Some(ahead && vs_floor <= FLOOR_FACTOR),
         });
     }
 

@@ -281,20 +281,7 @@ pub async fn section(
     let down = measure(&clients, setup, Direction::Download, &cpu).await?;
     drop((forward_proc, forward_plain_proc));
     drop((relay_proc, plain_relay_proc));
-    let floor = tokio::task::spawn_blocking({
-        let (ca, leaf) = (
-            hub.pki.ca_path(),
-            hub.pki.issue(
-                "bench-tls-floor",
-                tether_tls::Identity::Hub {
-                    component: "bench-tls-floor".into(),
-                },
-                &["localhost"],
-            )?,
-        );
-        move || tls_floor(&ca, &leaf, FLOOR_SECS)
-    })
-    .await??;
+    let floor = measure_tls_floor(hub).await?;
     println!("  clients: client-side TLS floor (rustls in memory) {floor:.3} CPU-s/GB");
 
     let per_gb = |p: usize, si: usize| cpu_s[p][si] / gb[p][si];
@@ -597,6 +584,23 @@ fn floors_row(floor: f64, per_gb: &dyn Fn(usize, usize) -> f64, rate: &[[Vec<f64
         ok: Some(ok),
         ..Row::default()
     }
+}
+
+/// [`tls_floor`] with a leaf from `hub`'s CA, on a blocking thread: one AES-GCM encryption and
+/// one decryption per byte, as rustls does them, in CPU-s/GB. The client paths judge TLS against
+/// it; the throughput rows judge the tunnel's hops against the relay floor plus it.
+pub(super) async fn measure_tls_floor(hub: &Hub) -> anyhow::Result<f64> {
+    let (ca, leaf) = (
+        hub.pki.ca_path(),
+        hub.pki.issue(
+            "bench-tls-floor",
+            tether_tls::Identity::Hub {
+                component: "bench-tls-floor".into(),
+            },
+            &["localhost"],
+        )?,
+    );
+    tokio::task::spawn_blocking(move || tls_floor(&ca, &leaf, FLOOR_SECS)).await?
 }
 
 /// Seconds of data through the in-memory TLS pair.
