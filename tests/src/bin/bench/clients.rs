@@ -211,12 +211,13 @@ fn proxy_connect(
     Ok((child, addr))
 }
 
-/// Runs the section; one row per path.
+/// Runs the section; one row per path. `floor`: [`measure_tls_floor`]'s figure for this run.
 pub async fn section(
     hub: &Hub,
     broker: &Broker,
     setup: &Setup,
     other_pids: &[u32],
+    floor: f64,
 ) -> anyhow::Result<Vec<Row>> {
     let ca_pem = std::fs::read_to_string(hub.pki.ca_path()).context("hub CA")?;
     let sdk = |endpoint: String| tether_client::DialerConfig {
@@ -281,8 +282,6 @@ pub async fn section(
     let down = measure(&clients, setup, Direction::Download, &cpu).await?;
     drop((forward_proc, forward_plain_proc));
     drop((relay_proc, plain_relay_proc));
-    let floor = measure_tls_floor(hub).await?;
-    println!("  clients: client-side TLS floor (rustls in memory) {floor:.3} CPU-s/GB");
 
     let per_gb = |p: usize, si: usize| cpu_s[p][si] / gb[p][si];
     let mut rows = Vec::new();
