@@ -46,6 +46,10 @@ fn broker_config_errors_name_the_field() -> anyhow::Result<()> {
     let s = setup()?;
     let cases: &[(&str, &str)] = &[
         ("tunnel:\n  max_frame_bytes: 10\n", "tunnel.max_frame_bytes"),
+        (
+            "tunnel:\n  tls_send_buffer_bytes: 100\n",
+            "tunnel.tls_send_buffer_bytes",
+        ),
         ("tunnel:\n  stream_windw_bytes: 10\n", "stream_windw_bytes"),
         ("dial_timeout: soon\n", "dial_timeout"),
         (

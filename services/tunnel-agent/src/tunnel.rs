@@ -174,6 +174,11 @@ pub async fn run_tunnel(
         }
     })
     .await?;
+    // A 256 KiB frame goes to the socket in one write, not in rustls's default 64 KiB pieces.
+    let mut tls = tls;
+    tls.get_mut()
+        .1
+        .set_buffer_limit(shared.settings.tls_send_buffer());
     if let Some(certificate) = tls.get_ref().1.peer_certificates().and_then(|c| c.first()) {
         let _ = events
             .send(TunnelEvent::Authenticated {

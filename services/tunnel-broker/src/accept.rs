@@ -96,6 +96,11 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
         .await
         .map_err(|_| AcceptError::Timeout(hs))?
         .map_err(|e| AcceptError::Tls(e.to_string()))?;
+    // A 256 KiB frame goes to the socket in one write, not in rustls's default 64 KiB pieces.
+    let mut tls = tls;
+    tls.get_mut()
+        .1
+        .set_buffer_limit(side.settings.tls_send_buffer());
     let alpn = tls.get_ref().1.alpn_protocol();
     let relay_v2 = alpn == Some(tether_tls::ALPN_RELAY_V2);
     if relay_v2 || alpn == Some(tether_tls::ALPN_RELAY) {
@@ -146,7 +151,6 @@ pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), Ac
     // The read-ahead below TLS counts received bytes for the adaptive receive window (see
     // tether_tunnel::window).
     let window = side.settings.adaptive_window();
-    let mut tls = tls;
     tls.get_mut().0.count_into(Arc::clone(&window));
     if tls.get_ref().1.alpn_protocol() == Some(tether_tls::ALPN_TUNNEL_V2) {
         let peer = Peer {

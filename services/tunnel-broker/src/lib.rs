@@ -463,7 +463,7 @@ async fn accept_client_tls(
     Option<auth::PeerCert>,
 )> {
     let _ = tcp.set_nodelay(true);
-    let tls = match tokio::time::timeout(timeout, acceptor.accept(tcp)).await {
+    let mut tls = match tokio::time::timeout(timeout, acceptor.accept(tcp)).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
             tracing::debug!(error = %e, "client TLS handshake failed");
@@ -471,6 +471,11 @@ async fn accept_client_tls(
         }
         Err(_) => return None,
     };
+    // Tunnel chunks (256 KiB) go to the socket whole, not in rustls's 64 KiB pieces; what a
+    // slow client leaves queued here is bounded by this, besides its stream's window.
+    tls.get_mut()
+        .1
+        .set_buffer_limit(Some(tether_tunnel::settings::DEFAULT_TLS_SEND_BUFFER));
     let peer = tls
         .get_ref()
         .1

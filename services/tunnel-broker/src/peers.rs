@@ -325,10 +325,14 @@ async fn open_peer(
         .map_err(|_| timeout("connect"))?
         .map_err(PeerConnectError::Connect)?;
     let _ = tcp.set_nodelay(true);
-    let stream = tokio::time::timeout(hs, TlsConnector::from(Arc::new(cfg)).connect(name, tcp))
+    let mut stream = tokio::time::timeout(hs, TlsConnector::from(Arc::new(cfg)).connect(name, tcp))
         .await
         .map_err(|_| timeout("TLS"))?
         .map_err(PeerConnectError::Handshake)?;
+    stream
+        .get_mut()
+        .1
+        .set_buffer_limit(settings.tls_send_buffer());
     let (tx, end) = tokio::sync::oneshot::channel();
     if stream.get_ref().1.alpn_protocol() == Some(tether_tls::ALPN_RELAY_V2) {
         let (m, driver, events) = mux::connect(

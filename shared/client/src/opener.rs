@@ -143,10 +143,14 @@ impl Opener {
                         Alpn::H2 => (&t.h2, "TLS handshake with"),
                         Alpn::Dial => (&t.dial, "TLS handshake (ALPN tether-dial/1) with"),
                     };
-                    let tls = connector
+                    let mut tls = connector
                         .connect(t.name.clone(), tcp)
                         .await
                         .map_err(|e| self.tls_failed(what, &e))?;
+                    // Large writes go to the socket whole, not in rustls's 64 KiB pieces.
+                    tls.get_mut()
+                        .1
+                        .set_buffer_limit(Some(tether_tunnel::settings::DEFAULT_TLS_SEND_BUFFER));
                     Box::new(tls)
                 }
                 None => Box::new(tcp),

@@ -29,6 +29,17 @@ pub const DEFAULT_SEND_BUFFER: usize = 1 << 20;
 pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default read size from sockets.
 pub const DEFAULT_READ_CHUNK: usize = 256 << 10;
+/// Room above one frame in the default TLS send buffer (record headers and tags of a frame
+/// are under 1 KiB; the rest lets a control frame join it).
+pub const TLS_SEND_BUFFER_SLACK: usize = 64 << 10;
+/// The TLS send buffer with the default frame size (see `tls_send_buffer_bytes`): what the
+/// broker's client TLS port and the SDK's connections use.
+pub const DEFAULT_TLS_SEND_BUFFER: usize = DEFAULT_MAX_FRAME as usize + TLS_SEND_BUFFER_SLACK;
+
+/// Smallest `tls_send_buffer_bytes`: one full TLS record and its overhead.
+pub const MIN_TLS_SEND_BUFFER: usize = 17 << 10;
+/// Largest `tls_send_buffer_bytes` (a bound on what one connection queues in rustls).
+pub const MAX_TLS_SEND_BUFFER: usize = 16 << 20;
 
 /// Tunnel HTTP/2 and liveness settings.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -47,6 +58,13 @@ pub struct TunnelSettings {
     pub max_concurrent_streams: u32,
     pub send_buffer_bytes: usize,
     pub read_chunk_bytes: usize,
+    /// Encrypted bytes rustls may queue for the socket of a tunnel or relay connection before
+    /// a write waits; unset: one `max_frame_bytes` frame plus [`TLS_SEND_BUFFER_SLACK`].
+    /// rustls's own default (64 KiB) cut every 256 KiB frame into four `writev` calls, each
+    /// waking the peer for a quarter of a frame; with room for a whole frame it goes out in
+    /// one (broker+agent CPU-s/GB 10–15 % lower, docs/benchmarks.md). It is also what waits
+    /// in user space ahead of a later frame while the socket is full, so it stays near a frame.
+    pub tls_send_buffer_bytes: Option<usize>,
     /// Interval between HTTP/2 PINGs.
     #[serde(with = "humantime_serde")]
     pub keepalive_interval: Duration,
@@ -100,6 +118,7 @@ impl Default for TunnelSettings {
             max_concurrent_streams: DEFAULT_MAX_STREAMS,
             send_buffer_bytes: DEFAULT_SEND_BUFFER,
             read_chunk_bytes: DEFAULT_READ_CHUNK,
+            tls_send_buffer_bytes: None,
             keepalive_interval: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(5),
             write_stall_timeout: Duration::from_secs(120),
@@ -144,6 +163,14 @@ impl TunnelSettings {
         if self.read_chunk_bytes < 1024 {
             return Err((f("read_chunk_bytes"), "must be at least 1024".into()));
         }
+        if let Some(n) = self.tls_send_buffer_bytes
+            && !(MIN_TLS_SEND_BUFFER..=MAX_TLS_SEND_BUFFER).contains(&n)
+        {
+            return Err((
+                f("tls_send_buffer_bytes"),
+                format!("must be between {MIN_TLS_SEND_BUFFER} and {MAX_TLS_SEND_BUFFER}"),
+            ));
+        }
         if self.keepalive_interval.is_zero() || self.keepalive_timeout.is_zero() {
             return Err((
                 f("keepalive_interval"),
@@ -160,6 +187,15 @@ impl TunnelSettings {
             return Err((f("handshake_timeout"), "timeouts must be > 0".into()));
         }
         Ok(())
+    }
+
+    /// What rustls may queue for a tunnel's or relay's socket (`tls_send_buffer_bytes`), for
+    /// `set_buffer_limit` on the connection right after its handshake.
+    pub fn tls_send_buffer(&self) -> Option<usize> {
+        Some(
+            self.tls_send_buffer_bytes
+                .unwrap_or(self.max_frame_bytes as usize + TLS_SEND_BUFFER_SLACK),
+        )
     }
 
     /// The adaptive window state of one tunnel end.
