@@ -1236,8 +1236,9 @@ impl Driver {
         // Reads are large while data flows, small otherwise.
         let mut flowing = false;
         // Allocations of large DATA payloads, recycled once their stream has written them out
-        // (a fresh 256 KiB allocation per frame cost the agent page faults and allocator work:
-        // 4–5 % of its CPU on bulk data); released when a burst ends.
+        // (a fresh 256 KiB allocation per frame cost the agent page faults and allocator work);
+        // released with the large read buffer when a burst ends — at the first read that finds
+        // little, at the latest with the next keepalive PING or PONG.
         let pool = BufPool::new(LARGE_PAYLOAD_BUFFERS);
         // A large DATA frame whose payload is being read into an allocation of its own (at
         // least the payload's size): the stream's inbox keeps it without a copy and pins
