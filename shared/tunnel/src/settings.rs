@@ -37,7 +37,7 @@ pub const TLS_SEND_BUFFER_SLACK: usize = 64 << 10;
 pub const DEFAULT_TLS_SEND_BUFFER: usize = DEFAULT_MAX_FRAME as usize + TLS_SEND_BUFFER_SLACK;
 
 /// Default `tcp_notsent_lowat_bytes`: on an emulated 1 Gbit/s link it took a 64 B round trip
-/// under a bulk upload on the same tunnel from +14–26 ms to +4.3 ms over direct; 128 KiB
+/// under a bulk upload on the same tunnel from +25.7 ms to +4.3 ms over direct; 128 KiB
 /// (+2.2 ms) cost broker+agent 8–10 % more CPU per GB on loopback bulk, 512 KiB nothing
 /// measurable (docs/benchmarks.md).
 pub const DEFAULT_TCP_NOTSENT_LOWAT: u32 = 512 << 10;
