@@ -494,7 +494,6 @@ async fn connect_transport(
     })
     .await?;
     let _ = s.set_nodelay(true);
-    shared.settings.limit_unsent(&s);
     Ok(Box::new(s))
 }
 
