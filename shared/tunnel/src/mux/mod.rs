@@ -1261,6 +1261,12 @@ impl Driver {
                 if buf.len() < need {
                     if h.kind == Kind::Data && h.len >= COPY_BELOW {
                         let mut own = pool.take(h.len);
+                        if own.capacity() > 2 * h.len {
+                            // A recycled buffer far larger than this payload would sit whole in
+                            // the stream's inbox, whose bound (the window) counts bytes, not
+                            // allocations: a small payload gets an allocation of its size.
+                            own = Vec::with_capacity(h.len);
+                        }
                         own.reserve_exact(h.len);
                         own.extend_from_slice(&buf[HEADER_LEN..]);
                         buf.clear();
