@@ -845,7 +845,8 @@ async fn a_dialer_whose_connection_broke_dials_on_a_new_one() -> anyhow::Result<
 
 /// `Dialer::connect` fails with what is wrong: a broker certificate from another CA, a name the
 /// certificate does not carry (both `Certificate` errors, after one handshake: HTTP/2 is not
-/// tried after them), a CA bundle that is not PEM, nothing listening.
+/// tried after them), a CA bundle that is not PEM, nothing listening, a listener that hangs
+/// up before the TLS handshake (both `Unreachable`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dialer_connect_errors_name_what_is_wrong() -> anyhow::Result<()> {
     let hub = Hub::new()?;
@@ -910,6 +911,34 @@ async fn dialer_connect_errors_name_what_is_wrong() -> anyhow::Result<()> {
         e.contains("TCP connect") && e.contains(&closed.to_string()),
         "{e}"
     );
+
+    // A listener that closes each connection before the TLS handshake is answered (a broker
+    // closing its listener as its drain begins resets what is in its backlog): not reached,
+    // as when nothing listens, and not a certificate problem; HTTP/2 is not tried after it.
+    let closing = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let closing_addr = closing.local_addr()?;
+    let closer = tokio::spawn(async move {
+        let mut n = 0u32;
+        while let Ok((s, _)) = closing.accept().await {
+            n += 1;
+            drop(s);
+        }
+        n
+    });
+    let mut hanging_up = cfg(ca.clone(), "localhost");
+    hanging_up.endpoint = format!("https://{closing_addr}");
+    match Dialer::connect(hanging_up).await {
+        Err(e @ ClientError::Unreachable(_)) => {
+            let e = e.to_string();
+            assert!(
+                e.contains("TLS handshake") && e.contains(&closing_addr.to_string()),
+                "{e}"
+            );
+        }
+        Err(e) => panic!("a connection closed before the TLS handshake: {e:?}"),
+        Ok(_) => panic!("connected to a listener that hangs up"),
+    }
+    closer.abort();
 
     // The right CA and name still connect.
     Dialer::connect(cfg(ca, "localhost")).await?;

@@ -117,6 +117,13 @@ async fn serve_stream(broker: Arc<Broker>, peer: Arc<Option<PeerCert>>, incoming
         send,
         recv,
     } = incoming;
+    if broker.draining.is_cancelled() {
+        // The OPEN crossed the GOAWAY: not processed, so the client opens it on another
+        // connection (another broker) instead of failing it, as HTTP/2's REFUSED_STREAM.
+        tracing::debug!("tether-dial stream refused unprocessed: the broker is draining");
+        responder.refuse("the broker is draining");
+        return;
+    }
     let stream_id = broker.next_stream_id();
     let span = crate::grpc::stream_span(
         stream_id,
@@ -135,6 +142,15 @@ async fn serve_stream(broker: Arc<Broker>, peer: Arc<Option<PeerCert>>, incoming
             crate::grpc::dial_recorded(&broker, &client, &target, stream_id, timeout).await
         }
         .await;
+        if let Err(e) = &opened
+            && e.kind == DialErrorKind::NoTunnel
+            && broker.draining.is_cancelled()
+        {
+            // The drain began during the lookup (its tunnels take no new streams): nothing
+            // was dialled, so the client may still take the stream elsewhere.
+            responder.refuse("the broker is draining");
+            return;
+        }
         let Some(OpenStream {
             send: to_tunnel,
             recv: from_tunnel,

@@ -134,8 +134,9 @@ pub enum ClientError {
     Endpoint { endpoint: String, reason: String },
     #[error("cannot connect to broker: {0}")]
     Connect(String),
-    /// The broker could not be reached: its TCP connect failed, or the connection was not up
-    /// within the connect timeout.
+    /// The broker could not be reached: its TCP connect failed, the connection was reset or
+    /// closed before its TLS handshake got an answer (a broker closing its listener), or the
+    /// connection was not up within the connect timeout.
     #[error("cannot reach broker: {0}")]
     Unreachable(String),
     /// The TLS handshake failed over a certificate: the broker's was not accepted (CA, name,

@@ -100,21 +100,31 @@ impl Opener {
         ClientError::Connect(self.describe(what, e))
     }
 
-    /// [`Self::fail`] for a broker that could not be reached at all (TCP, or the timeout).
+    /// [`Self::fail`] for a broker that could not be reached at all (TCP, a connection closed
+    /// before the TLS handshake got an answer, or the timeout).
     fn unreachable(&self, what: &str, e: &dyn std::fmt::Display) -> ClientError {
         ClientError::Unreachable(self.describe(what, e))
     }
 
     /// A failed TLS handshake: [`ClientError::Certificate`] when a certificate was the reason
-    /// (ours verifying the broker's, or the broker's alert about ours), else
-    /// [`ClientError::Connect`] (an older broker may refuse `tether-dial/1`'s ALPN and still
-    /// speak HTTP/2).
+    /// (ours verifying the broker's, or the broker's alert about ours);
+    /// [`ClientError::Unreachable`] when the connection was reset or closed before the broker
+    /// said anything (a broker closing its listener as its drain begins: a connection still in
+    /// the backlog is reset); else [`ClientError::Connect`] (an older broker may refuse
+    /// `tether-dial/1`'s ALPN, with an alert, and still speak HTTP/2).
     fn tls_failed(&self, what: &str, e: &std::io::Error) -> ClientError {
+        use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
         let tls = e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>());
-        if tls.is_some_and(is_certificate_error) {
-            ClientError::Certificate(self.describe(what, e))
-        } else {
-            self.fail(what, e)
+        match tls {
+            Some(t) if is_certificate_error(t) => ClientError::Certificate(self.describe(what, e)),
+            None if matches!(
+                e.kind(),
+                ConnectionReset | ConnectionAborted | UnexpectedEof | BrokenPipe
+            ) =>
+            {
+                self.unreachable(what, e)
+            }
+            _ => self.fail(what, e),
         }
     }
 

@@ -943,6 +943,13 @@ impl Responder {
             &frame::encode_open_err(kind_label, message),
         ))
     }
+
+    /// Not processed (nothing dialled): the opener sees [`OpenError::NotTaken`] and may open
+    /// the stream elsewhere — what a closing peer answers to an `OPEN` that crossed its
+    /// GOAWAY.
+    pub fn refuse(self, reason: &str) {
+        self.stream.reset(ResetCode::Refused, reason);
+    }
 }
 
 impl SendHalf {

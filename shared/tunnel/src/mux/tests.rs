@@ -65,6 +65,10 @@ async fn echo(inc: Incoming) {
     if open.target.starts_with("silent:") {
         std::future::pending::<()>().await;
     }
+    if let Some(why) = open.target.strip_prefix("refuse:") {
+        responder.refuse(why);
+        return;
+    }
     responder.ok().await.unwrap();
     if open.target.starts_with("stall:") {
         std::future::pending::<()>().await;
@@ -224,6 +228,38 @@ async fn goaway_refuses_new_streams_and_a_lost_connection_fails_open_ones() {
     let r = tokio::time::timeout(DEADLINE, rx.data()).await.unwrap();
     let e = r.expect("an outcome").expect_err("lost");
     assert!(matches!(e, AbortReason::Tunnel(_)), "{e:?}");
+}
+
+/// An `OPEN` its handler refuses (a closing broker's answer to one that crossed its GOAWAY)
+/// is `NotTaken` at the opener, with the reason, and leaves no stream behind on either end;
+/// the connection takes the next stream.
+#[tokio::test]
+async fn a_refused_open_is_not_taken_and_leaves_nothing_open() {
+    let (broker, agent, _ev) = pair(1 << 20).await;
+    let e = tokio::time::timeout(
+        DEADLINE,
+        broker.open(&open("refuse:the broker is draining"), &Bytes::new()),
+    )
+    .await
+    .unwrap()
+    .err()
+    .unwrap();
+    match &e {
+        OpenError::NotTaken(why) => assert!(why.contains("the broker is draining"), "{why}"),
+        other => panic!("expected NotTaken, got {other:?}"),
+    }
+    assert!(
+        wait_until(|| broker.open_streams() == 0 && agent.open_streams() == 0).await,
+        "refused stream forgotten: broker {} agent {}",
+        broker.open_streams(),
+        agent.open_streams()
+    );
+    let (mut tx, mut rx) = broker
+        .open(&open("echo:after"), &Bytes::new())
+        .await
+        .unwrap();
+    tx.send(Bytes::from_static(b"next")).await.unwrap();
+    assert_eq!(read_n(&mut rx, 4).await, b"next");
 }
 
 #[tokio::test]
