@@ -820,13 +820,20 @@ impl Mux {
     }
 
     /// Sends a PING and waits for its PONG (the caller bounds the wait).
+    ///
+    /// The PING is written without waiting for the writer ([`Shared::write_now`]: what the
+    /// socket does not take now goes with the next writer or the flusher), so this future never
+    /// holds the writer while it waits. A keepalive future is pinned beside other work in a
+    /// tunnel's loop, and that loop awaits writes of its own (GOAWAY on shutdown): a PING
+    /// parked mid-write with the writer held would block them, and every other frame, until
+    /// the loop polled it again — a tunnel that stopped sending at the agent's SIGTERM while
+    /// its socket was full (seen with `TCP_NOTSENT_LOWAT`, where a full socket is common).
     pub async fn ping(&self) -> Result<(), AbortReason> {
         let payload = (self.shared.ping_seq.fetch_add(1, Ordering::Relaxed) + 1).to_be_bytes();
         let (tx, rx) = oneshot::channel();
         *self.shared.pong.lock().expect("pong") = Some((payload, tx));
         self.shared
-            .write(frame_bytes(Kind::Ping, 0, 0, &payload))
-            .await?;
+            .write_now([Piece::Buf(frame_bytes(Kind::Ping, 0, 0, &payload))])?;
         rx.await.map_err(|_| lost(&self.shared.closed_reason()))
     }
 
