@@ -21,7 +21,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use tether_tunnel::lingering::{LINGER_TIMEOUT, close_gracefully};
+use tether_tunnel::lingering::{LINGER_TIMEOUT, LingeringClose, close_gracefully};
 use tether_tunnel::pump::AbortableWrite;
 use tether_tunnel::pump::{AsyncChunkReader, ResettableWriteHalf, TcpChunkReader};
 use tether_tunnel::wire::DialErrorKind;
@@ -390,12 +390,15 @@ pub async fn serve_plain(
         .inc();
     let (stream, span) = match opened {
         Opened::Stream(stream, span) => (stream, span),
+        // Connections that end as a whole close lingering, as on the TLS port (`ClientTls`).
         Opened::H2c(read) => {
-            grpc.serve_connection(Rewound::new(read, tcp), None).await;
+            let io = LingeringClose::new(Rewound::new(read, tcp), LINGER_TIMEOUT);
+            grpc.serve_connection(io, None).await;
             return;
         }
         Opened::Dial(read) => {
-            crate::client_mux::serve(broker, Rewound::new(read, tcp), None).await;
+            let io = LingeringClose::new(Rewound::new(read, tcp), LINGER_TIMEOUT);
+            crate::client_mux::serve(broker, io, None).await;
             return;
         }
         Opened::Closed => return,
@@ -490,9 +493,9 @@ impl TcpBacked for TcpStream {
     }
 }
 
-impl TcpBacked for tokio_rustls::server::TlsStream<TcpStream> {
+impl TcpBacked for crate::ClientTls {
     fn tcp(&self) -> &TcpStream {
-        self.get_ref().0
+        self.get_ref().0.get_ref()
     }
 }
 
@@ -579,7 +582,7 @@ mod tests {
         ));
         let grpc = crate::grpc::GrpcFrontEnd::new(Arc::clone(&broker));
         let plain = future_size(|tcp: TcpStream| serve_plain(Arc::clone(&broker), &grpc, tcp));
-        let tls = future_size(|io: tokio_rustls::server::TlsStream<TcpStream>| {
+        let tls = future_size(|io: crate::ClientTls| {
             serve_tls(Arc::clone(&broker), io, None)
         });
         eprintln!("plain-port connection future {plain} B, TLS CONNECT {tls} B");

@@ -54,6 +54,7 @@ use actix::prelude::*;
 use prometheus::Registry as PromRegistry;
 use tether_telemetry::{AdminServer, Readiness};
 use tether_tls::TlsMaterial;
+use tether_tunnel::lingering::LingeringClose;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
@@ -231,7 +232,8 @@ pub async fn run(
                 move |tcp| {
                     let (acceptor, front) = (acceptor.clone(), front.clone());
                     async move {
-                        if let Some((tls, peer)) = accept_client_tls(&acceptor, tcp, hs).await {
+                        if let Some((mut tls, peer)) = accept_client_tls(&acceptor, tcp, hs).await {
+                            tls.get_mut().0.arm();
                             front.serve_connection(tls, peer).await;
                         }
                     }
@@ -360,7 +362,8 @@ pub async fn run(
                     let broker = Arc::clone(&broker);
                     let grpc = grpc.clone();
                     async move {
-                        let Some((tls, peer)) = accept_client_tls(&acceptor, tcp, hs).await else {
+                        let Some((mut tls, peer)) = accept_client_tls(&acceptor, tcp, hs).await
+                        else {
                             return;
                         };
                         let alpn = tls.get_ref().1.alpn_protocol();
@@ -374,6 +377,11 @@ pub async fn run(
                             .client_connections
                             .with_label_values(&["tls", protocol])
                             .inc();
+                        if protocol != "http1" {
+                            // A CONNECT stream (HTTP/1.1) half-closes inside its relay: its
+                            // shutdown must not linger (it would discard the client's bytes).
+                            tls.get_mut().0.arm();
+                        }
                         match protocol {
                             "h2" => grpc.serve_connection(tls, peer).await,
                             "http1" => connect::serve_tls(broker, tls, peer).await,
@@ -453,16 +461,21 @@ pub async fn run(
     Ok(())
 }
 
-/// A client TLS handshake (bounded by `timeout`) and the verified client certificate, if any.
+/// A client connection's TLS stream: over a transport whose close lingers once armed
+/// ([`tether_tunnel::lingering`]) — for connections that end as a whole (HTTP/2, HTTP/1.1 of the
+/// service proxy, `tether-dial/1`), so that a GOAWAY and the last bytes are not destroyed by a
+/// reset when the client still sends (PING acks, WINDOW_UPDATEs) as the broker closes.
+pub(crate) type ClientTls = tokio_rustls::server::TlsStream<LingeringClose<tokio::net::TcpStream>>;
+
+/// A client TLS handshake (bounded by `timeout`) and the verified client certificate, if any;
+/// the transport's lingering close is not armed yet (see [`ClientTls`]).
 async fn accept_client_tls(
     acceptor: &TlsAcceptor,
     tcp: tokio::net::TcpStream,
     timeout: Duration,
-) -> Option<(
-    tokio_rustls::server::TlsStream<tokio::net::TcpStream>,
-    Option<auth::PeerCert>,
-)> {
+) -> Option<(ClientTls, Option<auth::PeerCert>)> {
     let _ = tcp.set_nodelay(true);
+    let tcp = LingeringClose::disarmed(tcp, tether_tunnel::lingering::LINGER_TIMEOUT);
     let mut tls = match tokio::time::timeout(timeout, acceptor.accept(tcp)).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {

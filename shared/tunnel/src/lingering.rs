@@ -36,6 +36,8 @@ pub struct LingeringClose<T> {
     inner: T,
     timeout: Duration,
     state: Close,
+    /// Off: `poll_shutdown` is the inner transport's, no more (see [`LingeringClose::disarmed`]).
+    armed: bool,
 }
 
 #[derive(Debug)]
@@ -53,7 +55,24 @@ impl<T> LingeringClose<T> {
             inner,
             timeout,
             state: Close::Open,
+            armed: true,
         }
+    }
+
+    /// Wraps `inner` without lingering until [`LingeringClose::arm`]: for a listener whose
+    /// connections learn their protocol after the wrapper is in place (TLS ALPN) — a
+    /// connection's end lingers, but a half-close inside a relayed byte stream (CONNECT) must
+    /// not start discarding what the peer still sends.
+    pub fn disarmed(inner: T, timeout: Duration) -> Self {
+        Self {
+            armed: false,
+            ..Self::new(inner, timeout)
+        }
+    }
+
+    /// A shutdown from now on lingers.
+    pub fn arm(&mut self) {
+        self.armed = true;
     }
 
     pub fn get_ref(&self) -> &T {
@@ -76,6 +95,9 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for LingeringClose<T> {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if !this.armed {
+            return Pin::new(&mut this.inner).poll_shutdown(cx);
+        }
         loop {
             match &mut this.state {
                 Close::Open => {
@@ -158,6 +180,36 @@ mod tests {
             lingered < timeout,
             "ended by the peer's EOF, not the timeout"
         );
+    }
+
+    /// Disarmed, a shutdown is the FIN alone: the peer's bytes sent after it stay readable
+    /// (a half-closed relay still reads them); armed later, the connection's end lingers.
+    #[tokio::test]
+    async fn a_disarmed_shutdown_keeps_reading_to_the_caller_until_armed() {
+        let (a, mut b) = pair().await;
+        let mut a = LingeringClose::disarmed(a, Duration::from_secs(30));
+        tokio::time::timeout(Duration::from_secs(10), a.shutdown())
+            .await
+            .expect("a disarmed shutdown does not wait for the peer")
+            .unwrap();
+        let mut eof = [0u8; 1];
+        assert_eq!(b.read(&mut eof).await.unwrap(), 0, "the FIN arrived");
+        b.write_all(b"after the half-close").await.unwrap();
+        let mut got = [0u8; 20];
+        a.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"after the half-close");
+        a.arm();
+        b.write_all(&[9u8; 10_000]).await.unwrap();
+        let closer = tokio::spawn(async move { a.shutdown().await });
+        // Armed: it discards what the peer still sends and waits for its EOF.
+        b.write_all(&[9u8; 10_000]).await.unwrap();
+        assert!(!closer.is_finished(), "an armed shutdown lingers");
+        drop(b);
+        tokio::time::timeout(Duration::from_secs(10), closer)
+            .await
+            .expect("ends at the peer's EOF")
+            .unwrap()
+            .unwrap();
     }
 
     /// A peer that never closes costs at most the timeout.
