@@ -50,6 +50,10 @@ fn broker_config_errors_name_the_field() -> anyhow::Result<()> {
             "tunnel:\n  tls_send_buffer_bytes: 100\n",
             "tunnel.tls_send_buffer_bytes",
         ),
+        (
+            "tunnel:\n  tcp_notsent_lowat_bytes: 100\n",
+            "tunnel.tcp_notsent_lowat_bytes",
+        ),
         ("tunnel:\n  stream_windw_bytes: 10\n", "stream_windw_bytes"),
         ("dial_timeout: soon\n", "dial_timeout"),
         (

@@ -494,6 +494,7 @@ async fn connect_transport(
     })
     .await?;
     let _ = s.set_nodelay(true);
+    shared.settings.limit_unsent(&s);
     Ok(Box::new(s))
 }
 

@@ -85,6 +85,7 @@ impl AcceptError {
 /// new [`TunnelActor`]) or, with ALPN `tether-relay/1`, a peer broker's relay connection.
 pub async fn accept_agent(side: Arc<AgentSide>, tcp: TcpStream) -> Result<(), AcceptError> {
     let _ = tcp.set_nodelay(true);
+    side.settings.limit_unsent(&tcp);
     let hs = side.settings.handshake_timeout;
     // rustls asks its transport for a few KiB per read; reading the socket in 64 KiB pieces
     // (a buffer held only while data flows) cuts the `recv` calls ~4×.

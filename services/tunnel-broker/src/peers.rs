@@ -325,6 +325,7 @@ async fn open_peer(
         .map_err(|_| timeout("connect"))?
         .map_err(PeerConnectError::Connect)?;
     let _ = tcp.set_nodelay(true);
+    settings.limit_unsent(&tcp);
     let mut stream = tokio::time::timeout(hs, TlsConnector::from(Arc::new(cfg)).connect(name, tcp))
         .await
         .map_err(|_| timeout("TLS"))?

@@ -32,6 +32,10 @@ pub struct InnerArgs {
     pub tunnel: Option<String>,
 }
 
+/// Set (to anything) in the environment: the 64 B round trips run while a bulk upload fills
+/// the same path (inherited by the inner process through `ip netns exec`).
+pub const RR_UNDER_LOAD: &str = "TETHER_WAN_RR_UNDER_LOAD";
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Via {
     Direct,
@@ -199,9 +203,33 @@ async fn scenario(a: &InnerArgs) -> anyhow::Result<()> {
     }
     let mut samples = [Vec::new(), Vec::new()];
     let rr_limit = Duration::from_secs(30) + a.rtt * (per_path as u32 * 2);
+    let under_load = std::env::var_os(RR_UNDER_LOAD).is_some();
     for block in 0..blocks {
         for via in order(block) {
             let n = per_path.div_ceil(blocks);
+            if under_load {
+                // The same round trips while a bulk upload on a second stream of the same path
+                // fills its queues (primed for 0.5 s); at most 100 per block, each may take
+                // the queue's time.
+                let n = n.min(100);
+                let mut bulk = ends.open(via).await?;
+                bulk.write_all(b"S").await?;
+                let buf = vec![0u8; BUF];
+                let prime = Instant::now() + Duration::from_millis(500);
+                while Instant::now() < prime {
+                    bulk.write_all(&buf).await?;
+                }
+                let rr = request_response(&mut socks[via as usize], n, &mut samples[via as usize]);
+                tokio::pin!(rr);
+                loop {
+                    tokio::select! {
+                        r = &mut rr => { r?; break; }
+                        w = bulk.write_all(&buf) => { w?; }
+                    }
+                }
+                drop(bulk);
+                continue;
+            }
             tokio::time::timeout(
                 rr_limit,
                 request_response(&mut socks[via as usize], n, &mut samples[via as usize]),

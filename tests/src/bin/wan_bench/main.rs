@@ -373,7 +373,15 @@ fn print_tables(outcomes: &[(&Scenario, Outcome)]) {
         let rr = &r["rr"];
         let (d, tu) = (f(&rr["direct_p50_us"]), f(&rr["tunnel_p50_us"]));
         t.add(vec![
-            format!("{}: 64 B request/response p50", sc.name),
+            format!(
+                "{}: 64 B request/response p50{}",
+                sc.name,
+                if std::env::var_os(inner::RR_UNDER_LOAD).is_some() {
+                    ", under a bulk upload"
+                } else {
+                    ""
+                }
+            ),
             us(d),
             us(tu),
             format!(
