@@ -582,9 +582,7 @@ mod tests {
         ));
         let grpc = crate::grpc::GrpcFrontEnd::new(Arc::clone(&broker));
         let plain = future_size(|tcp: TcpStream| serve_plain(Arc::clone(&broker), &grpc, tcp));
-        let tls = future_size(|io: crate::ClientTls| {
-            serve_tls(Arc::clone(&broker), io, None)
-        });
+        let tls = future_size(|io: crate::ClientTls| serve_tls(Arc::clone(&broker), io, None));
         eprintln!("plain-port connection future {plain} B, TLS CONNECT {tls} B");
         assert!(
             plain <= PLAIN_FUTURE_BYTES,
