@@ -233,7 +233,11 @@ pub async fn run(
                     let (acceptor, front) = (acceptor.clone(), front.clone());
                     async move {
                         if let Some((mut tls, peer)) = accept_client_tls(&acceptor, tcp, hs).await {
-                            tls.get_mut().0.arm();
+                            // HTTP/2 ends as a whole; an HTTP/1.1 connection may be upgraded
+                            // (exec, port-forward) into a byte stream that half-closes.
+                            if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
+                                tls.get_mut().0.arm();
+                            }
                             front.serve_connection(tls, peer).await;
                         }
                     }
@@ -462,9 +466,10 @@ pub async fn run(
 }
 
 /// A client connection's TLS stream: over a transport whose close lingers once armed
-/// ([`tether_tunnel::lingering`]) — for connections that end as a whole (HTTP/2, HTTP/1.1 of the
-/// service proxy, `tether-dial/1`), so that a GOAWAY and the last bytes are not destroyed by a
-/// reset when the client still sends (PING acks, WINDOW_UPDATEs) as the broker closes.
+/// ([`tether_tunnel::lingering`]) — for connections that end as a whole (HTTP/2, `tether-dial/1`),
+/// so that a GOAWAY and the last bytes are not destroyed by a reset when the client still sends
+/// (PING acks, WINDOW_UPDATEs) as the broker closes. Not for a CONNECT stream or an HTTP/1.1
+/// connection that may be upgraded: their half-close must not discard what the client sends.
 pub(crate) type ClientTls = tokio_rustls::server::TlsStream<LingeringClose<tokio::net::TcpStream>>;
 
 /// A client TLS handshake (bounded by `timeout`) and the verified client certificate, if any;
