@@ -200,10 +200,16 @@ mod tests {
         assert_eq!(&got, b"after the half-close");
         a.arm();
         b.write_all(&[9u8; 10_000]).await.unwrap();
-        let closer = tokio::spawn(async move { a.shutdown().await });
-        // Armed: it discards what the peer still sends and waits for its EOF.
+        let mut closer = tokio::spawn(async move { a.shutdown().await });
+        // Armed: it discards what the peer still sends and waits for its EOF — still waiting
+        // well after a disarmed shutdown (above) had returned.
         b.write_all(&[9u8; 10_000]).await.unwrap();
-        assert!(!closer.is_finished(), "an armed shutdown lingers");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), &mut closer)
+                .await
+                .is_err(),
+            "an armed shutdown lingers until the peer's EOF"
+        );
         drop(b);
         tokio::time::timeout(Duration::from_secs(10), closer)
             .await
