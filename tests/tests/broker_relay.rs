@@ -163,7 +163,7 @@ enum Drained {
 /// intact; a relayed stream that never finishes is cut at the drain deadline with a reset, not a
 /// clean EOF (no silent truncation); the broker exits within `drain_grace` plus its task
 /// deadline, and its drain reports every tracked task ended.
-async fn drain_with_live_relays(drained: Drained) -> anyhow::Result<()> {
+async fn drain_with_live_relays(drained: Drained, b2_config: &str) -> anyhow::Result<()> {
     // The hub's brokers drain for 10 s (`drain_grace`); then their tracked tasks get
     // `DEFAULT_TASK_DRAIN_DEADLINE` (5 s). Beyond that the process has not kept its deadline.
     const DRAIN_DEADLINE: Duration = Duration::from_secs(10 + 5);
@@ -171,7 +171,7 @@ async fn drain_with_live_relays(drained: Drained) -> anyhow::Result<()> {
     let echo = echo_server().await?;
     let source = endless_source().await?;
     let mut b1 = hub.start_broker("b1", "")?;
-    let mut b2 = hub.start_broker("b2", &peers_yaml(&b1))?;
+    let mut b2 = hub.start_broker("b2", &format!("{b2_config}{}", peers_yaml(&b1)))?;
     let agent = hub.start_agent("c1", "c1", &[vec![b1.agent_addr]], echo, "")?;
     wait_agent_ready(&agent).await?;
     wait_tunnel(&b1, "c1").await?;
@@ -208,6 +208,7 @@ async fn drain_with_live_relays(drained: Drained) -> anyhow::Result<()> {
         "b1 carries both streams as relays:\n{relays}"
     );
 
+    let (b1_admin, b2_client) = (b1.admin_addr, b2.client_addr);
     let (stopped, log) = match drained {
         Drained::Relaying => (&mut b2, "broker-b2.log"),
         Drained::TunnelHolder => (&mut b1, "broker-b1.log"),
@@ -218,6 +219,9 @@ async fn drain_with_live_relays(drained: Drained) -> anyhow::Result<()> {
     finite
         .wait_progress(2 << 20, "relayed echo moving during the drain")
         .await?;
+    if drained == Drained::TunnelHolder {
+        relay_skips_the_draining_holder(b1_admin, b2_client).await?;
+    }
     finite.finish().await?;
 
     // The endless stream is cut at the drain deadline: with a reset, never a clean EOF.
@@ -276,6 +280,47 @@ async fn drain_with_live_relays(drained: Drained) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Once b1 drains, a new dial for c1 at b2 is not processed by b1: b1 sent its relay links a
+/// GOAWAY (and refuses an `OPEN` that crossed it), so b2 answers at once that no tunnel is
+/// left, and b1 counts no relayed dial beyond the two it carries.
+async fn relay_skips_the_draining_holder(
+    b1_admin: std::net::SocketAddr,
+    b2_client: std::net::SocketAddr,
+) -> anyhow::Result<()> {
+    wait_until_async(
+        Duration::from_secs(10),
+        "b1 not ready (draining)",
+        || async {
+            let (status, _) = admin_get(b1_admin, "/readyz").await.ok()?;
+            (status != 200).then_some(())
+        },
+    )
+    .await?;
+    let relayed_dials = || async {
+        let (_, m) = admin_get(b1_admin, "/metrics").await?;
+        anyhow::Ok(sum_samples(
+            &m,
+            "tether_broker_dial_duration_seconds_count",
+            &[("frontend", "relay")],
+        ))
+    };
+    let before = relayed_dials().await?;
+    match connect(b2_client, "c1:443", Some(OPS_TOKEN)).await? {
+        Err((502, body)) => assert!(body.contains("no tunnel"), "{body}"),
+        other => panic!(
+            "a dial for c1 at b2 while b1 drains: expected 502, got {:?}",
+            other.map(|_| ())
+        ),
+    }
+    let after = relayed_dials().await?;
+    assert_eq!(
+        (before, after),
+        (2.0, 2.0),
+        "b1 processed a relayed dial after its drain began"
+    );
+    Ok(())
+}
+
 /// A target that sends forever, so a client is mid-read whenever its stream is cut.
 async fn endless_source() -> anyhow::Result<std::net::SocketAddr> {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -294,11 +339,19 @@ async fn endless_source() -> anyhow::Result<std::net::SocketAddr> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn draining_the_relaying_broker_ends_its_relayed_streams_within_the_deadline()
 -> anyhow::Result<()> {
-    drain_with_live_relays(Drained::Relaying).await
+    drain_with_live_relays(Drained::Relaying, "").await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn draining_the_tunnel_holder_ends_relayed_streams_within_the_deadline() -> anyhow::Result<()>
 {
-    drain_with_live_relays(Drained::TunnelHolder).await
+    drain_with_live_relays(Drained::TunnelHolder, "").await
+}
+
+/// As above with the relay link on HTTP/2 (`tether-relay/1`): the drain's GOAWAY is hyper's
+/// graceful shutdown, a dial that crosses it is refused with `REFUSED_STREAM`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draining_the_tunnel_holder_over_http2_relays_ends_them_within_the_deadline()
+-> anyhow::Result<()> {
+    drain_with_live_relays(Drained::TunnelHolder, H2).await
 }

@@ -419,8 +419,16 @@ pub async fn serve_relay<S>(
         broker.settings.keepalive_timeout,
     );
     tokio::pin!(keepalive);
+    let mut told_to_go = false;
     loop {
         tokio::select! {
+            // The drain began: GOAWAY, so the peer sends its next dials to another broker at
+            // once; the relayed streams open here finish within the drain grace.
+            () = broker.draining.cancelled(), if !told_to_go => {
+                told_to_go = true;
+                conn.graceful_shutdown();
+                tracing::debug!(peer = %peer_id, "relay connection told to go away: draining");
+            }
             req = conn.accept() => match req {
                 Some(Ok((req, respond))) => {
                     tokio::spawn(relay_request(Arc::clone(&broker), req, respond));
@@ -436,7 +444,8 @@ pub async fn serve_relay<S>(
 
 /// Serves a peer broker's `tether-relay/2` connection: each `OPEN` is answered from local
 /// tunnels ([`relay_open`]). Ends when the peer closes it, its keepalive fails, or `stop`
-/// (the end of this broker's drain) closes it.
+/// (the end of this broker's drain) closes it. When the drain begins the peer gets a `GOAWAY`:
+/// its next dials skip this broker without a round trip (its tunnels are draining too).
 pub async fn serve_relay_mux<S>(
     broker: Arc<Broker>,
     io: S,
@@ -469,10 +478,18 @@ pub async fn serve_relay_mux<S>(
         None,
         None,
     );
+    let go_away = async {
+        broker.draining.cancelled().await;
+        if conn.go_away("the broker is draining").await.is_ok() {
+            tracing::debug!(peer = %peer_id, "relay connection told to go away: draining");
+        }
+        std::future::pending::<()>().await
+    };
     let run = driver.run();
     tokio::pin!(run);
     tokio::select! {
         reason = &mut run => return tracing::info!(peer = %peer_id, %reason, "relay connection ended"),
+        () = go_away => {}
         e = keepalive => {
             tracing::info!(peer = %peer_id, error = %e, "relay peer unresponsive");
             conn.close(format!("keepalive: {e}"));
@@ -495,6 +512,12 @@ async fn relay_open(broker: Arc<Broker>, incoming: Incoming) {
         send,
         recv,
     } = incoming;
+    if broker.draining.is_cancelled() {
+        // The OPEN crossed the GOAWAY: not processed, so the peer tries another broker.
+        tracing::debug!("relay stream refused unprocessed: the broker is draining");
+        responder.refuse("the broker is draining");
+        return;
+    }
     let stream_id = broker.next_stream_id();
     let span = tracing::info_span!("relay_stream", stream = stream_id, cluster = %open.cluster, target = %open.target, origin_stream = open.tag);
     tether_telemetry::propagation::set_parent(
@@ -510,6 +533,14 @@ async fn relay_open(broker: Arc<Broker>, incoming: Incoming) {
             }
             Err(e) => Err(DialError::new(DialErrorKind::BadRequest, e.to_string())),
         };
+        if let Err(e) = &opened
+            && e.kind == DialErrorKind::NoTunnel
+            && broker.draining.is_cancelled()
+        {
+            // The drain began during the lookup: nothing was dialled, the peer may go on.
+            responder.refuse("the broker is draining");
+            return;
+        }
         let Some(crate::dial::OpenStream {
             send: to_tunnel,
             recv: from_tunnel,
@@ -534,7 +565,9 @@ async fn relay_request(
     req: Request<h2::RecvStream>,
     mut respond: SendResponse<Bytes>,
 ) {
-    if req.uri().path() != wire::PATH_DIAL {
+    if req.uri().path() != wire::PATH_DIAL || broker.draining.is_cancelled() {
+        // Not a dial, or one that crossed the drain's GOAWAY: refused unprocessed (for a dial,
+        // the peer tries another broker).
         respond.send_reset(h2::Reason::REFUSED_STREAM);
         return;
     }
