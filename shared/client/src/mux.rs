@@ -257,6 +257,9 @@ impl MuxOut {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         ready!(self.poll_drain(cx))?;
+        // A full socket holds the writer back here rather than its bytes being copied and
+        // queued (see `SendHalf::poll_writable`).
+        ready!(self.tx.poll_writable(cx)).map_err(aborted)?;
         let n =
             ready!(self.tx.poll_reserve(cx, buf.len().min(MAX_FRAME_BYTES))).map_err(aborted)?;
         // Straight from `buf` when the connection's writer is free; a copy only for what must

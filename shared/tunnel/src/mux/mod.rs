@@ -11,6 +11,12 @@
 //!   turns, one frame each). Frames that tasks without the lock must send (credits, pongs,
 //!   resets from `Drop`) go to a bounded control queue that the next writer, or the
 //!   connection's flusher (woken only then), writes.
+//! - **Send path of a caller that cannot await** (the SDK's `AsyncWrite`): it waits in
+//!   [`SendHalf::poll_writable`] until the writer is free with nothing queued, then writes its
+//!   frame straight from its buffer without waiting ([`SendHalf::send_reserved_from`]); only
+//!   what the socket does not take at once is copied and queued. A full socket therefore holds
+//!   such writers back as a socket of their own would (woken together when the queue empties),
+//!   instead of each copying its chunks into the queue up to its stream's window.
 //! - **Receive path, one hand-off.** The connection's reader decrypts and parses, and appends a
 //!   DATA frame's bytes to its stream's inbox (bounded by the stream's window: a peer that sends
 //!   beyond it gets the stream reset), waking the stream's task, which writes them to its
@@ -192,6 +198,10 @@ struct Shared {
     control: Mutex<OutQueue>,
     io: tokio::sync::Mutex<Io>,
     flush_wake: Notify,
+    /// Tasks waiting for the writer to be free with nothing queued before them
+    /// ([`SendHalf::poll_writable`]), woken all at once by the writer that leaves the queue
+    /// empty (or by the connection's end). At most one waker per waiting task.
+    writable: Mutex<Vec<Waker>>,
     streams: Mutex<Streams>,
     /// The peer's receive window for each stream (our initial send credit).
     peer_window: AtomicU32,
@@ -343,6 +353,7 @@ where
             pending: VecDeque::new(),
         }),
         flush_wake: Notify::new(),
+        writable: Mutex::new(Vec::new()),
         streams: Mutex::new(Streams {
             map: HashMap::new(),
             next_id: 1,
@@ -433,6 +444,64 @@ impl Shared {
         if let Some((_, tx)) = self.pong.lock().expect("pong").take() {
             drop(tx);
         }
+        self.wake_writable();
+    }
+
+    /// Wakes the tasks waiting in [`SendHalf::poll_writable`]: called by every writer that
+    /// lets go of the writer with nothing left queued, and when the connection ends.
+    fn wake_writable(&self) {
+        let waiting = {
+            let mut w = self.writable.lock().expect("writable");
+            if w.is_empty() {
+                return;
+            }
+            std::mem::take(&mut *w)
+        };
+        for w in waiting {
+            w.wake();
+        }
+    }
+
+    /// Whether a frame written now goes straight to the socket: the writer is free and nothing
+    /// waits before it.
+    fn writer_free(&self) -> bool {
+        let free = self.io.try_lock().is_ok_and(|io| io.pending.is_empty());
+        if free {
+            // This probe held the writer for a moment: another task's probe may have found it
+            // busy then and be waiting for a writer to let go.
+            self.wake_writable();
+        }
+        free && self
+            .control
+            .lock()
+            .expect("control queue")
+            .pieces
+            .is_empty()
+    }
+
+    /// Ready once [`Self::writer_free`]; else registers `cx` to be woken when it may be.
+    fn poll_writable(&self, cx: &mut Context<'_>) -> Poll<Result<(), AbortReason>> {
+        if self.closed.is_cancelled() {
+            return Poll::Ready(Err(lost(&self.closed_reason())));
+        }
+        if self.writer_free() {
+            return Poll::Ready(Ok(()));
+        }
+        {
+            let mut waiting = self.writable.lock().expect("writable");
+            if !waiting.iter().any(|w| w.will_wake(cx.waker())) {
+                waiting.push(cx.waker().clone());
+            }
+        }
+        // Registered first, then checked again: a writer that let go in between is seen here
+        // (the waker stays registered: one spurious wake-up at most).
+        if self.closed.is_cancelled() {
+            return Poll::Ready(Err(lost(&self.closed_reason())));
+        }
+        if self.writer_free() {
+            return Poll::Ready(Ok(()));
+        }
+        Poll::Pending
     }
 
     fn closed_reason(&self) -> String {
@@ -471,6 +540,10 @@ impl Shared {
             let mut guard = FlushOnDrop(self, false);
             let r = flush(&mut io).await;
             guard.1 = true;
+            drop(io);
+            if r.is_ok() {
+                self.wake_writable();
+            }
             r
         };
         let r = tokio::select! {
@@ -560,6 +633,18 @@ impl Shared {
             return Ok(());
         };
         self.take_control(&mut io);
+        if !io.pending.is_empty() {
+            // Frames wait before this one (queued while the writer was busy): out with them
+            // first, so this one may still go straight from the caller's buffer.
+            let flushed = {
+                let flushing = flush(&mut io);
+                std::pin::pin!(flushing).poll(&mut Context::from_waker(Waker::noop()))
+            };
+            if let Poll::Ready(Err(e)) = flushed {
+                drop(io);
+                return Err(self.write_failed(&e));
+            }
+        }
         let written = if io.pending.is_empty() {
             match write_direct(&mut io, &head, data) {
                 Ok(n) => n,
@@ -609,7 +694,10 @@ impl Shared {
         };
         drop(io);
         match polled {
-            Poll::Ready(Ok(())) => Ok(()),
+            Poll::Ready(Ok(())) => {
+                self.wake_writable();
+                Ok(())
+            }
             Poll::Ready(Err(e)) => Err(self.write_failed(&e)),
             Poll::Pending => {
                 self.flush_wake.notify_one();
@@ -984,6 +1072,17 @@ impl SendHalf {
     ) -> Poll<Result<usize, AbortReason>> {
         let max = self.stream.conn.cfg.max_frame_bytes;
         self.poll_credit(cx, want.clamp(1, max))
+    }
+
+    /// Ready once a frame sent now ([`SendHalf::send_reserved_from`]) would go straight to the
+    /// socket: the connection's writer is free and nothing is queued before it. A caller that
+    /// cannot hold a future per chunk (the SDK's `AsyncWrite`) waits here before taking credit,
+    /// so that a full socket holds it back instead of its bytes being copied and queued: the
+    /// connection's backpressure, as a socket's own. Without it, while the socket is full every
+    /// stream's chunk is copied into the queue, up to each stream's window (8 streams on one
+    /// connection: many MiB queued, a copy per byte, and a small message behind all of it).
+    pub fn poll_writable(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), AbortReason>> {
+        self.stream.conn.poll_writable(cx)
     }
 
     /// [`SendHalf::poll_reserve`] without waiting: the credit available now (0: none).
@@ -1629,6 +1728,8 @@ async fn flusher(shared: &Shared) -> io::Error {
         if let Err(e) = flush(&mut io).await {
             return e;
         }
+        drop(io);
+        shared.wake_writable();
     }
 }
 

@@ -544,3 +544,155 @@ async fn a_stream_opened_as_the_peer_becomes_known_has_its_window_once() {
         );
     }
 }
+
+/// A reader that takes at most `per_tick` bytes a millisecond: a peer slower than the writers,
+/// so the writing end's socket is full most of the time.
+struct SlowReader<T> {
+    inner: T,
+    per_tick: usize,
+    tick: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for SlowReader<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        std::task::ready!(self.tick.as_mut().poll(cx));
+        let next = tokio::time::Instant::now() + Duration::from_millis(1);
+        self.tick.as_mut().reset(next);
+        let n = buf.remaining().min(self.per_tick);
+        let mut limited = tokio::io::ReadBuf::new(buf.initialize_unfilled_to(n));
+        let r = Pin::new(&mut self.inner).poll_read(cx, &mut limited);
+        let got = limited.filled().len();
+        buf.advance(got);
+        r
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for SlowReader<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Eight streams sending in the poll form against a peer slower than they are, each with a
+/// window far above the socket's buffers: a writer that waits in `poll_writable` before taking
+/// credit is held back by the full socket, as on a socket of its own, so nearly every byte goes
+/// to the socket straight from the caller's buffer. Without that wait every chunk that found
+/// the socket full was copied and queued, up to each stream's window (most of the bytes here).
+/// Every byte still arrives in order on its stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_socket_holds_poll_writers_back_instead_of_queueing_copies() {
+    const STREAMS: u32 = 8;
+    const PER_STREAM: usize = 4 << 20;
+    let (a, b) = tcp_pair().await;
+    let slow = SlowReader {
+        inner: b,
+        per_tick: 128 << 10,
+        tick: Box::pin(tokio::time::sleep(Duration::ZERO)),
+    };
+    let on_open: OnOpen = Arc::new(|inc: Incoming| {
+        tokio::spawn(async move {
+            let Incoming {
+                responder,
+                mut recv,
+                send,
+                ..
+            } = inc;
+            responder.ok().await.unwrap();
+            let mut n = 0u64;
+            let mut sum = 0u64;
+            while let Some(Ok(d)) = recv.data().await {
+                recv.release(d.len());
+                for &x in d.iter() {
+                    sum = sum.wrapping_mul(31).wrapping_add(u64::from(x));
+                }
+                n += d.len() as u64;
+            }
+            let mut send = send;
+            let mut answer = n.to_be_bytes().to_vec();
+            answer.extend_from_slice(&sum.to_be_bytes());
+            send.send(Bytes::from(answer)).await.unwrap();
+            send.finish().await.unwrap();
+        });
+    });
+    let big = Config {
+        stream_window_bytes: 16 << 20,
+        connection_window_bytes: 1 << 30,
+        ..cfg(16 << 20)
+    };
+    let (_acceptor, driver, _ev) = connect(slow, Role::Acceptor, big.clone(), Some(on_open));
+    tokio::spawn(driver.run());
+    let (opener, driver, _ev) = connect(a, Role::Opener, big, None);
+    tokio::spawn(driver.run());
+    tokio::time::timeout(DEADLINE, opener.peer_known())
+        .await
+        .unwrap()
+        .unwrap();
+    let copied = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for s in 0..STREAMS {
+        let (mut tx, mut rx) = opener.open(&open("sum"), &Bytes::new()).await.unwrap();
+        let copied = Arc::clone(&copied);
+        tasks.push(tokio::spawn(async move {
+            let data: Vec<u8> = (0..PER_STREAM)
+                .map(|i| (i as u32).wrapping_mul(2654435761).rotate_left(s) as u8)
+                .collect();
+            let mut at = 0;
+            while at < data.len() {
+                poll_fn(|cx| tx.poll_writable(cx)).await.unwrap();
+                let want = (data.len() - at).min(64 << 10);
+                let n = poll_fn(|cx| tx.poll_reserve(cx, want)).await.unwrap();
+                tx.send_reserved_from(&data[at..at + n], |b| {
+                    copied.fetch_add(b.len(), Ordering::Relaxed);
+                    Bytes::copy_from_slice(b)
+                })
+                .unwrap();
+                at += n;
+            }
+            tx.finish_now().unwrap();
+            let answer = read_n(&mut rx, 16).await;
+            let mut sum = 0u64;
+            for &x in &data {
+                sum = sum.wrapping_mul(31).wrapping_add(u64::from(x));
+            }
+            assert_eq!(
+                (
+                    u64::from_be_bytes(answer[..8].try_into().unwrap()),
+                    u64::from_be_bytes(answer[8..].try_into().unwrap())
+                ),
+                (PER_STREAM as u64, sum),
+                "stream {s}: the bytes that arrived"
+            );
+            drop(tx);
+        }));
+    }
+    for t in tasks {
+        tokio::time::timeout(Duration::from_secs(60), t)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    let copied = copied.load(Ordering::Relaxed);
+    let total = STREAMS as usize * PER_STREAM;
+    println!(
+        "copied and queued: {copied} of {total} bytes ({:.1} %)",
+        100.0 * copied as f64 / total as f64
+    );
+    assert!(
+        copied * 10 < total,
+        "{copied} of {total} bytes were copied and queued: the writers were not held back by the full socket"
+    );
+}
