@@ -133,6 +133,8 @@ async fn wrong_proxy_password_is_a_named_error_and_no_proxy_bypasses() -> anyhow
         &format!("proxy:\n  https_proxy: '{wrong}'\n  no_proxy: 'example.com,127.0.0.0/8'\n"),
     )?;
     wait_agent_ready(&direct).await?;
+    // The agent is ready once its tunnel is up; the broker routes to it a moment later.
+    wait_tunnel(&broker, "c1").await?;
     round_trip(&broker).await?;
     Ok(())
 }
