@@ -142,15 +142,6 @@ async fn serve_stream(broker: Arc<Broker>, peer: Arc<Option<PeerCert>>, incoming
             crate::grpc::dial_recorded(&broker, &client, &target, stream_id, timeout).await
         }
         .await;
-        if let Err(e) = &opened
-            && e.kind == DialErrorKind::NoTunnel
-            && broker.draining.is_cancelled()
-        {
-            // The drain began during the lookup (its tunnels take no new streams): nothing
-            // was dialled, so the client may still take the stream elsewhere.
-            responder.refuse("the broker is draining");
-            return;
-        }
         let Some(OpenStream {
             send: to_tunnel,
             recv: from_tunnel,
@@ -176,8 +167,9 @@ async fn serve_stream(broker: Arc<Broker>, peer: Arc<Option<PeerCert>>, incoming
 }
 
 /// Answers an `OPEN` this broker took (a client's on `tether-dial/1`, a peer broker's on
-/// `tether-relay/2`) with its dial's result: `OPEN_ERR` with the error's kind and message, or
-/// `OPEN_OK` with the broker's stream id and the tunnel's last round trip. Returns the open
+/// `tether-relay/2`) with its dial's result: `OPEN_ERR` with the error's kind and message (a
+/// `no_tunnel` found once the drain began is refused unprocessed instead, so the opener goes
+/// elsewhere), or `OPEN_OK` with the broker's stream id and the tunnel's last round trip. Returns the open
 /// stream, or `None` when the dial failed or the answer could not go out (the opener's
 /// connection is gone: the tunnel's stream is finished as failed, which resets it).
 pub(crate) async fn answer_open(
@@ -188,6 +180,12 @@ pub(crate) async fn answer_open(
 ) -> Option<OpenStream> {
     let stream = match opened {
         Ok(o) => o,
+        Err(e) if e.kind == DialErrorKind::NoTunnel && broker.draining.is_cancelled() => {
+            // The drain began during the lookup (its tunnels take no new streams): nothing
+            // was dialled, so the opener may still take the stream elsewhere.
+            responder.refuse("the broker is draining");
+            return None;
+        }
         Err(e) => {
             let _ = responder.fail(e.kind.metric_label(), &e.message).await;
             return None;

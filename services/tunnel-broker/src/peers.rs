@@ -533,14 +533,6 @@ async fn relay_open(broker: Arc<Broker>, incoming: Incoming) {
             }
             Err(e) => Err(DialError::new(DialErrorKind::BadRequest, e.to_string())),
         };
-        if let Err(e) = &opened
-            && e.kind == DialErrorKind::NoTunnel
-            && broker.draining.is_cancelled()
-        {
-            // The drain began during the lookup: nothing was dialled, the peer may go on.
-            responder.refuse("the broker is draining");
-            return;
-        }
         let Some(crate::dial::OpenStream {
             send: to_tunnel,
             recv: from_tunnel,
