@@ -577,6 +577,81 @@ async fn a_draining_broker_sends_its_dial_clients_away() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A broker that takes no stream — every `OPEN` refused unprocessed, as a draining broker
+/// answers one that crossed its GOAWAY or found no tunnel once its drain began — makes the SDK
+/// try once more on a new connection and then report `Unreachable` (nothing was dialled: the
+/// dial may go to another broker, or again later), not a connect or dial error. The broker here
+/// is the real `tether-dial/1` protocol (the crate the broker serves it with) on a real socket,
+/// refusing every stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_takes_no_stream_is_unreachable_after_one_more_connection()
+-> anyhow::Result<()> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use tether_tunnel::mux;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (accepted, refused) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let server = {
+        let (accepted, refused) = (Arc::clone(&accepted), Arc::clone(&refused));
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((mut tcp, _)) = listener.accept().await {
+                accepted.fetch_add(1, SeqCst);
+                let mut preface = vec![0; mux::frame::DIAL_PREFACE.len()];
+                if tcp.read_exact(&mut preface).await.is_err()
+                    || preface != mux::frame::DIAL_PREFACE
+                {
+                    continue;
+                }
+                let refused = Arc::clone(&refused);
+                let on_open: mux::OnOpen = Arc::new(move |incoming: mux::Incoming| {
+                    refused.fetch_add(1, SeqCst);
+                    incoming.responder.refuse("the broker is draining");
+                });
+                let cfg = mux::Config {
+                    max_frame_bytes: 256 << 10,
+                    stream_window_bytes: 1 << 20,
+                    connection_window_bytes: 16 << 20,
+                    max_streams: 100,
+                };
+                let (conn, driver, events) =
+                    mux::connect(tcp, mux::Role::Acceptor, cfg, Some(on_open));
+                held.push((conn, events, tokio::spawn(driver.run())));
+            }
+        })
+    };
+    let d = Dialer::connect(DialerConfig {
+        endpoint: format!("http://{addr}"),
+        server_name: String::new(),
+        ca_pem: String::new(),
+        client_cert: None,
+        token: Some(Token(OPS_TOKEN.into())),
+        connect_timeout: Duration::from_secs(5),
+    })
+    .await?;
+    let err = match d.dial("c1", "127.0.0.1", 9).await {
+        Ok(_) => anyhow::bail!("a broker that refuses every stream opened one"),
+        Err(e) => e,
+    };
+    server.abort();
+    assert!(
+        matches!(err, ClientError::Unreachable(_)),
+        "expected Unreachable, got {err:?}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("did not take the stream") && text.contains("draining"),
+        "the error names the refusal and the broker's reason: {text}"
+    );
+    assert_eq!(
+        (accepted.load(SeqCst), refused.load(SeqCst)),
+        (2, 2),
+        "one OPEN on the first connection, one more on a new connection"
+    );
+    Ok(())
+}
+
 /// The broker's plain client port serves the native Dial without TLS (h2c, bearer token) beside
 /// plain CONNECT: the SDK over `http://` carries the same bytes unframed and framed, a dial
 /// without a token is refused by name, a client certificate over `http://` is a config error

@@ -58,6 +58,10 @@ struct Route<'a> {
 /// closing it: GOAWAY, or REFUSED_STREAM), before the stream goes to the peer brokers.
 pub const MAX_LOCAL_TUNNELS_TRIED: usize = 4;
 
+/// `reason` of `tether_broker_dial_failures_total` for a dial that found no tunnel because the
+/// broker drains.
+pub const DRAINING_LABEL: &str = "draining";
+
 /// An open stream to a target.
 pub struct OpenStream {
     pub send: StreamTx,
@@ -235,6 +239,18 @@ impl Broker {
                     },
                 })
             }
+            Err(e) if e.kind == DialErrorKind::NoTunnel && self.draining.is_cancelled() => {
+                // No tunnel because this broker drains (its tunnels take no new streams): the
+                // mux and relay front ends refuse such a stream unprocessed and their client
+                // goes to another broker. Counted apart, so a drain does not read as clusters
+                // without a tunnel.
+                self.metrics
+                    .dial_failures
+                    .with_label_values(&[frontend, DRAINING_LABEL])
+                    .inc();
+                tracing::info!(reason = %e, "dial found no tunnel: the broker is draining");
+                Err(e)
+            }
             Err(e) => {
                 self.record_failure(frontend, &e);
                 Err(e)
@@ -390,4 +406,62 @@ pub fn is_client_error(kind: DialErrorKind) -> bool {
         kind,
         DialErrorKind::BadRequest | DialErrorKind::Unauthenticated | DialErrorKind::Forbidden
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn broker() -> Broker {
+        let routes = watch::channel(Arc::new(RouteTable::default())).1;
+        let peers = watch::channel(Arc::new(Vec::new())).1;
+        Broker::new(
+            "b".into(),
+            routes,
+            Auth::new(&[]),
+            BrokerMetrics::new(&prometheus::Registry::new()).expect("metrics"),
+            TunnelSettings::default(),
+            Duration::from_secs(1),
+            peers,
+        )
+    }
+
+    fn failures(b: &Broker, frontend: &str, reason: &str) -> u64 {
+        b.metrics
+            .dial_failures
+            .with_label_values(&[frontend, reason])
+            .get()
+    }
+
+    /// A dial that finds no tunnel counts as `no_tunnel`, unless the broker drains: then its
+    /// tunnels take no new stream, the mux and relay front ends refuse it unprocessed, and it
+    /// counts as `draining` (a drain must not look like clusters that lost their agents).
+    #[tokio::test]
+    async fn no_tunnel_while_draining_counts_as_draining() {
+        let b = broker();
+        let client = ClientId {
+            name: "ops".into(),
+            via: "token",
+        };
+        let target = Target::api_server("c1");
+        let e = b
+            .dial("mux", &client, &target, 1, None, Bytes::new())
+            .await
+            .err()
+            .expect("no tunnel");
+        assert_eq!(e.kind, DialErrorKind::NoTunnel, "{e}");
+        assert_eq!(failures(&b, "mux", "no_tunnel"), 1);
+        assert_eq!(failures(&b, "mux", DRAINING_LABEL), 0);
+
+        b.draining.cancel();
+        let e = b
+            .dial_for_peer(&target, 2, None)
+            .await
+            .err()
+            .expect("no tunnel");
+        assert_eq!(e.kind, DialErrorKind::NoTunnel, "{e}");
+        assert_eq!(failures(&b, "relay", DRAINING_LABEL), 1);
+        assert_eq!(failures(&b, "relay", "no_tunnel"), 0);
+        assert_eq!(failures(&b, "mux", "no_tunnel"), 1);
+    }
 }

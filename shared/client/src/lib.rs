@@ -135,8 +135,10 @@ pub enum ClientError {
     #[error("cannot connect to broker: {0}")]
     Connect(String),
     /// The broker could not be reached: its TCP connect failed, the connection was reset or
-    /// closed before its TLS handshake got an answer (a broker closing its listener), or the
-    /// connection was not up within the connect timeout.
+    /// closed before its TLS handshake got an answer (a broker closing its listener), the
+    /// connection was not up within the connect timeout, or the broker refused the stream
+    /// unprocessed on a new connection too (it drains, or is at its stream limit): nothing was
+    /// dialled, so the dial may go to another broker or again later.
     #[error("cannot reach broker: {0}")]
     Unreachable(String),
     /// The TLS handshake failed over a certificate: the broker's was not accepted (CA, name,

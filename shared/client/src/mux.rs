@@ -13,9 +13,11 @@
 //!   broker did not take (GOAWAY, its stream limit) goes once more on a new connection.
 //! - [`MuxOut`]: a stream's sending half for `AsyncWrite` and the owned-`Bytes` API: a write
 //!   takes the stream's credit and leaves at once (the writing task frames it and writes it
-//!   from the caller's buffer, no copy; when another stream holds the connection's writer or
-//!   the socket is full, a copy is queued for it), so nothing waits in a task in between. What
-//!   may be queued is bounded by the broker's windows.
+//!   from the caller's buffer, no copy), so nothing waits in a task in between. While another
+//!   stream holds the connection's writer or the socket is full, `poll_write` waits until the
+//!   writer is free with nothing queued (`SendHalf::poll_writable`), as a socket of its own would
+//!   hold it back; a copy is queued only for the part of a frame the socket did not take at
+//!   once, or when another stream took the writer in between.
 
 use std::io;
 use std::sync::Arc;
@@ -189,8 +191,11 @@ impl MuxConn {
                 }
             }
         }
-        Err(ClientError::Connect(format!(
-            "the broker did not take the stream: {last}"
+        // Refused unprocessed twice, the second time on a new connection (a draining broker,
+        // or one at its stream limit): no broker at this address takes streams now, which is
+        // what `Unreachable` tells callers that would try another address or later.
+        Err(ClientError::Unreachable(format!(
+            "the broker did not take the stream on two connections: {last}"
         )))
     }
 }

@@ -202,6 +202,11 @@ struct Shared {
     /// ([`SendHalf::poll_writable`]), woken all at once by the writer that leaves the queue
     /// empty (or by the connection's end). At most one waker per waiting task.
     writable: Mutex<Vec<Waker>>,
+    /// `writable` is not empty: lets the writers that leave the queue empty (every frame, on
+    /// the broker's and agent's paths where nobody waits there) skip its lock. Set under the
+    /// lock before the waiter checks the writer again, read after the writer lets go (a
+    /// sequentially consistent fence on each side, so one of the two sees the other).
+    writable_waiting: AtomicBool,
     streams: Mutex<Streams>,
     /// The peer's receive window for each stream (our initial send credit).
     peer_window: AtomicU32,
@@ -354,6 +359,7 @@ where
         }),
         flush_wake: Notify::new(),
         writable: Mutex::new(Vec::new()),
+        writable_waiting: AtomicBool::new(false),
         streams: Mutex::new(Streams {
             map: HashMap::new(),
             next_id: 1,
@@ -450,11 +456,15 @@ impl Shared {
     /// Wakes the tasks waiting in [`SendHalf::poll_writable`]: called by every writer that
     /// lets go of the writer with nothing left queued, and when the connection ends.
     fn wake_writable(&self) {
+        // Pairs with the fence in `poll_writable`: the writer let go, then looks for waiters;
+        // a waiter registers, then looks at the writer.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if !self.writable_waiting.load(Ordering::SeqCst) {
+            return;
+        }
         let waiting = {
             let mut w = self.writable.lock().expect("writable");
-            if w.is_empty() {
-                return;
-            }
+            self.writable_waiting.store(false, Ordering::SeqCst);
             std::mem::take(&mut *w)
         };
         for w in waiting {
@@ -492,7 +502,9 @@ impl Shared {
             if !waiting.iter().any(|w| w.will_wake(cx.waker())) {
                 waiting.push(cx.waker().clone());
             }
+            self.writable_waiting.store(true, Ordering::SeqCst);
         }
+        std::sync::atomic::fence(Ordering::SeqCst);
         // Registered first, then checked again: a writer that let go in between is seen here
         // (the waker stays registered: one spurious wake-up at most).
         if self.closed.is_cancelled() {
