@@ -27,6 +27,19 @@ async fn dialer_at(hub: &Hub, addr: std::net::SocketAddr) -> anyhow::Result<Dial
     .await?)
 }
 
+/// A `Dialer` (the ops token) to a broker's plain client port at `addr` (no TLS).
+async fn plain_dialer_at(addr: std::net::SocketAddr) -> anyhow::Result<Dialer> {
+    Ok(Dialer::connect(DialerConfig {
+        endpoint: format!("http://{addr}"),
+        server_name: String::new(),
+        ca_pem: String::new(),
+        client_cert: None,
+        token: Some(Token(OPS_TOKEN.into())),
+        connect_timeout: Duration::from_secs(5),
+    })
+    .await?)
+}
+
 /// Writes `payload` and half-closes while reading the echo to its end (both at once, within
 /// 30 s); the echo must be the payload.
 async fn echo_round_trip<S>(s: S, payload: &[u8], what: &str) -> anyhow::Result<()>
@@ -621,15 +634,7 @@ async fn a_broker_that_takes_no_stream_is_unreachable_after_one_more_connection(
             }
         })
     };
-    let d = Dialer::connect(DialerConfig {
-        endpoint: format!("http://{addr}"),
-        server_name: String::new(),
-        ca_pem: String::new(),
-        client_cert: None,
-        token: Some(Token(OPS_TOKEN.into())),
-        connect_timeout: Duration::from_secs(5),
-    })
-    .await?;
+    let d = plain_dialer_at(addr).await?;
     let err = match d.dial("c1", "127.0.0.1", 9).await {
         Ok(_) => anyhow::bail!("a broker that refuses every stream opened one"),
         Err(e) => e,
@@ -878,15 +883,7 @@ async fn a_dialer_whose_connection_broke_dials_on_a_new_one() -> anyhow::Result<
     let echo = echo_server().await?;
     let (_hub, broker, _agent) = one_cluster(echo).await?;
     let relay = CuttableRelay::start(broker.client_addr).await?;
-    let d = Dialer::connect(DialerConfig {
-        endpoint: format!("http://{}", relay.addr),
-        server_name: String::new(),
-        ca_pem: String::new(),
-        client_cert: None,
-        token: Some(Token(OPS_TOKEN.into())),
-        connect_timeout: Duration::from_secs(5),
-    })
-    .await?;
+    let d = plain_dialer_at(relay.addr).await?;
     let round_trip = |mut s: tether_client::DialStream, msg: &'static [u8]| async move {
         s.write_all(msg).await?;
         let mut back = vec![0u8; msg.len()];
