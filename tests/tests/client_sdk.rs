@@ -622,12 +622,7 @@ async fn a_broker_that_takes_no_stream_is_unreachable_after_one_more_connection(
                     refused.fetch_add(1, SeqCst);
                     incoming.responder.refuse("the broker is draining");
                 });
-                let cfg = mux::Config {
-                    max_frame_bytes: 256 << 10,
-                    stream_window_bytes: 1 << 20,
-                    connection_window_bytes: 16 << 20,
-                    max_streams: 100,
-                };
+                let cfg = mux::Config::from_settings(&tether_tunnel::TunnelSettings::default());
                 let (conn, driver, events) =
                     mux::connect(tcp, mux::Role::Acceptor, cfg, Some(on_open));
                 held.push((conn, events, tokio::spawn(driver.run())));

@@ -568,18 +568,7 @@ mod tests {
     /// profile CI builds (`cargo nextest`), plus a margin for compiler changes.
     #[test]
     fn a_client_connections_future_stays_small() {
-        let routes =
-            tokio::sync::watch::channel(Arc::new(crate::registry::RouteTable::default())).1;
-        let peers = tokio::sync::watch::channel(Arc::new(Vec::new())).1;
-        let broker = Arc::new(Broker::new(
-            "b".into(),
-            routes,
-            crate::auth::Auth::new(&[]),
-            crate::metrics::BrokerMetrics::new(&prometheus::Registry::new()).expect("metrics"),
-            tether_tunnel::settings::TunnelSettings::default(),
-            Duration::from_secs(1),
-            peers,
-        ));
+        let broker = Arc::new(crate::dial::test_broker());
         let grpc = crate::grpc::GrpcFrontEnd::new(Arc::clone(&broker));
         let plain = future_size(|tcp: TcpStream| serve_plain(Arc::clone(&broker), &grpc, tcp));
         let tls = future_size(|io: crate::ClientTls| serve_tls(Arc::clone(&broker), io, None));

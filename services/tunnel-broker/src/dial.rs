@@ -239,18 +239,6 @@ impl Broker {
                     },
                 })
             }
-            Err(e) if e.kind == DialErrorKind::NoTunnel && self.draining.is_cancelled() => {
-                // No tunnel because this broker drains (its tunnels take no new streams): the
-                // mux and relay front ends refuse such a stream unprocessed and their client
-                // goes to another broker. Counted apart, so a drain does not read as clusters
-                // without a tunnel.
-                self.metrics
-                    .dial_failures
-                    .with_label_values(&[frontend, DRAINING_LABEL])
-                    .inc();
-                tracing::info!(reason = %e, "dial found no tunnel: the broker is draining");
-                Err(e)
-            }
             Err(e) => {
                 self.record_failure(frontend, &e);
                 Err(e)
@@ -259,12 +247,22 @@ impl Broker {
     }
 
     /// Counts a failed dial (also for failures before [`Broker::dial`], e.g. bad requests).
+    ///
+    /// No tunnel found while this broker drains (its tunnels take no new streams) counts as
+    /// [`DRAINING_LABEL`]: the mux and relay front ends refuse such a stream unprocessed and
+    /// their client goes to another broker, and a drain must not read as clusters without a
+    /// tunnel.
     pub fn record_failure(&self, frontend: &'static str, e: &DialError) {
+        let reason = if e.kind == DialErrorKind::NoTunnel && self.draining.is_cancelled() {
+            DRAINING_LABEL
+        } else {
+            e.kind.metric_label()
+        };
         self.metrics
             .dial_failures
-            .with_label_values(&[frontend, e.kind.metric_label()])
+            .with_label_values(&[frontend, reason])
             .inc();
-        tracing::info!(reason = %e, "dial failed");
+        tracing::info!(reason = %e, label = reason, "dial failed");
     }
 
     async fn dial_inner(
@@ -408,23 +406,26 @@ pub fn is_client_error(kind: DialErrorKind) -> bool {
     )
 }
 
+/// A broker with no routes, peers or configured clients, default settings and its own metrics
+/// registry (unit tests).
+#[cfg(test)]
+pub(crate) fn test_broker() -> Broker {
+    let routes = watch::channel(Arc::new(RouteTable::default())).1;
+    let peers = watch::channel(Arc::new(Vec::new())).1;
+    Broker::new(
+        "b".into(),
+        routes,
+        Auth::new(&[]),
+        BrokerMetrics::new(&prometheus::Registry::new()).expect("metrics"),
+        TunnelSettings::default(),
+        Duration::from_secs(1),
+        peers,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn broker() -> Broker {
-        let routes = watch::channel(Arc::new(RouteTable::default())).1;
-        let peers = watch::channel(Arc::new(Vec::new())).1;
-        Broker::new(
-            "b".into(),
-            routes,
-            Auth::new(&[]),
-            BrokerMetrics::new(&prometheus::Registry::new()).expect("metrics"),
-            TunnelSettings::default(),
-            Duration::from_secs(1),
-            peers,
-        )
-    }
 
     fn failures(b: &Broker, frontend: &str, reason: &str) -> u64 {
         b.metrics
@@ -438,7 +439,7 @@ mod tests {
     /// counts as `draining` (a drain must not look like clusters that lost their agents).
     #[tokio::test]
     async fn no_tunnel_while_draining_counts_as_draining() {
-        let b = broker();
+        let b = test_broker();
         let client = ClientId {
             name: "ops".into(),
             via: "token",
