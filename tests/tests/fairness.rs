@@ -14,9 +14,9 @@
 //! Asserted, by default (no opt-in):
 //!
 //! - victims keep ≥ 80 % of their unloaded throughput and at most 1/0.8 = 1.25 × their unloaded
-//!   latency: the median over [`ROUNDS`] of each round's flooded / unloaded ratio (a flooded
-//!   round is compared with the unloaded rounds just before and after it, so the machine's
-//!   other load, which drifts over seconds, cancels out) — whenever the machine lets the test measure a
+//!   latency: the trimmed mean over [`ROUNDS`] of each round's flooded / unloaded ratio (a
+//!   flooded round is compared with the unloaded rounds just before and after it, so the
+//!   machine's other load, which drifts over seconds, cancels out; see [`trimmed_mean`]) — whenever the machine lets the test measure a
 //!   20 % difference at all (see [`DECIDABLE_SPREAD`] and [`DECIDABLE_LATENCY_SPREAD`]; else a looser latency bound, said so);
 //! - every victim dial succeeds; refusals are 503s naming the budget, counted in
 //!   `tether_broker_budget_rejections_total{budget,owner="flood"}`; the flood's open streams
@@ -53,8 +53,12 @@ const TRANSFER: u64 = 48 << 20;
 /// The flood's delivery rate (bytes/s at its agent) below which it is in its paced steady
 /// state (the broker paces a flooding cluster to 10 MiB/s; 2× for measurement slack).
 const STEADY_FLOOD_BYTES_PER_SEC: f64 = 20.0 * 1024.0 * 1024.0;
-/// Rounds of (unloaded, flooded) measurements; the median of the per-round ratios is compared.
-const ROUNDS: usize = 7;
+/// Rounds of (unloaded, flooded) measurements; the [`trimmed_mean`] of the per-round ratios is
+/// compared. 9 rounds (7 until the twenty-sixth machine): the victims keep 85–98 % per run on a
+/// quiet 2-vCPU guest (the broker, at normal priority, still moves the paced flood), and with
+/// per-round ratios spread ±0.12 a median of 7 came out at 77 % once in CI; a trimmed mean of 9
+/// spreads a quarter less, without moving the bound.
+const ROUNDS: usize = 9;
 /// The product's criterion: ≥ 80 % of unloaded throughput, ≤ 1/0.8 × unloaded latency.
 const MIN_THROUGHPUT: f64 = 0.8;
 const MAX_LATENCY: f64 = 1.25;
@@ -116,6 +120,16 @@ async fn measure(broker: std::net::SocketAddr, authority: &str) -> anyhow::Resul
         latency: rtts[ECHOES / 2],
         throughput: t.throughput(),
     })
+}
+
+/// Geometric mean of per-round ratios without the highest and the lowest: one round hit by
+/// an outside hiccup (a ratio of 0.4 or 1.4) is left out as a median leaves it out, and the
+/// other rounds all count, so it spreads less between runs (simulated, normal noise: the
+/// trimmed mean of 9 rounds spreads 0.34 σ, the median of 7 0.46 σ).
+fn trimmed_mean(mut ratios: Vec<f64>) -> f64 {
+    ratios.sort_by(f64::total_cmp);
+    let kept = &ratios[1..ratios.len() - 1];
+    (kept.iter().map(|r| r.ln()).sum::<f64>() / kept.len() as f64).exp()
 }
 
 fn rss_bytes(pid: u32) -> u64 {
@@ -451,10 +465,6 @@ async fn fairness(loops: usize, bytes_per_stream: usize, refused: bool) -> anyho
         rss_loaded.saturating_sub(rss_before) <= FLOOD_MEMORY_BOUND_BYTES,
         "broker RSS grew from {rss_before} to {rss_loaded} under flood, more than the flooded cluster's bound {FLOOD_MEMORY_BOUND_BYTES}"
     );
-    let median = |mut x: Vec<f64>| {
-        x.sort_by(f64::total_cmp);
-        x[x.len() / 2]
-    };
     let mut worst_latency: f64 = 0.0;
     let mut worst_throughput: f64 = f64::MAX;
     // Unloaded spread, throughput and latency, worst over the victims.
@@ -478,14 +488,14 @@ async fn fairness(loops: usize, bytes_per_stream: usize, refused: bool) -> anyho
         let around = |r: usize, f: &dyn Fn(&Figures) -> f64| {
             (f(&unloaded[i][r]) * f(&unloaded[i][r + 1])).sqrt()
         };
-        let lat = median(
+        let lat = trimmed_mean(
             (0..ROUNDS)
                 .map(|r| {
                     loaded[i][r].latency.as_secs_f64() / around(r, &|f| f.latency.as_secs_f64())
                 })
                 .collect(),
         );
-        let thr = median(
+        let thr = trimmed_mean(
             (0..ROUNDS)
                 .map(|r| loaded[i][r].throughput / around(r, &|f| f.throughput))
                 .collect(),
@@ -505,7 +515,7 @@ async fn fairness(loops: usize, bytes_per_stream: usize, refused: bool) -> anyho
                 .join(" ")
         };
         eprintln!(
-            "victim-{}: median per-round ratio latency x{lat:.2}, throughput {:.0} %; unloaded [{}] flooded [{}]",
+            "victim-{}: per-round ratios' trimmed mean: latency x{lat:.2}, throughput {:.0} %; unloaded [{}] flooded [{}]",
             i + 1,
             thr * 100.0,
             show(&unloaded[i]),
