@@ -5,12 +5,13 @@
 //! (cluster `c1`, echo target). A CONNECT stream holds `c1`'s only stream; then a dial to `c1`
 //! on each front end is refused, naming the budget and its limit:
 //!
-//! - CONNECT (plain and TLS): `503` with the message as body;
+//! - CONNECT (plain and TLS): `503` with the message as body and `Retry-After: 1`;
 //! - native Dial, unframed (`DialRaw`, through `tether-client`): HTTP `503` with
 //!   `tether-error: overloaded`, seen by the client as `DialErrorCode::Overloaded`;
 //! - native Dial, framed (gRPC `Dial`): the result frame with code `OVERLOADED`;
 //! - konnectivity: `DIAL_RSP` with the message as its error;
-//! - service proxy: `429` with a Kubernetes `Status` of reason `TooManyRequests`;
+//! - service proxy: `429` with a Kubernetes `Status` of reason `TooManyRequests` and
+//!   `Retry-After: 1` (client-go waits and retries a 429 only when it is there);
 //!
 //! and each refusal counts once in `tether_broker_budget_rejections_total{budget=
 //! "cluster_streams",owner="c1"}`. Once the held stream closes, the budget is given back.
@@ -30,6 +31,15 @@ use tether_proto::tunnel::v1 as pb;
 
 /// What every refusal names.
 const BUDGET: &str = "budgets.max_streams_per_cluster = 1";
+
+/// Whether a whole HTTP/1.1 answer (head and body) carries `Retry-After: 1` in its head.
+fn retries_after_a_second(answer: &str) -> bool {
+    let head = answer.split("\r\n\r\n").next().unwrap_or_default();
+    head.split("\r\n")
+        .skip(1)
+        .filter_map(|l| l.split_once(':'))
+        .any(|(k, v)| k.eq_ignore_ascii_case("retry-after") && v.trim() == "1")
+}
 
 async fn rejections(setup: &Setup) -> anyhow::Result<f64> {
     metric(
@@ -72,6 +82,7 @@ async fn every_front_end_answers_a_budget_refusal_as_documented() -> anyhow::Res
         body.contains(BUDGET) && body.contains("cluster \"c1\""),
         "{body}"
     );
+    assert!(retries_after_a_second(&body), "{body}");
     let tls = client_tls_config(&setup.hub.pki.ca_path(), &[b"http/1.1"], None)?;
     let Err((code, body)) = connect_tls(
         setup.broker.client_tls_addr,
@@ -85,6 +96,7 @@ async fn every_front_end_answers_a_budget_refusal_as_documented() -> anyhow::Res
     };
     assert_eq!(code, 503, "{body}");
     assert!(body.contains(BUDGET), "{body}");
+    assert!(retries_after_a_second(&body), "{body}");
     counted += 2.0;
     assert_eq!(rejections(&setup).await?, counted);
 
@@ -140,6 +152,7 @@ async fn every_front_end_answers_a_budget_refusal_as_documented() -> anyhow::Res
         body.contains("TooManyRequests") && body.contains(BUDGET),
         "{body}"
     );
+    assert!(retries_after_a_second(&body), "{body}");
     counted += 1.0;
     assert_eq!(rejections(&setup).await?, counted);
 

@@ -141,6 +141,15 @@ impl BudgetConfig {
 /// refusals. Bounded cost: the refused connection's task is held that long.
 pub const REFUSAL_PAUSE: Duration = Duration::from_millis(100);
 
+/// `Retry-After` (seconds) on every HTTP answer to a dial refused for capacity
+/// ([`DialErrorKind::Overloaded`]: a fairness budget, or the tunnel's stream or pending-dial
+/// limit): CONNECT's 503 and the service proxy's 429 / 503. client-go (so kubectl and every
+/// controller through the service proxy) waits and retries a 429 or 5xx only when the answer
+/// carries it — up to 10 times, as it does for the API server's own priority-and-fairness 429s —
+/// and without it fails the request at once. One second: budgets are given back as streams end,
+/// and the broker paces a flood per 50 ms period.
+pub const RETRY_AFTER_SECS: u16 = 1;
+
 /// Start of every budget refusal's message.
 pub const REFUSAL_PREFIX: &str = "fairness budget exhausted";
 

@@ -3,8 +3,8 @@
 //! `CONNECT <cluster>:443` reaches the cluster's API server; `CONNECT
 //! <host>.<cluster>.tether:<port>` any other allowed target. Answers explain failures: 400
 //! malformed request, 405 not CONNECT, 407 no/invalid credentials, 403 not allowed, 502 no tunnel
-//! / refused / name not found, 503 overloaded, 504 dial timeout — the reason is in the body and
-//! in `Tether-Error`.
+//! / refused / name not found, 503 overloaded (with `Retry-After`), 504 dial timeout — the
+//! reason is in the body and in `Tether-Error`.
 //!
 //! The plain port also serves gRPC without TLS (h2c with prior knowledge): a connection that
 //! opens with the HTTP/2 preface instead of a request head goes to the gRPC front end
@@ -234,6 +234,12 @@ fn error_response(e: &DialError) -> Vec<u8> {
     );
     if e.kind == DialErrorKind::Unauthenticated {
         r.push_str("proxy-authenticate: Bearer realm=\"tether\"\r\nproxy-authenticate: Basic realm=\"tether\"\r\n");
+    }
+    if e.kind == DialErrorKind::Overloaded {
+        r.push_str(&format!(
+            "retry-after: {}\r\n",
+            crate::budget::RETRY_AFTER_SECS
+        ));
     }
     r.push_str("\r\n");
     let mut out = r.into_bytes();
@@ -581,6 +587,30 @@ mod tests {
             tls <= TLS_FUTURE_BYTES,
             "TLS CONNECT connection future grew: {tls} B"
         );
+    }
+
+    /// A refusal for capacity tells the client when to retry (client-go retries a 5xx only
+    /// with `Retry-After`); other failures do not invite a retry.
+    #[test]
+    fn overloaded_answers_carry_retry_after() {
+        let text = |kind| {
+            String::from_utf8(error_response(&DialError::new(kind, "why"))).expect("utf-8 answer")
+        };
+        let overloaded = text(DialErrorKind::Overloaded);
+        assert!(
+            overloaded.starts_with("HTTP/1.1 503 ")
+                && overloaded.contains("\r\nretry-after: 1\r\n")
+                && overloaded.ends_with("\r\n\r\nwhy\n"),
+            "{overloaded:?}"
+        );
+        for kind in [
+            DialErrorKind::NoTunnel,
+            DialErrorKind::Forbidden,
+            DialErrorKind::Timeout,
+        ] {
+            let t = text(kind);
+            assert!(!t.contains("retry-after"), "{kind:?}: {t:?}");
+        }
     }
 
     async fn head_error(head: &[u8]) -> String {

@@ -435,7 +435,8 @@ fn upstream_error(e: &hyper_util::client::legacy::Error) -> DialError {
 fn status_response(e: &DialError) -> Response<Body> {
     let status = match e.kind {
         DialErrorKind::Unauthenticated => StatusCode::UNAUTHORIZED,
-        // A fairness budget (budget): kubectl and client-go back off on 429.
+        // A fairness budget: 429, as the API server's own priority and fairness answers; with
+        // `Retry-After` (below) client-go and kubectl wait and retry it.
         DialErrorKind::Overloaded if crate::budget::is_budget_error(e) => {
             StatusCode::TOO_MANY_REQUESTS
         }
@@ -469,6 +470,12 @@ fn status_response(e: &DialError) -> Response<Body> {
     );
     if let Ok(v) = HeaderValue::from_str(e.kind.metric_label()) {
         h.insert(wire::HEADER_ERROR, v);
+    }
+    if e.kind == DialErrorKind::Overloaded {
+        h.insert(
+            http::header::RETRY_AFTER,
+            HeaderValue::from(crate::budget::RETRY_AFTER_SECS),
+        );
     }
     r
 }
@@ -533,6 +540,35 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    /// A budget refusal is a 429 and any refusal for capacity carries `Retry-After`, without
+    /// which client-go fails a 429 or 5xx at once instead of waiting and retrying it.
+    #[test]
+    fn refusals_for_capacity_carry_retry_after() {
+        let budget = DialError::new(
+            DialErrorKind::Overloaded,
+            format!(
+                "{}: budgets.max_streams_per_cluster",
+                crate::budget::REFUSAL_PREFIX
+            ),
+        );
+        let limit = DialError::new(DialErrorKind::Overloaded, "too many pending dials");
+        let gone = DialError::new(DialErrorKind::NoTunnel, "no tunnel");
+        let retry_after = |r: &Response<Body>| {
+            r.headers()
+                .get(http::header::RETRY_AFTER)
+                .map(|v| v.to_str().expect("ascii").to_owned())
+        };
+        let r = status_response(&budget);
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(retry_after(&r).as_deref(), Some("1"));
+        let r = status_response(&limit);
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(retry_after(&r).as_deref(), Some("1"));
+        let r = status_response(&gone);
+        assert_eq!(r.status(), StatusCode::BAD_GATEWAY);
+        assert_eq!(retry_after(&r), None);
     }
 
     #[test]
