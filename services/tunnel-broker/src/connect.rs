@@ -235,11 +235,8 @@ fn error_response(e: &DialError) -> Vec<u8> {
     if e.kind == DialErrorKind::Unauthenticated {
         r.push_str("proxy-authenticate: Bearer realm=\"tether\"\r\nproxy-authenticate: Basic realm=\"tether\"\r\n");
     }
-    if e.kind == DialErrorKind::Overloaded {
-        r.push_str(&format!(
-            "retry-after: {}\r\n",
-            crate::budget::RETRY_AFTER_SECS
-        ));
+    if let Some(secs) = crate::budget::retry_after(e) {
+        r.push_str(&format!("retry-after: {secs}\r\n"));
     }
     r.push_str("\r\n");
     let mut out = r.into_bytes();

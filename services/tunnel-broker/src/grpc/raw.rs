@@ -108,14 +108,17 @@ fn parse(
 }
 
 fn refusal(e: &DialError) -> Response {
-    http::Response::builder()
+    let mut r = http::Response::builder()
         .status(e.kind.status())
         .header(ERROR_HEADER, e.kind.metric_label())
-        .header("content-type", "text/plain; charset=utf-8")
-        .body(tonic::body::Body::new(http_body_util::Full::new(
-            Bytes::from(format!("{}\n", e.message)),
-        )))
-        .expect("static response parts")
+        .header("content-type", "text/plain; charset=utf-8");
+    if let Some(secs) = crate::budget::retry_after(e) {
+        r = r.header(http::header::RETRY_AFTER, secs);
+    }
+    r.body(tonic::body::Body::new(http_body_util::Full::new(
+        Bytes::from(format!("{}\n", e.message)),
+    )))
+    .expect("static response parts")
 }
 
 /// Serves one unframed Dial.
@@ -289,5 +292,23 @@ impl hyper::body::Body for TunnelBody {
 
     fn is_end_stream(&self) -> bool {
         self.rx.is_end_stream()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tether_tunnel::wire::DialErrorKind;
+
+    /// The unframed Dial's refusal for capacity carries `Retry-After`, like every HTTP answer of
+    /// the broker to one (`budget::retry_after`); other refusals do not.
+    #[test]
+    fn a_refusal_for_capacity_carries_retry_after() {
+        let r = refusal(&DialError::new(DialErrorKind::Overloaded, "budget"));
+        assert_eq!(r.status(), http::StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(r.headers()[ERROR_HEADER], "overloaded");
+        assert_eq!(r.headers()[http::header::RETRY_AFTER], "1");
+        let r = refusal(&DialError::new(DialErrorKind::NoTunnel, "none"));
+        assert!(r.headers().get(http::header::RETRY_AFTER).is_none());
     }
 }

@@ -471,11 +471,8 @@ fn status_response(e: &DialError) -> Response<Body> {
     if let Ok(v) = HeaderValue::from_str(e.kind.metric_label()) {
         h.insert(wire::HEADER_ERROR, v);
     }
-    if e.kind == DialErrorKind::Overloaded {
-        h.insert(
-            http::header::RETRY_AFTER,
-            HeaderValue::from(crate::budget::RETRY_AFTER_SECS),
-        );
+    if let Some(secs) = crate::budget::retry_after(e) {
+        h.insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
     }
     r
 }
