@@ -1,6 +1,6 @@
 //! What both benchmark binaries (`tether-bench`, `tether-wan-bench`) measure with: CPU time and
 //! load from `/proc`, percentiles, medians and ratio ranges, the 64-byte request/response loop,
-//! and the target server's byte-counting sink.
+//! the target server's byte-counting sink, and a throwaway TLS server/client config pair.
 
 use std::time::{Duration, Instant};
 
@@ -115,4 +115,44 @@ pub async fn sink_count(s: &mut TcpStream, buf_len: usize) -> std::io::Result<()
     }
     s.write_all(&total.to_le_bytes()).await?;
     s.shutdown().await
+}
+
+/// A server certificate for `localhost` from a throwaway CA, and configs trusting it (Tether's
+/// crypto provider on both ends), for the benchmarks that measure TLS in one process.
+pub struct TlsPair {
+    pub server: std::sync::Arc<rustls::ServerConfig>,
+    pub client: std::sync::Arc<rustls::ClientConfig>,
+    _dir: tempfile::TempDir,
+}
+
+impl TlsPair {
+    /// `common_name` names the server's identity; `alpn` is what the server offers.
+    pub fn new(common_name: &str, alpn: &[&[u8]]) -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let pki = tether_test_support::Pki::new(dir.path())?;
+        let leaf = pki.issue(
+            "server",
+            tether_tls::Identity::from_common_name(common_name)?,
+            &["localhost"],
+        )?;
+        let certs = tether_tls::pem::read_certs(&leaf.cert)?;
+        let key = tether_tls::pem::read_key(&leaf.key)?;
+        let mut server = rustls::ServerConfig::builder_with_provider(tether_tls::crypto_provider())
+            .with_safe_default_protocol_versions()?
+            .with_no_client_auth()
+            .with_single_cert(certs, key)?;
+        server.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        let mut roots = rustls::RootCertStore::empty();
+        for c in tether_tls::pem::read_certs(&leaf.ca)? {
+            roots.add(c)?;
+        }
+        let client = tether_tls::client_config_builder()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        Ok(Self {
+            server: std::sync::Arc::new(server),
+            client: std::sync::Arc::new(client),
+            _dir: dir,
+        })
+    }
 }

@@ -28,7 +28,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
-use tether_e2e::benchkit::{percentile, thread_cpu_secs};
+use tether_e2e::benchkit::{TlsPair, percentile, thread_cpu_secs};
 
 #[derive(Parser, Debug)]
 #[command(about = "Per-message cost of TCP, TLS, HTTP/2 and a minimal multiplexer")]
@@ -80,7 +80,7 @@ fn main() -> anyhow::Result<()> {
         "tether-frame-cost: {MESSAGE} B round trips, {} per framing and round, {} rounds; TLS record encryption {aead}",
         args.messages, args.rounds
     );
-    let tls = TlsPair::new()?;
+    let tls = TlsPair::new("tether:broker:frame-cost", &[b"h2"])?;
     let mut results: Vec<(Framing, Vec<Duration>, f64)> =
         Framing::ALL.iter().map(|f| (*f, Vec::new(), 0.0)).collect();
     for round in 0..args.rounds {
@@ -532,42 +532,4 @@ async fn mux_client<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
 /// The calling thread's kernel id.
 fn thread_id() -> i32 {
     nix::unistd::gettid().as_raw()
-}
-
-/// A server certificate for `localhost` from a throwaway CA, and configs trusting it.
-struct TlsPair {
-    server: Arc<rustls::ServerConfig>,
-    client: Arc<rustls::ClientConfig>,
-    _dir: tempfile::TempDir,
-}
-
-impl TlsPair {
-    fn new() -> anyhow::Result<Self> {
-        let dir = tempfile::tempdir()?;
-        let pki = tether_test_support::Pki::new(dir.path())?;
-        let leaf = pki.issue(
-            "server",
-            tether_tls::Identity::from_common_name("tether:broker:frame-cost")?,
-            &["localhost"],
-        )?;
-        let certs = tether_tls::pem::read_certs(&leaf.cert)?;
-        let key = tether_tls::pem::read_key(&leaf.key)?;
-        let mut server = rustls::ServerConfig::builder_with_provider(tether_tls::crypto_provider())
-            .with_safe_default_protocol_versions()?
-            .with_no_client_auth()
-            .with_single_cert(certs, key)?;
-        server.alpn_protocols = vec![b"h2".to_vec()];
-        let mut roots = rustls::RootCertStore::empty();
-        for c in tether_tls::pem::read_certs(&leaf.ca)? {
-            roots.add(c)?;
-        }
-        let client = tether_tls::client_config_builder()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        Ok(Self {
-            server: Arc::new(server),
-            client: Arc::new(client),
-            _dir: dir,
-        })
-    }
 }
