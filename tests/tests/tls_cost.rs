@@ -25,7 +25,7 @@ fn both_sides_and_both_apis_are_measured_and_reported() -> anyhow::Result<()> {
             .lines()
             .find(|l| l.starts_with(&format!("| {side} |")))
             .unwrap_or_else(|| panic!("no row for {side} in:\n{out}"));
-        // | side | buffered | unbuffered | ratio [range] |
+        // | side | buffered | unbuffered | ratio [range, from two rounds] |
         let cells: Vec<&str> = row.split('|').map(str::trim).collect();
         let number = |cell: &str| -> f64 {
             cell.split('×')
