@@ -103,23 +103,15 @@ async fn every_front_end_answers_a_budget_refusal_as_documented() -> anyhow::Res
     // Native Dial, unframed (the SDK's default): 503 + tether-error: overloaded.
     let dialer = setup.ops_dialer().await?;
     let host = setup.echo.ip().to_string();
-    match dialer.dial("c1", &host, setup.echo.port()).await {
-        Err(tether_client::ClientError::Dial { code, message }) => {
-            assert_eq!(code, pb::DialErrorCode::Overloaded, "{message}");
-            assert!(message.contains(BUDGET), "{message}");
-        }
-        Err(e) => anyhow::bail!("DialRaw refused with an unexpected error: {e}"),
-        Ok(_) => anyhow::bail!("DialRaw admitted beyond the budget"),
-    }
+    let Err(e) = dialer.dial("c1", &host, setup.echo.port()).await else {
+        anyhow::bail!("DialRaw admitted beyond the budget");
+    };
+    overloaded_with_retry_after(&e)?;
     // Framed gRPC Dial: the result frame with OVERLOADED.
-    match dialer.dial_framed("c1", &host, setup.echo.port()).await {
-        Err(tether_client::ClientError::Dial { code, message }) => {
-            assert_eq!(code, pb::DialErrorCode::Overloaded, "{message}");
-            assert!(message.contains(BUDGET), "{message}");
-        }
-        Err(e) => anyhow::bail!("Dial refused with an unexpected error: {e}"),
-        Ok(_) => anyhow::bail!("Dial admitted beyond the budget"),
-    }
+    let Err(e) = dialer.dial_framed("c1", &host, setup.echo.port()).await else {
+        anyhow::bail!("Dial admitted beyond the budget");
+    };
+    overloaded_with_retry_after(&e)?;
     counted += 2.0;
     assert_eq!(rejections(&setup).await?, counted);
 
@@ -181,5 +173,17 @@ async fn every_front_end_answers_a_budget_refusal_as_documented() -> anyhow::Res
         rejections(&setup).await?,
         "only c1's cluster budget refused"
     );
+    Ok(())
+}
+
+/// An SDK dial refused by the budget: `Overloaded`, the budget named, and the broker's
+/// `Retry-After` (one second) offered to the caller.
+fn overloaded_with_retry_after(e: &tether_client::ClientError) -> anyhow::Result<()> {
+    let tether_client::ClientError::Dial { code, message } = e else {
+        anyhow::bail!("refused with an unexpected error: {e}");
+    };
+    assert_eq!(*code, pb::DialErrorCode::Overloaded, "{message}");
+    assert!(message.contains(BUDGET), "{message}");
+    assert_eq!(e.retry_after(), Some(Duration::from_secs(1)), "{e}");
     Ok(())
 }

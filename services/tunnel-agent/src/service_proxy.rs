@@ -322,10 +322,17 @@ impl tower_service::Service<Uri> for UpstreamConnector {
                 }
                 let sni = ServerName::try_from(name.clone())
                     .map_err(|_| io_err(format!("bad TLS name {name:?}")))?;
-                let s = connector
+                let mut s = connector
                     .connect(sni, tcp)
                     .await
                     .map_err(|e| io_err(format!("TLS to {dial} (name {name}): {e}")))?;
+                // Large writes (an upload's body) go to the socket whole, not in rustls's
+                // 64 KiB pieces: with its default limit a sender spends 1.2–1.3× the CPU per GB
+                // (`tether-tls-cost`, docs/benchmarks.md), as the tunnel's and the SDK's
+                // connections no longer do.
+                s.get_mut()
+                    .1
+                    .set_buffer_limit(Some(tether_tunnel::settings::DEFAULT_TLS_SEND_BUFFER));
                 Ok(Upstream::Tls(Box::new(s)))
             };
             tokio::time::timeout(UPSTREAM_CONNECT_TIMEOUT, work)

@@ -142,20 +142,15 @@ impl BudgetConfig {
 pub const REFUSAL_PAUSE: Duration = Duration::from_millis(100);
 
 /// `Retry-After` (seconds) on every HTTP answer to a dial refused for capacity
-/// ([`DialErrorKind::Overloaded`]: a fairness budget, or the tunnel's stream or pending-dial
-/// limit; see [`retry_after`]): CONNECT's 503, the unframed native Dial's 503 and the service
-/// proxy's 429 / 503. client-go (so kubectl and every
-/// controller through the service proxy) waits and retries a 429 or 5xx only when the answer
-/// carries it — up to 10 times, as it does for the API server's own priority-and-fairness 429s —
-/// and without it fails the request at once. One second: budgets are given back as streams end,
-/// and the broker paces a flood per 50 ms period.
-pub const RETRY_AFTER_SECS: u16 = 1;
+/// ([`DialErrorKind::Overloaded`]; see [`retry_after`]); the rule and its reasons live in
+/// [`tether_tunnel::wire::RETRY_AFTER_SECS`], shared with the SDK.
+pub use tether_tunnel::wire::RETRY_AFTER_SECS;
 
 /// The `Retry-After` seconds an HTTP answer to `e` carries: [`RETRY_AFTER_SECS`] for a refusal
-/// for capacity, none for anything a retry a second later would not mend. The one rule every
-/// HTTP front end follows.
+/// for capacity, none for anything a retry a second later would not mend
+/// ([`DialErrorKind::retry_after`]).
 pub fn retry_after(e: &DialError) -> Option<u16> {
-    (e.kind == DialErrorKind::Overloaded).then_some(RETRY_AFTER_SECS)
+    e.kind.retry_after()
 }
 
 /// Start of every budget refusal's message.

@@ -166,6 +166,27 @@ pub enum ClientError {
     Kube(String),
 }
 
+impl ClientError {
+    /// How long to wait before the same dial is worth trying again, where the broker asks for a
+    /// wait: a dial refused for capacity ([`pb::DialErrorCode::Overloaded`]: a fairness budget,
+    /// or the tunnel's stream or pending-dial limit) gives the delay the broker's HTTP answers
+    /// carry as `Retry-After` ([`tether_tunnel::wire::RETRY_AFTER_SECS`]), whichever protocol
+    /// the dial used. `None` for every other error: nothing a retry a moment later would mend,
+    /// or (for [`ClientError::Unreachable`]) a broker that may be gone, for which the caller's
+    /// own backoff or another broker is the answer. The SDK itself never retries a refused dial.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            ClientError::Dial {
+                code: pb::DialErrorCode::Overloaded,
+                ..
+            } => Some(Duration::from_secs(
+                tether_tunnel::wire::RETRY_AFTER_SECS.into(),
+            )),
+            _ => None,
+        }
+    }
+}
+
 /// A connection (or a few, see [`Dialer::connect`] and [`Dialer::connect_pool`]) to a broker's
 /// native Dial API.
 #[derive(Clone)]
@@ -1207,5 +1228,23 @@ mod tests {
         assert_eq!(pool.free(), 0);
         drop(bufs);
         assert_eq!(pool.free(), POOLED_CHUNKS);
+    }
+
+    /// Only a refusal for capacity asks the caller to wait and retry; every label the broker
+    /// sends maps to a code, and the others (a refused target, a missing tunnel, a forbidden
+    /// cluster, an unreachable broker) offer no delay.
+    #[test]
+    fn only_a_refusal_for_capacity_carries_retry_after() {
+        for kind in tether_tunnel::DialErrorKind::ALL {
+            let e = ClientError::Dial {
+                code: code_of_label(kind.metric_label()),
+                message: String::new(),
+            };
+            let want =
+                (kind == tether_tunnel::DialErrorKind::Overloaded).then(|| Duration::from_secs(1));
+            assert_eq!(e.retry_after(), want, "{kind:?}");
+        }
+        assert_eq!(ClientError::Unreachable("gone".into()).retry_after(), None);
+        assert_eq!(ClientError::NoAnswer.retry_after(), None);
     }
 }

@@ -45,6 +45,17 @@ pub const HEADER_UPSTREAM: &str = "tether-upstream";
 /// client's `Authorization` through.
 pub const HEADER_CREDENTIALS: &str = "tether-credentials";
 
+/// Seconds a client should wait before trying again a dial refused for capacity
+/// ([`DialErrorKind::Overloaded`]: a fairness budget, or the tunnel's stream or pending-dial
+/// limit). The broker's HTTP answers to such a refusal carry it as `Retry-After` (CONNECT's 503,
+/// the unframed native Dial's 503, the service proxy's 429 / 503), and the Rust SDK reports it
+/// for every protocol (`ClientError::retry_after`). client-go (so kubectl and every controller
+/// through the service proxy) waits and retries a 429 or 5xx only when the answer carries it —
+/// up to 10 times, as it does for the API server's own priority-and-fairness 429s — and without
+/// it fails the request at once. One second: budgets are given back as streams end, and the
+/// broker paces a flood per 50 ms period.
+pub const RETRY_AFTER_SECS: u16 = 1;
+
 /// Why a dial failed. `metric_label` names it in metrics and on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DialErrorKind {
@@ -112,6 +123,13 @@ impl DialErrorKind {
             .into_iter()
             .find(|k| k.metric_label() == s)
             .unwrap_or(Self::Internal)
+    }
+
+    /// The seconds a client should wait before the same dial is worth trying again:
+    /// [`RETRY_AFTER_SECS`] for a refusal for capacity, none for anything a retry a second later
+    /// would not mend. The one rule every front end follows.
+    pub fn retry_after(self) -> Option<u16> {
+        (self == Self::Overloaded).then_some(RETRY_AFTER_SECS)
     }
 
     /// HTTP status used on the tunnel and by the CONNECT front end.
