@@ -14,6 +14,7 @@ pub mod apiserver;
 pub mod benchkit;
 pub mod delay;
 pub mod forward_proxy;
+pub mod konnectivity;
 pub mod live;
 pub mod netns;
 

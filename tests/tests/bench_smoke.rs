@@ -2,7 +2,9 @@
 //! agent, target, relays and whichever encrypted peers are installed (`ssh -R` from
 //! scripts/install-deps.sh; rathole only where scripts/install-bench-peers.sh ran), measures
 //! every path and prints a figure for each in the table; a quick run of the `peers` section
-//! measures dials relayed by two more brokers over `tether-relay/2` and `/1`. Smoke runs: the
+//! measures dials relayed by two more brokers over `tether-relay/2` and `/1`; a quick run of the
+//! `clients` section moves bytes on every client path (CONNECT, TLS CONNECT, the SDK, `tetherctl
+//! proxy connect`, konnectivity, each where it applies on both client ports) both ways. Smoke runs: the
 //! figures themselves are judged in docs/benchmarks.md, not here (this keeps the bench from
 //! rotting between the sessions that run it).
 
@@ -98,6 +100,57 @@ fn relayed_dials_are_measured_on_both_relay_protocols() -> anyhow::Result<()> {
                 .unwrap_or_else(|| panic!("{what}: no {path}figure in {row}"));
             assert!(figure > 0.0, "{what}: {path}{figure} in {row}");
         }
+    }
+    Ok(())
+}
+
+#[test]
+fn every_client_path_moves_data_both_ways() -> anyhow::Result<()> {
+    let out = quick_run("clients")?;
+    let gbit = |cell: &str| -> Option<f64> { cell.trim().strip_suffix(" Gbit/s")?.parse().ok() };
+    for path in [
+        "CONNECT",
+        "TLS CONNECT",
+        "gRPC Dial (SDK)",
+        "tetherctl proxy connect",
+        "gRPC Dial (SDK), plain port",
+        "tetherctl proxy connect, plain port",
+        "konnectivity",
+        "konnectivity, plain port",
+    ] {
+        let what = format!("| client path: {path}, 1 / 8 streams ");
+        let row = out
+            .lines()
+            .find(|l| l.starts_with(&what))
+            .unwrap_or_else(|| panic!("no row for {path:?} in:\n{out}"));
+        // The tunnel cell: "X Gbit/s / Y Gbit/s" (1 and 8 streams, uploads).
+        let cell = row
+            .split('|')
+            .find(|c| c.contains(" Gbit/s / "))
+            .unwrap_or_else(|| panic!("{path}: no throughput in {row}"));
+        for figure in cell.split(" / ") {
+            let g = gbit(figure).unwrap_or_else(|| panic!("{path}: {figure:?} in {row}"));
+            assert!(g > 0.0, "{path}: {figure} in {row}");
+        }
+    }
+    // Downloads: one row, every path's throughput against CONNECT's.
+    let row = out
+        .lines()
+        .find(|l| l.starts_with("| client paths, download "))
+        .unwrap_or_else(|| panic!("no download row in:\n{out}"));
+    for path in [
+        "gRPC Dial (SDK): ",
+        "konnectivity: ",
+        "konnectivity, plain port: ",
+    ] {
+        let ratio: f64 = row
+            .split(path)
+            .nth(1)
+            .and_then(|r| r.strip_prefix("throughput "))
+            .and_then(|r| r.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("download: no {path}figure in {row}"));
+        assert!(ratio > 0.0, "download {path}{ratio} in {row}");
     }
     Ok(())
 }

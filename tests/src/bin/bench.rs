@@ -482,6 +482,18 @@ async fn upload(
     upload_streams(socks, dur).await
 }
 
+/// How an upload learns that the target received everything.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Confirm {
+    /// The client half-closes and reads the count the target answers (every byte stream).
+    TargetCount,
+    /// The client's close is a full close that the broker answers only once the target closed
+    /// after reading to its EOF, and no reply can come back: konnectivity's CLOSE_REQ, whose
+    /// clean CLOSE_RSP (read as EOF; an error otherwise) confirms every DATA before it. The bytes
+    /// written count.
+    CleanClose,
+}
+
 /// Uploads through every socket (target mode `S`: the target counts and answers the count after
 /// the client's half-close) for `dur`; total bytes the target received and the seconds until
 /// the last count arrived.
@@ -489,15 +501,39 @@ async fn upload_streams<S>(socks: Vec<S>, dur: Duration) -> anyhow::Result<(u64,
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    run_streams(socks, b'S', dur, |mut s, deadline| async move {
+    upload_streams_confirmed(socks, dur, Confirm::TargetCount).await
+}
+
+/// [`upload_streams`] with the end `confirm` describes.
+async fn upload_streams_confirmed<S>(
+    socks: Vec<S>,
+    dur: Duration,
+    confirm: Confirm,
+) -> anyhow::Result<(u64, f64)>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    run_streams(socks, b'S', dur, move |mut s, deadline| async move {
         let buf = vec![0u8; BUF];
+        let mut written = 0u64;
         while Instant::now() < deadline {
             s.write_all(&buf).await?;
+            written += BUF as u64;
         }
         s.shutdown().await?;
-        let mut count = [0u8; 8];
-        s.read_exact(&mut count).await?;
-        anyhow::Ok((u64::from_le_bytes(count), Instant::now()))
+        match confirm {
+            Confirm::TargetCount => {
+                let mut count = [0u8; 8];
+                s.read_exact(&mut count).await?;
+                anyhow::Ok((u64::from_le_bytes(count), Instant::now()))
+            }
+            Confirm::CleanClose => {
+                let mut rest = [0u8; 64];
+                let n = s.read(&mut rest).await?;
+                anyhow::ensure!(n == 0, "{n} bytes arrived after the close");
+                anyhow::Ok((written, Instant::now()))
+            }
+        }
     })
     .await
 }

@@ -15,7 +15,10 @@
 //!   plain CONNECT: the SDK with `http://` (HTTP/2 without TLS, bearer token), and `proxy
 //!   connect` with `http://`, which sends a CONNECT per forwarded connection and moves the bytes
 //!   with `splice(2)`; and CONNECT via a local relay (a user-space copy in a process of its
-//!   own), the topology of `proxy connect` to the plain port with an ordinary relay.
+//!   own), the topology of `proxy connect` to the plain port with an ordinary relay;
+//! - konnectivity: the broker's konnectivity-compatible `ProxyService/Proxy` (one RPC per
+//!   connection, each write one DATA packet: [`tether_e2e::konnectivity`], a client like
+//!   upstream's single-use tunnel), on the client TLS port and on the plain port (h2c).
 //!
 //! Each is measured with 1 and 8 streams (back to back, the order alternating by round), bulk
 //! upload to the target's sink (the rows per path) and bulk download from the target (one row for
@@ -46,7 +49,7 @@ use tether_e2e::benchkit::{cpu_secs, mean, median, range_note};
 use tether_e2e::{Broker, Hub, OPS_TOKEN};
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use super::{CLUSTER, Row, Setup, download_streams, gbit, upload_streams};
+use super::{CLUSTER, Confirm, Row, Setup, download_streams, gbit, upload_streams_confirmed};
 
 /// A stream of any client path.
 trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
@@ -68,11 +71,13 @@ enum Path {
     ProxyConnect,
     GrpcPlain,
     ProxyConnectPlain,
+    Konnectivity,
+    KonnectivityPlain,
 }
 
 /// Index 0 must be CONNECT, 1 TLS CONNECT and 2 TLS CONNECT via a relay (the references of the
 /// ratios).
-const PATHS: [Path; 8] = [
+const PATHS: [Path; 10] = [
     Path::Connect,
     Path::TlsConnect,
     Path::TlsConnectRelayed,
@@ -81,6 +86,8 @@ const PATHS: [Path; 8] = [
     Path::ProxyConnect,
     Path::GrpcPlain,
     Path::ProxyConnectPlain,
+    Path::Konnectivity,
+    Path::KonnectivityPlain,
 ];
 const CONNECT: usize = 0;
 const TLS_CONNECT: usize = 1;
@@ -98,6 +105,17 @@ impl Path {
             Path::ProxyConnect => "tetherctl proxy connect",
             Path::GrpcPlain => "gRPC Dial (SDK), plain port",
             Path::ProxyConnectPlain => "tetherctl proxy connect, plain port",
+            Path::Konnectivity => "konnectivity",
+            Path::KonnectivityPlain => "konnectivity, plain port",
+        }
+    }
+
+    /// How an upload on this path is confirmed: konnectivity's close is a full close (the
+    /// broker drops what the target sends after CLOSE_REQ), its clean CLOSE_RSP the confirmation.
+    fn confirm(self) -> Confirm {
+        match self {
+            Path::Konnectivity | Path::KonnectivityPlain => Confirm::CleanClose,
+            _ => Confirm::TargetCount,
         }
     }
 
@@ -121,10 +139,14 @@ struct Clients {
     forward: std::net::SocketAddr,
     /// `proxy connect` to the plain client port.
     forward_plain: std::net::SocketAddr,
+    /// gRPC channels for konnectivity: the client TLS port, the plain port.
+    konnectivity: tonic::transport::Channel,
+    konnectivity_plain: tonic::transport::Channel,
 }
 
 impl Clients {
-    /// The local address a socket-based path connects to (`None` for the SDK's paths).
+    /// The local address a socket-based path connects to (`None` for the SDK's and konnectivity's
+    /// paths).
     fn addr(&self, path: Path) -> Option<std::net::SocketAddr> {
         Some(match path {
             Path::Connect => self.plain,
@@ -133,7 +155,9 @@ impl Clients {
             Path::TlsConnectRelayed => self.tls_relay,
             Path::ProxyConnect => self.forward,
             Path::ProxyConnectPlain => self.forward_plain,
-            Path::Grpc | Path::GrpcPlain => return None,
+            Path::Grpc | Path::GrpcPlain | Path::Konnectivity | Path::KonnectivityPlain => {
+                return None;
+            }
         })
     }
 
@@ -166,6 +190,16 @@ impl Clients {
             Path::Grpc => Box::new(self.dialer.dial_api_server(CLUSTER).await?),
             Path::GrpcPlain => Box::new(self.dialer_plain.dial_api_server(CLUSTER).await?),
             Path::ProxyConnect | Path::ProxyConnectPlain => Box::new(tcp().await?),
+            Path::Konnectivity | Path::KonnectivityPlain => {
+                let channel = if path == Path::Konnectivity {
+                    &self.konnectivity
+                } else {
+                    &self.konnectivity_plain
+                };
+                Box::new(
+                    tether_e2e::konnectivity::dial(channel.clone(), OPS_TOKEN, &authority).await?,
+                )
+            }
         })
     }
 }
@@ -240,6 +274,20 @@ pub async fn section(
     let dialer_plain = connect(sdk(format!("http://{}", broker.client_addr)))
         .await
         .context("SDK Dialer to the plain port")?;
+    let konnectivity = tether_e2e::konnectivity::channel(
+        &format!("https://{}", broker.client_tls_addr),
+        &ca_pem,
+        "localhost",
+    )
+    .await
+    .context("konnectivity channel")?;
+    let konnectivity_plain = tether_e2e::konnectivity::channel(
+        &format!("http://{}", broker.client_addr),
+        &ca_pem,
+        "localhost",
+    )
+    .await
+    .context("konnectivity channel to the plain port")?;
     let (forward_proc, forward) = proxy_connect(hub, broker, false)?;
     let (forward_plain_proc, forward_plain) = proxy_connect(hub, broker, true)?;
     let relay = |name: &str, upstream: std::net::SocketAddr| {
@@ -261,6 +309,8 @@ pub async fn section(
         dialer_plain,
         forward,
         forward_plain,
+        konnectivity,
+        konnectivity_plain,
     };
     let mut pids = vec![
         std::process::id(),
@@ -275,7 +325,7 @@ pub async fn section(
     // Warm up every path.
     for path in PATHS {
         let socks = vec![clients.open(path).await?];
-        upload_streams(socks, Duration::from_millis(200)).await?;
+        upload_streams_confirmed(socks, Duration::from_millis(200), path.confirm()).await?;
     }
 
     let (rate, cpu_s, gb) = measure(&clients, setup, Direction::Upload, &cpu).await?;
@@ -300,7 +350,7 @@ pub async fn section(
             // The paths over the client TLS port also against TLS CONNECT: the same client-side
             // encryption and broker-side decryption, which plain CONNECT does not pay.
             let vs_tls = match path {
-                Path::Grpc => format!(
+                Path::Grpc | Path::Konnectivity => format!(
                     ", {:.2}× TLS CONNECT",
                     per_gb(p, si) / per_gb(TLS_CONNECT, si)
                 ),
@@ -320,7 +370,8 @@ pub async fn section(
                 Path::Connect
                 | Path::TlsConnectRelayed
                 | Path::ConnectRelayed
-                | Path::GrpcPlain => String::new(),
+                | Path::GrpcPlain
+                | Path::KonnectivityPlain => String::new(),
             };
             if *path == Path::TlsConnectRelayed {
                 notes.push(format!(
@@ -416,7 +467,9 @@ async fn measure(
                 }
                 let c0 = cpu();
                 let (bytes, secs) = match direction {
-                    Direction::Upload => upload_streams(socks, setup.secs).await?,
+                    Direction::Upload => {
+                        upload_streams_confirmed(socks, setup.secs, PATHS[p].confirm()).await?
+                    }
                     Direction::Download => download_streams(socks, setup.secs).await?,
                 };
                 cpu_s[p][si] += cpu() - c0;
@@ -544,6 +597,8 @@ fn floors_row(floor: f64, per_gb: &dyn Fn(usize, usize) -> f64, rate: &[[Vec<f64
         (Path::ProxyConnect, Path::TlsConnectRelayed),
         (Path::GrpcPlain, Path::Connect),
         (Path::ProxyConnectPlain, Path::ConnectRelayed),
+        (Path::Konnectivity, Path::TlsConnect),
+        (Path::KonnectivityPlain, Path::Connect),
     ] {
         let (p, f) = (idx(path), idx(floor_path));
         judge(
