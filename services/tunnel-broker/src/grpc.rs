@@ -24,7 +24,6 @@ use bytes::Bytes;
 use futures::Stream;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
-use tether_proto::konnectivity as k;
 use tether_proto::tunnel::v1 as pb;
 use tether_tunnel::pump::{AbortReason, SpliceError, SpliceStats};
 use tether_tunnel::wire::DialErrorKind;
@@ -40,6 +39,7 @@ use tracing::Instrument;
 use crate::auth::ClientId;
 use crate::dial::{Broker, OpenStream};
 
+mod framing;
 mod konnectivity;
 pub mod raw;
 
@@ -71,12 +71,6 @@ impl GrpcFrontEnd {
         let routes = tonic::service::Routes::new(
             pb::dialer_server::DialerServer::new(DialerSvc(Arc::clone(&broker)))
                 .max_decoding_message_size(MAX_MESSAGE_BYTES),
-        )
-        .add_service(
-            k::proxy_service_server::ProxyServiceServer::new(konnectivity::KonnectivitySvc(
-                Arc::clone(&broker),
-            ))
-            .max_decoding_message_size(MAX_MESSAGE_BYTES),
         );
         Self { routes, broker }
     }
@@ -97,6 +91,8 @@ impl GrpcFrontEnd {
                 crate::drain::refuse_if_draining(&broker.draining, req.version())?;
                 if req.uri().path() == raw::PATH {
                     Ok::<_, h2::Error>(raw::serve(broker, req).await)
+                } else if req.uri().path() == konnectivity::PATH {
+                    Ok(konnectivity::serve(broker, req).await)
                 } else {
                     Ok(routes.oneshot(req).await.unwrap_or_else(|e| match e {}))
                 }

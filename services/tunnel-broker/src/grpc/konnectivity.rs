@@ -1,7 +1,7 @@
 //! konnectivity-compatible `ProxyService/Proxy`: one RPC carries one connection, as upstream's
 //! `CreateSingleUseGrpcTunnel` does. docs/tunnel-protocol.md lists the packet sequences.
 //!
-//! Layout: [`KonnectivitySvc::proxy`] authenticates and reads DIAL_REQ, then a task runs
+//! Layout: [`serve`] authenticates and reads DIAL_REQ, then a task runs
 //! [`dial_or_cancel`] (the dial raced against the client stream, so DIAL_CLS cancels a pending
 //! dial at once) and [`carry`] (both directions of the open connection with the close rules):
 //!
@@ -16,6 +16,10 @@
 //! - Packets that do not fit the stream get an error packet and leave the connection alone:
 //!   a second DIAL_REQ → DIAL_RSP with an error, DATA or CLOSE_REQ for another connectID →
 //!   CLOSE_RSP "unrecognized connectID" (as upstream).
+//!
+//! The RPC is served on hyper directly, not through tonic: [`super::framing`] reads a DATA
+//! packet's payload as the HTTP/2 frames it came in and writes one as its own frame, where
+//! tonic's buffers copied every byte once each way.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -28,11 +32,11 @@ use tether_tunnel::{DialError, Target};
 use tether_tunnel::{StreamRx, StreamTx};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::Status;
 use tracing::Instrument;
 
-use super::{FIRST_MESSAGE_TIMEOUT, FrameStream, OUTBOUND_FRAMES, authenticate, status_of};
+use super::framing::{Inbound, MessageReader, PacketBody};
+use super::{FIRST_MESSAGE_TIMEOUT, OUTBOUND_FRAMES, status_of};
 use crate::auth::ClientId;
 use crate::dial::{Broker, OpenStream};
 
@@ -103,54 +107,63 @@ fn close_rsp(error: String, connect_id: i64) -> k::Packet {
 
 type Out = mpsc::Sender<Result<k::Packet, Status>>;
 
-/// The konnectivity service.
-pub(super) struct KonnectivitySvc(pub(super) Arc<Broker>);
+/// Path of the konnectivity RPC.
+pub const PATH: &str = "/ProxyService/Proxy";
 
-#[tonic::async_trait]
-impl k::proxy_service_server::ProxyService for KonnectivitySvc {
-    type ProxyStream = FrameStream<k::Packet>;
+type Response = http::Response<tonic::body::Body>;
 
-    async fn proxy(
-        &self,
-        req: Request<Streaming<k::Packet>>,
-    ) -> Result<Response<Self::ProxyStream>, Status> {
-        let broker = Arc::clone(&self.0);
-        let stream_id = broker.next_stream_id();
-        let span = tracing::info_span!(
-            "konnectivity_stream",
-            stream = stream_id,
-            cluster = tracing::field::Empty,
-            target = tracing::field::Empty,
-            client = tracing::field::Empty
-        );
-        let client = authenticate(&broker, &req).map_err(|e| {
-            broker.record_failure("konnectivity", &e);
-            status_of(&e)
-        })?;
-        let mut inbound = req.into_inner();
-        let first = tokio::time::timeout(FIRST_MESSAGE_TIMEOUT, inbound.message())
-            .await
-            .map_err(|_| Status::deadline_exceeded("no DIAL_REQ received"))??;
-        let Some(k::Packet {
-            payload: Some(k::packet::Payload::DialRequest(d)),
-            ..
-        }) = first
-        else {
-            return Err(Status::invalid_argument(
-                "the first packet must be DIAL_REQ",
-            ));
-        };
-        let (out_tx, out_rx) = mpsc::channel(OUTBOUND_FRAMES);
-        let conn = Conn {
-            broker,
-            out: out_tx,
-            connect_id: stream_id as i64,
-        };
-        tokio::spawn(
-            async move { conn.serve(client, d, inbound, stream_id).await }.instrument(span),
-        );
-        Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))
+/// Serves one `ProxyService/Proxy` RPC: an error status at once (trailers only), or `200` and
+/// the packets of the connection, a task carrying it.
+pub(super) async fn serve(
+    broker: Arc<Broker>,
+    req: http::Request<hyper::body::Incoming>,
+) -> Response {
+    match start(broker, req).await {
+        Ok(r) => r,
+        Err(status) => status.into_http(),
     }
+}
+
+async fn start(
+    broker: Arc<Broker>,
+    req: http::Request<hyper::body::Incoming>,
+) -> Result<Response, Status> {
+    let stream_id = broker.next_stream_id();
+    let span = tracing::info_span!(
+        "konnectivity_stream",
+        stream = stream_id,
+        cluster = tracing::field::Empty,
+        target = tracing::field::Empty,
+        client = tracing::field::Empty
+    );
+    let client = super::raw::authenticate(&broker, &req).map_err(|e| {
+        broker.record_failure("konnectivity", &e);
+        status_of(&e)
+    })?;
+    let mut inbound = MessageReader::new(req.into_body(), super::MAX_MESSAGE_BYTES);
+    let first = tokio::time::timeout(FIRST_MESSAGE_TIMEOUT, inbound.message())
+        .await
+        .map_err(|_| Status::deadline_exceeded("no DIAL_REQ received"))??;
+    let Some(Inbound::Packet(k::Packet {
+        payload: Some(k::packet::Payload::DialRequest(d)),
+        ..
+    })) = first
+    else {
+        return Err(Status::invalid_argument(
+            "the first packet must be DIAL_REQ",
+        ));
+    };
+    let (out_tx, out_rx) = mpsc::channel(OUTBOUND_FRAMES);
+    let conn = Conn {
+        broker,
+        out: out_tx,
+        connect_id: stream_id as i64,
+    };
+    tokio::spawn(async move { conn.serve(client, d, inbound, stream_id).await }.instrument(span));
+    Ok(http::Response::builder()
+        .header(http::header::CONTENT_TYPE, "application/grpc")
+        .body(tonic::body::Body::new(PacketBody::new(out_rx)))
+        .expect("valid response"))
 }
 
 /// How the dial phase ended.
@@ -243,7 +256,7 @@ impl Conn {
         self,
         client: ClientId,
         d: k::DialRequest,
-        mut inbound: Streaming<k::Packet>,
+        mut inbound: MessageReader,
         stream_id: u64,
     ) {
         let random = d.random;
@@ -285,7 +298,7 @@ impl Conn {
         &self,
         client: &ClientId,
         d: k::DialRequest,
-        inbound: &mut Streaming<k::Packet>,
+        inbound: &mut MessageReader,
         stream_id: u64,
     ) -> Dialed {
         let broker = &self.broker;
@@ -317,7 +330,7 @@ impl Conn {
         loop {
             tokio::select! {
                 r = &mut dial => return r.map_or_else(Dialed::Failed, Dialed::Open),
-                m = inbound.message() => match m {
+                m = inbound.message() => match m.map(|m| m.map(Inbound::into_packet)) {
                     Ok(Some(k::Packet { payload: Some(k::packet::Payload::CloseDial(_)), .. })) => {
                         return Dialed::Cancelled("client sent DIAL_CLS");
                     }
@@ -337,7 +350,7 @@ impl Conn {
     /// Bytes both ways are charged to `pacer` (the cluster's CPU share, `budget`).
     async fn carry(
         &self,
-        mut inbound: Streaming<k::Packet>,
+        mut inbound: MessageReader,
         mut tx: StreamTx,
         mut rx: StreamRx,
         pacer: &crate::budget::Pacer,
@@ -377,8 +390,34 @@ impl Conn {
                             )));
                         }
                     };
+                    let p = match p {
+                        Inbound::Data {
+                            connect_id,
+                            payload,
+                            ..
+                        } if connect_id == id => {
+                            let n: usize = payload.iter().map(bytes::Bytes::len).sum();
+                            if n > MAX_DATA_BYTES {
+                                count(broker, Event::OversizeData);
+                                return Err(Abort::Client(format!(
+                                    "DATA packet of {n} bytes exceeds Tether's limit of {MAX_DATA_BYTES} bytes per packet; split the write"
+                                )));
+                            }
+                            for piece in payload {
+                                tx.send(piece).await.map_err(Abort::Tunnel)?;
+                            }
+                            pacer.charge(n).await;
+                            up_bytes += n as u64;
+                            if let Some(c) = &broker.counters.to_tunnel {
+                                c.inc_by(n as u64);
+                            }
+                            continue;
+                        }
+                        other => other.into_packet(),
+                    };
                     match p.payload {
                         Some(k::packet::Payload::Data(d)) if d.connect_id == id => {
+                            // Only a DATA the fast path could not read gets here.
                             let n = d.data.len();
                             if n > MAX_DATA_BYTES {
                                 count(broker, Event::OversizeData);

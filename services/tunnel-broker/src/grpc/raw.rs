@@ -65,7 +65,12 @@ fn header<'a>(req: &'a http::Request<Incoming>, name: &str) -> Result<&'a str, D
     }
 }
 
-fn authenticate(broker: &Broker, req: &http::Request<Incoming>) -> Result<ClientId, DialError> {
+/// The client of a request on the HTTP/2 listener: its bearer token, else the connection's
+/// certificate (also the konnectivity front end's).
+pub(super) fn authenticate(
+    broker: &Broker,
+    req: &http::Request<Incoming>,
+) -> Result<ClientId, DialError> {
     if req.headers().contains_key("authorization") {
         return broker.auth.from_header(header(req, "authorization")?);
     }
