@@ -1564,6 +1564,7 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
             &broker,
             &setup,
             &[target_proc.pid(), broker.child.pid(), agent.child.pid()],
+            &[broker.child.pid(), agent.child.pid()],
             tls_floor,
         )
         .await?

@@ -136,6 +136,13 @@ async fn start(
         target = tracing::field::Empty,
         client = tracing::field::Empty
     );
+    // A client's trace context (`traceparent` metadata), as on the other gRPC front ends.
+    tether_telemetry::propagation::set_parent(
+        &span,
+        req.headers()
+            .iter()
+            .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?))),
+    );
     let client = super::raw::authenticate(&broker, &req).map_err(|e| {
         broker.record_failure("konnectivity", &e);
         status_of(&e)

@@ -246,11 +246,14 @@ fn proxy_connect(
 }
 
 /// Runs the section; one row per path. `floor`: [`measure_tls_floor`]'s figure for this run.
+/// `other_pids`: the target's and the hop processes' (`hop_pids`: broker and agent, whose share
+/// of each path's CPU is given apart).
 pub async fn section(
     hub: &Hub,
     broker: &Broker,
     setup: &Setup,
     other_pids: &[u32],
+    hop_pids: &[u32],
     floor: f64,
 ) -> anyhow::Result<Vec<Row>> {
     let ca_pem = std::fs::read_to_string(hub.pki.ca_path()).context("hub CA")?;
@@ -320,7 +323,11 @@ pub async fn section(
         plain_relay_proc.pid(),
     ];
     pids.extend_from_slice(other_pids);
-    let cpu = || pids.iter().map(|p| cpu_secs(*p)).sum::<f64>();
+    let cpu = || {
+        let all = pids.iter().map(|p| cpu_secs(*p)).sum::<f64>();
+        let hop = hop_pids.iter().map(|p| cpu_secs(*p)).sum::<f64>();
+        (all, hop)
+    };
 
     // Warm up every path.
     for path in PATHS {
@@ -328,12 +335,13 @@ pub async fn section(
         upload_streams_confirmed(socks, Duration::from_millis(200), path.confirm()).await?;
     }
 
-    let (rate, cpu_s, gb) = measure(&clients, setup, Direction::Upload, &cpu).await?;
+    let (rate, cpu_s, gb, hop_s) = measure(&clients, setup, Direction::Upload, &cpu).await?;
     let down = measure(&clients, setup, Direction::Download, &cpu).await?;
     drop((forward_proc, forward_plain_proc));
     drop((relay_proc, plain_relay_proc));
 
     let per_gb = |p: usize, si: usize| cpu_s[p][si] / gb[p][si];
+    let hop_per_gb = |p: usize, si: usize| hop_s[p][si] / gb[p][si];
     let mut rows = Vec::new();
     for (p, path) in PATHS.iter().enumerate() {
         let tput = format!("{} / {}", gbit(mean(&rate[p][0])), gbit(mean(&rate[p][1])));
@@ -389,12 +397,18 @@ pub async fn section(
             } else if *path != Path::Connect {
                 ok &= r >= 1.0 - TOLERANCE && c <= 1.0 + TOLERANCE;
                 notes.push(format!(
-                    "{streams}: {r:.2}×{} CONNECT, CPU-s/GB {:.2} ({c:.2}× CONNECT{vs_tls})",
+                    "{streams}: {r:.2}×{} CONNECT, CPU-s/GB {:.2} ({c:.2}× CONNECT{vs_tls}; broker+agent {:.2}, {:.2}× CONNECT's)",
                     range_note(&vs),
-                    per_gb(p, si)
+                    per_gb(p, si),
+                    hop_per_gb(p, si),
+                    hop_per_gb(p, si) / hop_per_gb(CONNECT, si)
                 ));
             } else {
-                notes.push(format!("{streams}: CPU-s/GB {:.2}", per_gb(p, si)));
+                notes.push(format!(
+                    "{streams}: CPU-s/GB {:.2} (broker+agent {:.2})",
+                    per_gb(p, si),
+                    hop_per_gb(p, si)
+                ));
             }
         }
         let eight_vs_one = mean(&rate[p][1]) / mean(&rate[p][0]);
@@ -435,19 +449,26 @@ enum Direction {
     Download,
 }
 
-/// [path][streams index]: throughput per round (bytes/s), CPU seconds, GB.
-type Measured = (Vec<[Vec<f64>; 2]>, Vec<[f64; 2]>, Vec<[f64; 2]>);
+/// [path][streams index]: throughput per round (bytes/s), CPU seconds of every process on the
+/// path, GB, CPU seconds of broker and agent.
+type Measured = (
+    Vec<[Vec<f64>; 2]>,
+    Vec<[f64; 2]>,
+    Vec<[f64; 2]>,
+    Vec<[f64; 2]>,
+);
 
 /// Every path with 1 and 8 streams in `direction`, `setup.rounds` rounds in rotating order.
 async fn measure(
     clients: &Clients,
     setup: &Setup,
     direction: Direction,
-    cpu: &dyn Fn() -> f64,
+    cpu: &dyn Fn() -> (f64, f64),
 ) -> anyhow::Result<Measured> {
     let mut rate = vec![[Vec::new(), Vec::new()]; PATHS.len()];
     let mut cpu_s = vec![[0.0f64; 2]; PATHS.len()];
     let mut gb = vec![[0.0f64; 2]; PATHS.len()];
+    let mut hop_s = vec![[0.0f64; 2]; PATHS.len()];
     for round in 0..setup.rounds {
         let mut order: Vec<usize> = (0..PATHS.len()).collect();
         order.rotate_left(round % PATHS.len());
@@ -472,7 +493,9 @@ async fn measure(
                     }
                     Direction::Download => download_streams(socks, setup.secs).await?,
                 };
-                cpu_s[p][si] += cpu() - c0;
+                let c1 = cpu();
+                cpu_s[p][si] += c1.0 - c0.0;
+                hop_s[p][si] += c1.1 - c0.1;
                 gb[p][si] += bytes as f64 / 1e9;
                 rate[p][si].push(bytes as f64 / secs);
             }
@@ -499,13 +522,14 @@ async fn measure(
             );
         }
     }
-    Ok((rate, cpu_s, gb))
+    Ok((rate, cpu_s, gb, hop_s))
 }
 
 /// Downloads (target → client): every client path against CONNECT, throughput and CPU-s/GB
 /// with 1 and 8 streams, judged like uploads (within 10 %), the floors as information.
-fn download_row((rate, cpu_s, gb): &Measured) -> Row {
+fn download_row((rate, cpu_s, gb, hop_s): &Measured) -> Row {
     let per_gb = |p: usize, si: usize| cpu_s[p][si] / gb[p][si];
+    let hop_per_gb = |p: usize, si: usize| hop_s[p][si] / gb[p][si];
     let mut ok = true;
     let mut notes = vec![format!(
         "CONNECT {} / {}, CPU-s/GB {:.2} / {:.2}",
@@ -521,20 +545,26 @@ fn download_row((rate, cpu_s, gb): &Measured) -> Row {
                 .zip(&rate[CONNECT][si])
                 .map(|(x, c)| x / c)
                 .collect();
-            (median(&vs), per_gb(p, si) / per_gb(CONNECT, si))
+            (
+                median(&vs),
+                per_gb(p, si) / per_gb(CONNECT, si),
+                hop_per_gb(p, si) / hop_per_gb(CONNECT, si),
+            )
         });
         if !path.is_floor() {
             ok &= ratios
                 .iter()
-                .all(|&(r, c)| r >= 1.0 - TOLERANCE && c <= 1.0 + TOLERANCE);
+                .all(|&(r, c, _)| r >= 1.0 - TOLERANCE && c <= 1.0 + TOLERANCE);
         }
         notes.push(format!(
-            "{}: throughput {:.2} / {:.2}×, CPU-s/GB {:.2} / {:.2}×{}",
+            "{}: throughput {:.2} / {:.2}×, CPU-s/GB {:.2} / {:.2}× (broker+agent {:.2} / {:.2}×){}",
             path.name(),
             ratios[0].0,
             ratios[1].0,
             ratios[0].1,
             ratios[1].1,
+            ratios[0].2,
+            ratios[1].2,
             if path.is_floor() { " (a floor)" } else { "" }
         ));
     }
