@@ -491,6 +491,27 @@ impl Setup {
     }
 }
 
+/// A local TCP port that refuses connections: a socket bound to it that never listens. A port
+/// taken from a listener that was then dropped can be bound again by any test running at the
+/// same time (it was: a TLS client got another server's bytes where it expected a refusal);
+/// this one stays reserved until dropped.
+pub struct RefusingPort {
+    _sock: socket2::Socket,
+    pub addr: SocketAddr,
+}
+
+impl RefusingPort {
+    pub fn new() -> anyhow::Result<Self> {
+        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+        sock.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())?;
+        let addr = sock
+            .local_addr()?
+            .as_socket()
+            .ok_or_else(|| anyhow::anyhow!("not an IP socket"))?;
+        Ok(Self { _sock: sock, addr })
+    }
+}
+
 /// `<ip>.<cluster>.tether:<port>` for an address reachable by the agent.
 pub fn qualified(cluster: &str, addr: SocketAddr) -> String {
     format!("{}.{cluster}.tether:{}", addr.ip(), addr.port())

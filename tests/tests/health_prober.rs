@@ -11,10 +11,8 @@ use tether_test_support::wait_until_async;
 async fn health_table_reflects_healthy_down_and_gone_clusters() -> anyhow::Result<()> {
     let hub = Hub::new()?;
     let api = FakeApiServer::start(&hub).await?;
-    let closed = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-        l.local_addr()?
-    }; // nothing listens here any more
+    let refusing = tether_e2e::RefusingPort::new()?;
+    let closed = refusing.addr; // nothing listens here
     let broker = hub.start_broker("b1", "")?;
     let ok = hub.start_agent("ok", "ok", &[vec![broker.agent_addr]], api.addr, "")?;
     let down = hub.start_agent("down", "down", &[vec![broker.agent_addr]], closed, "")?;

@@ -468,10 +468,8 @@ async fn early_data_rides_the_dial_and_a_refused_dial_still_answers() -> anyhow:
         let _ = s.shutdown().await;
     })
     .await?;
-    let closed = {
-        let l = TcpListener::bind("127.0.0.1:0").await?;
-        l.local_addr()?
-    };
+    let refusing = tether_e2e::RefusingPort::new()?;
+    let closed = refusing.addr;
     // Head and early bytes in one write; the whole answer up to the broker's close.
     let exchange = |to: std::net::SocketAddr| {
         let mut first = format!(

@@ -469,10 +469,8 @@ async fn dial_refused_and_unknown_host_are_502() -> anyhow::Result<()> {
         "policy:\n  allow: ['*:*']\n  deny: ['forbidden.example:*']",
     )
     .await?;
-    let closed = {
-        let l = TcpListener::bind("127.0.0.1:0").await?;
-        l.local_addr()?
-    };
+    let refusing = tether_e2e::RefusingPort::new()?;
+    let closed = refusing.addr;
     let b = setup.broker.client_addr;
     let body = expect_status(b, &qualified("c1", closed), Some(OPS_TOKEN), 502, "refused").await?;
     assert!(body.contains("tether-error: refused"), "{body}");

@@ -88,10 +88,8 @@ async fn konnectivity_round_trip() -> anyhow::Result<()> {
     assert!(end.is_none(), "nothing may follow CLOSE_RSP: {end:?}");
 
     // A refused dial: DIAL_RSP carrying the reason.
-    let closed_port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-        l.local_addr()?
-    };
+    let refusing = tether_e2e::RefusingPort::new()?;
+    let closed_port = refusing.addr;
     let (mut tx, req) = streaming_request::<k::Packet>(Some(OPS_TOKEN));
     tx.send(packet(
         k::PacketType::DialReq,
@@ -192,10 +190,8 @@ async fn native_dial_echo_and_half_close() -> anyhow::Result<()> {
     assert!(echoed == sent, "native Dial echo differs");
 
     // A dial the agent cannot complete: result frame with the code and reason, then the end.
-    let closed_port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-        l.local_addr()?
-    };
+    let refusing = tether_e2e::RefusingPort::new()?;
+    let closed_port = refusing.addr;
     let (mut tx, req) = streaming_request::<pb::DialFrame>(Some(OPS_TOKEN));
     tx.send(pb::DialFrame {
         kind: Some(pb::dial_frame::Kind::Dial(pb::DialRequest {

@@ -63,10 +63,8 @@ async fn carries_traffic(
     let head = String::from_utf8_lossy(&got);
     anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "{cluster}: {head}");
     // A port nobody listens on: the agent's refusal and its reason come back.
-    let closed = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-        l.local_addr()?
-    };
+    let refusing = tether_e2e::RefusingPort::new()?;
+    let closed = refusing.addr;
     match connect(
         broker.client_addr,
         &qualified(cluster, closed),
