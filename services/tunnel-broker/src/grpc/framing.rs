@@ -77,10 +77,20 @@ impl Pieces {
 
     /// Decodes a konnectivity packet; a DATA packet keeps its payload as slices.
     pub fn decode_packet(self) -> Result<Inbound, Status> {
-        let whole = |p: Pieces| {
-            k::Packet::decode(p.contiguous())
-                .map(Inbound::Packet)
-                .map_err(|e| Status::internal(format!("malformed konnectivity packet: {e}")))
+        // A DATA decoded by prost is still `Inbound::Data`, so callers have one DATA case.
+        let whole = |p: Pieces| match k::Packet::decode(p.contiguous()) {
+            Ok(k::Packet {
+                payload: Some(k::packet::Payload::Data(d)),
+                ..
+            }) => Ok(Inbound::Data {
+                connect_id: d.connect_id,
+                error: d.error,
+                payload: vec![d.data],
+            }),
+            Ok(p) => Ok(Inbound::Packet(p)),
+            Err(e) => Err(Status::internal(format!(
+                "malformed konnectivity packet: {e}"
+            ))),
         };
         // Fast path: DATA as Go's and tonic's encoders write it (fields in order: type, then
         // data { connectID, [error], data }). Anything else is decoded by prost, which also
@@ -398,41 +408,38 @@ impl PacketBody {
 /// The gRPC message for `p`: a DATA packet as its header bytes and its payload (not copied),
 /// any other packet encoded whole.
 fn encode(p: k::Packet) -> (Bytes, Option<Bytes>) {
-    if let Some(k::packet::Payload::Data(d)) = &p.payload
-        && !d.data.is_empty()
-    {
-        let k::Packet {
+    let p = match p {
+        k::Packet {
             r#type,
             payload: Some(k::packet::Payload::Data(d)),
-        } = p
-        else {
-            unreachable!("matched above")
-        };
-        // Data's fields before the payload, then the payload's key and length.
-        let mut inner = BytesMut::with_capacity(32 + d.error.len());
-        if d.connect_id != 0 {
-            prost::encoding::int64::encode(1, &d.connect_id, &mut inner);
+        } if !d.data.is_empty() => {
+            // Data's fields before the payload, then the payload's key and length.
+            let mut inner = BytesMut::with_capacity(32 + d.error.len());
+            if d.connect_id != 0 {
+                prost::encoding::int64::encode(1, &d.connect_id, &mut inner);
+            }
+            if !d.error.is_empty() {
+                prost::encoding::string::encode(2, &d.error, &mut inner);
+            }
+            prost::encoding::encode_key(3, prost::encoding::WireType::LengthDelimited, &mut inner);
+            prost::encoding::encode_varint(d.data.len() as u64, &mut inner);
+            let data_len = inner.len() + d.data.len();
+            let mut outer = BytesMut::with_capacity(PREFIX + 16 + inner.len());
+            let mut env = BytesMut::with_capacity(16);
+            if r#type != 0 {
+                prost::encoding::int32::encode(1, &r#type, &mut env);
+            }
+            prost::encoding::encode_key(4, prost::encoding::WireType::LengthDelimited, &mut env);
+            prost::encoding::encode_varint(data_len as u64, &mut env);
+            let total = env.len() + data_len;
+            outer.put_u8(0);
+            outer.put_u32(total as u32);
+            outer.put(env);
+            outer.put(inner);
+            return (outer.freeze(), Some(d.data));
         }
-        if !d.error.is_empty() {
-            prost::encoding::string::encode(2, &d.error, &mut inner);
-        }
-        prost::encoding::encode_key(3, prost::encoding::WireType::LengthDelimited, &mut inner);
-        prost::encoding::encode_varint(d.data.len() as u64, &mut inner);
-        let data_len = inner.len() + d.data.len();
-        let mut outer = BytesMut::with_capacity(PREFIX + 16 + inner.len());
-        let mut env = BytesMut::with_capacity(16);
-        if r#type != 0 {
-            prost::encoding::int32::encode(1, &r#type, &mut env);
-        }
-        prost::encoding::encode_key(4, prost::encoding::WireType::LengthDelimited, &mut env);
-        prost::encoding::encode_varint(data_len as u64, &mut env);
-        let total = env.len() + data_len;
-        outer.put_u8(0);
-        outer.put_u32(total as u32);
-        outer.put(env);
-        outer.put(inner);
-        return (outer.freeze(), Some(d.data));
-    }
+        p => p,
+    };
     let len = p.encoded_len();
     let mut b = BytesMut::with_capacity(PREFIX + len);
     b.put_u8(0);
@@ -592,8 +599,12 @@ mod tests {
         prost::encoding::encode_key(4, prost::encoding::WireType::LengthDelimited, &mut msg);
         prost::encoding::encode_varint(inner.len() as u64, &mut msg);
         msg.extend_from_slice(&inner);
-        let got = chunked(&msg, &[3]).decode_packet().unwrap().into_packet();
-        assert_eq!(got, data_packet(3, "", b"hi"));
+        let got = chunked(&msg, &[3]).decode_packet().unwrap();
+        assert!(
+            matches!(&got, Inbound::Data { payload, .. } if payload.len() == 1),
+            "{got:?}"
+        );
+        assert_eq!(got.into_packet(), data_packet(3, "", b"hi"));
         // Garbage is an error that names the packet, not a panic.
         let e = chunked(&[0x22, 0xff, 0xff], &[2])
             .decode_packet()

@@ -423,22 +423,6 @@ impl Conn {
                         other => other.into_packet(),
                     };
                     match p.payload {
-                        Some(k::packet::Payload::Data(d)) if d.connect_id == id => {
-                            // Only a DATA the fast path could not read gets here.
-                            let n = d.data.len();
-                            if n > MAX_DATA_BYTES {
-                                count(broker, Event::OversizeData);
-                                return Err(Abort::Client(format!(
-                                    "DATA packet of {n} bytes exceeds Tether's limit of {MAX_DATA_BYTES} bytes per packet; split the write"
-                                )));
-                            }
-                            tx.send(d.data).await.map_err(Abort::Tunnel)?;
-                            pacer.charge(n).await;
-                            up_bytes += n as u64;
-                            if let Some(c) = &broker.counters.to_tunnel {
-                                c.inc_by(n as u64);
-                            }
-                        }
                         Some(k::packet::Payload::CloseRequest(c)) if c.connect_id == id => {
                             return client_closed(&phase, &closed_at_tx, &mut tx).await;
                         }
