@@ -193,6 +193,25 @@ impl Auth {
         }
     }
 
+    /// Who a request's client is: its credentials (a `Proxy-Authorization` / `authorization`
+    /// value) if it sent any, else its verified certificate. `alternative` names, for the
+    /// error a client with neither gets, how this front end takes credentials.
+    pub fn identify(
+        &self,
+        credentials: Option<&str>,
+        peer: Option<&PeerCert>,
+        alternative: &str,
+    ) -> Result<ClientId, DialError> {
+        match (credentials, peer) {
+            (Some(value), _) => self.from_header(value),
+            (None, Some(cert)) => self.from_certificate(cert),
+            (None, None) => Err(DialError::new(
+                DialErrorKind::Unauthenticated,
+                format!("no credentials: present a client certificate or {alternative}"),
+            )),
+        }
+    }
+
     /// Identity from a bearer token.
     pub fn from_token(&self, token: &str) -> Result<ClientId, DialError> {
         let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
@@ -326,6 +345,30 @@ mod tests {
         assert_eq!(
             a.from_header("Digest x").unwrap_err().kind,
             DialErrorKind::Unauthenticated
+        );
+    }
+
+    #[test]
+    fn credentials_come_before_the_certificate() {
+        let a = auth();
+        let ops = PeerCert {
+            identity: Identity::Client { name: "ops".into() },
+            serial: None,
+        };
+        let by_token = a.identify(Some("Bearer w3b"), Some(&ops), "X").unwrap();
+        assert_eq!((by_token.name.as_str(), by_token.via), ("web", "token"));
+        // A bad credential is refused even with a good certificate: never a silent fallback.
+        let bad = a
+            .identify(Some("Bearer nope"), Some(&ops), "X")
+            .unwrap_err();
+        assert_eq!(bad.kind, DialErrorKind::Unauthenticated);
+        let by_cert = a.identify(None, Some(&ops), "X").unwrap();
+        assert_eq!((by_cert.name.as_str(), by_cert.via), ("ops", "certificate"));
+        let none = a.identify(None, None, "send AUTH").unwrap_err();
+        assert_eq!(none.kind, DialErrorKind::Unauthenticated);
+        assert_eq!(
+            none.message,
+            "no credentials: present a client certificate or send AUTH"
         );
     }
 

@@ -30,7 +30,7 @@ use tether_tunnel::{DialError, Target};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::Instrument;
 
-use crate::auth::{ClientId, PeerCert};
+use crate::auth::PeerCert;
 use crate::budget::Pacer;
 use crate::dial::{Broker, OpenStream};
 
@@ -92,22 +92,6 @@ where
     }
 }
 
-/// Who the client is: its `AUTH` credential, else its certificate.
-fn authenticate(
-    broker: &Broker,
-    auth: Option<&str>,
-    peer: Option<&PeerCert>,
-) -> Result<ClientId, DialError> {
-    match (auth, peer) {
-        (Some(value), _) => broker.auth.from_header(value),
-        (None, Some(cert)) => broker.auth.from_certificate(cert),
-        (None, None) => Err(DialError::new(
-            DialErrorKind::Unauthenticated,
-            "no credentials: present a client certificate or send AUTH with Bearer <token>",
-        )),
-    }
-}
-
 /// One `OPEN`: authenticate, dial, answer, relay.
 async fn serve_stream(broker: Arc<Broker>, peer: Arc<Option<PeerCert>>, incoming: Incoming) {
     let Incoming {
@@ -132,7 +116,13 @@ async fn serve_stream(broker: Arc<Broker>, peer: Arc<Option<PeerCert>>, incoming
     );
     async move {
         let opened = async {
-            let client = authenticate(&broker, auth.as_deref(), peer.as_ref().as_ref())
+            let client = broker
+                .auth
+                .identify(
+                    auth.as_deref(),
+                    peer.as_ref().as_ref(),
+                    "send AUTH with Bearer <token>",
+                )
                 .inspect_err(|e| broker.record_failure("grpc", e))?;
             let target = Target::from_wire(&open.cluster, &open.target)
                 .map_err(|e| DialError::new(DialErrorKind::BadRequest, e.to_string()))

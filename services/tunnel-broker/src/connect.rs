@@ -246,22 +246,6 @@ fn error_response(e: &DialError) -> Vec<u8> {
 
 const ESTABLISHED: &[u8] = b"HTTP/1.1 200 Connection established\r\n\r\n";
 
-/// Who a parsed head's credentials (or the client's certificate) name.
-fn authenticate(
-    broker: &Broker,
-    credentials: Option<&str>,
-    peer: Option<&crate::auth::PeerCert>,
-) -> Result<ClientId, DialError> {
-    match (credentials, peer) {
-        (Some(c), _) => broker.auth.from_header(c),
-        (None, Some(id)) => broker.auth.from_certificate(id),
-        (None, None) => Err(DialError::new(
-            DialErrorKind::Unauthenticated,
-            "no credentials: present a client certificate or Proxy-Authorization",
-        )),
-    }
-}
-
 /// Reads the CONNECT head from `io` and opens its stream; returns it with the stream's span.
 /// What the client sent after the head (early data) is not held until the dial result: it
 /// leaves with the dial request, and the agent writes it to the target once connected (a
@@ -298,7 +282,10 @@ async fn open_from_head<S: AsyncRead + AsyncWrite + Unpin>(
         Ok(t) => t,
         Err(e) => return refuse(broker, io, span(stream_id, None, None, &trace), &e).await,
     };
-    let client = match authenticate(broker, credentials.as_deref(), peer) {
+    let client = match broker
+        .auth
+        .identify(credentials.as_deref(), peer, "Proxy-Authorization")
+    {
         Ok(c) => c,
         Err(e) => {
             let span = span(stream_id, Some(&target), None, &trace);

@@ -119,23 +119,31 @@ impl GrpcFrontEnd {
     }
 }
 
-fn authenticate<T>(broker: &Broker, req: &Request<T>) -> Result<ClientId, DialError> {
-    if let Some(v) = req.metadata().get("authorization") {
-        let v = v.to_str().map_err(|_| {
-            DialError::new(
-                DialErrorKind::Unauthenticated,
-                "authorization metadata is not ASCII",
-            )
-        })?;
-        return broker.auth.from_header(v);
-    }
-    match req.extensions().get::<PeerIdentity>() {
-        Some(PeerIdentity(Some(id))) => broker.auth.from_certificate(id),
-        _ => Err(DialError::new(
-            DialErrorKind::Unauthenticated,
-            "no credentials: present a client certificate or authorization: Bearer <token>",
-        )),
-    }
+/// The client of a request on the HTTP/2 listener (the gRPC services, DialRaw, konnectivity):
+/// its `authorization` value, else the connection's verified certificate.
+fn authenticate(
+    broker: &Broker,
+    headers: &http::HeaderMap,
+    extensions: &http::Extensions,
+) -> Result<ClientId, DialError> {
+    let credentials = headers
+        .get("authorization")
+        .map(|v| {
+            v.to_str().map_err(|_| {
+                DialError::new(
+                    DialErrorKind::Unauthenticated,
+                    "authorization metadata is not ASCII",
+                )
+            })
+        })
+        .transpose()?;
+    let peer = match extensions.get::<PeerIdentity>() {
+        Some(PeerIdentity(Some(id))) => Some(id),
+        _ => None,
+    };
+    broker
+        .auth
+        .identify(credentials, peer, "authorization: Bearer <token>")
 }
 
 fn status_of(e: &DialError) -> Status {
@@ -270,15 +278,9 @@ impl pb::dialer_server::Dialer for DialerSvc {
     ) -> Result<Response<Self::DialStream>, Status> {
         let broker = Arc::clone(&self.0);
         let stream_id = broker.next_stream_id();
-        let span = tracing::info_span!(
-            "grpc_stream",
-            stream = stream_id,
-            cluster = tracing::field::Empty,
-            target = tracing::field::Empty,
-            client = tracing::field::Empty
-        );
-        tether_telemetry::propagation::set_parent(
-            &span,
+        let span = stream_span(
+            stream_id,
+            "framed",
             req.metadata().iter().filter_map(|kv| match kv {
                 tonic::metadata::KeyAndValueRef::Ascii(k, v) => {
                     Some((k.as_str(), v.to_str().ok()?))
@@ -286,10 +288,11 @@ impl pb::dialer_server::Dialer for DialerSvc {
                 _ => None,
             }),
         );
-        let client = authenticate(&broker, &req).map_err(|e| {
-            broker.record_failure("grpc", &e);
-            status_of(&e)
-        })?;
+        let client =
+            authenticate(&broker, req.metadata().as_ref(), req.extensions()).map_err(|e| {
+                broker.record_failure("grpc", &e);
+                status_of(&e)
+            })?;
         let mut inbound = req.into_inner();
         let first = tokio::time::timeout(FIRST_MESSAGE_TIMEOUT, inbound.message())
             .await
@@ -380,8 +383,8 @@ impl pb::dialer_server::Dialer for DialerSvc {
     }
 }
 
-/// The span of one unframed native-Dial stream (`framing`: `raw` for `DialRaw`, `mux` for
-/// `tether-dial/1`), a child of the client's trace context (`trace`: its W3C fields).
+/// The span of one native-Dial stream (`framing`: `framed` for the gRPC `Dial`, `raw` for
+/// `DialRaw`, `mux` for `tether-dial/1`), a child of the client's trace context (`trace`: its W3C fields).
 pub(crate) fn stream_span<K: AsRef<str>, V: AsRef<str>>(
     stream_id: u64,
     framing: &'static str,

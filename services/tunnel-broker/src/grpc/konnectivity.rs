@@ -143,7 +143,7 @@ async fn start(
             .iter()
             .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?))),
     );
-    let client = super::raw::authenticate(&broker, &req).map_err(|e| {
+    let client = super::authenticate(&broker, req.headers(), req.extensions()).map_err(|e| {
         broker.record_failure("konnectivity", &e);
         status_of(&e)
     })?;

@@ -30,8 +30,6 @@ use tether_tunnel::{StreamRx, StreamTx};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
-use super::PeerIdentity;
-use crate::auth::ClientId;
 use crate::dial::{Broker, OpenStream};
 
 /// Path of the unframed Dial.
@@ -62,24 +60,6 @@ fn header<'a>(req: &'a http::Request<Incoming>, name: &str) -> Result<&'a str, D
                 format!("header {name} is not ASCII"),
             )
         }),
-    }
-}
-
-/// The client of a request on the HTTP/2 listener: its bearer token, else the connection's
-/// certificate (also the konnectivity front end's).
-pub(super) fn authenticate(
-    broker: &Broker,
-    req: &http::Request<Incoming>,
-) -> Result<ClientId, DialError> {
-    if req.headers().contains_key("authorization") {
-        return broker.auth.from_header(header(req, "authorization")?);
-    }
-    match req.extensions().get::<PeerIdentity>() {
-        Some(PeerIdentity(Some(id))) => broker.auth.from_certificate(id),
-        _ => Err(DialError::new(
-            DialErrorKind::Unauthenticated,
-            "no credentials: present a client certificate or authorization: Bearer <token>",
-        )),
     }
 }
 
@@ -137,8 +117,8 @@ pub async fn serve(broker: Arc<Broker>, req: http::Request<Incoming>) -> Respons
             .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?))),
     );
     let opened = async {
-        let client =
-            authenticate(&broker, &req).inspect_err(|e| broker.record_failure("grpc", e))?;
+        let client = super::authenticate(&broker, req.headers(), req.extensions())
+            .inspect_err(|e| broker.record_failure("grpc", e))?;
         let (target, timeout) = parse(&req).inspect_err(|e| broker.record_failure("grpc", e))?;
         super::dial_recorded(&broker, &client, &target, stream_id, timeout).await
     }
