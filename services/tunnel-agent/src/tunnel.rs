@@ -596,9 +596,7 @@ async fn handle_dial(
     let span = tracing::info_span!("agent_stream", cluster = %shared.cluster, stream = %stream_id, target = %target);
     tether_telemetry::propagation::set_parent(
         &span,
-        req.headers()
-            .iter()
-            .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?))),
+        tether_telemetry::propagation::header_pairs(req.headers()),
     );
     let timeout = h(wire::HEADER_DIAL_TIMEOUT_MS)
         .parse::<u64>()

@@ -132,7 +132,7 @@ fn authenticate(
             v.to_str().map_err(|_| {
                 DialError::new(
                     DialErrorKind::Unauthenticated,
-                    "authorization metadata is not ASCII",
+                    "authorization header (gRPC metadata) is not visible ASCII",
                 )
             })
         })
@@ -281,12 +281,7 @@ impl pb::dialer_server::Dialer for DialerSvc {
         let span = stream_span(
             stream_id,
             "framed",
-            req.metadata().iter().filter_map(|kv| match kv {
-                tonic::metadata::KeyAndValueRef::Ascii(k, v) => {
-                    Some((k.as_str(), v.to_str().ok()?))
-                }
-                _ => None,
-            }),
+            tether_telemetry::propagation::header_pairs(req.metadata().as_ref()),
         );
         let client =
             authenticate(&broker, req.metadata().as_ref(), req.extensions()).map_err(|e| {
@@ -384,7 +379,8 @@ impl pb::dialer_server::Dialer for DialerSvc {
 }
 
 /// The span of one native-Dial stream (`framing`: `framed` for the gRPC `Dial`, `raw` for
-/// `DialRaw`, `mux` for `tether-dial/1`), a child of the client's trace context (`trace`: its W3C fields).
+/// `DialRaw`, `mux` for `tether-dial/1`), a child of the client's trace context (`trace`: its
+/// W3C fields).
 pub(crate) fn stream_span<K: AsRef<str>, V: AsRef<str>>(
     stream_id: u64,
     framing: &'static str,

@@ -580,9 +580,7 @@ async fn relay_request(
     let span = tracing::info_span!("relay_stream", stream = stream_id, cluster = %cluster, target = %dest, origin_stream = %origin);
     tether_telemetry::propagation::set_parent(
         &span,
-        req.headers()
-            .iter()
-            .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?))),
+        tether_telemetry::propagation::header_pairs(req.headers()),
     );
     async move {
         let target = match Target::from_wire(&cluster, &dest) {

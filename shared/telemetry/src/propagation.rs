@@ -60,7 +60,32 @@ impl Extractor for MapExtractor {
     }
 }
 
+/// An HTTP header map (or gRPC metadata, `MetadataMap::as_ref`) as the pairs [`set_parent`]
+/// reads; a value that is not visible ASCII cannot be a trace header's and is skipped.
+pub fn header_pairs(headers: &http::HeaderMap) -> impl Iterator<Item = (&str, &str)> {
+    headers
+        .iter()
+        .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?)))
+}
+
 /// Whether a header name belongs to the W3C trace context.
 pub fn is_trace_header(name: &str) -> bool {
     name.eq_ignore_ascii_case(TRACEPARENT) || name.eq_ignore_ascii_case("tracestate")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_pairs_keep_readable_values_and_skip_the_rest() {
+        let mut h = http::HeaderMap::new();
+        h.insert(TRACEPARENT, http::HeaderValue::from_static("00-abc-def-01"));
+        h.insert(
+            "x-opaque",
+            http::HeaderValue::from_bytes(b"caf\xe9").expect("a valid opaque value"),
+        );
+        let pairs: Vec<_> = header_pairs(&h).collect();
+        assert_eq!(pairs, vec![(TRACEPARENT, "00-abc-def-01")]);
+    }
 }

@@ -139,9 +139,7 @@ async fn start(
     // A client's trace context (`traceparent` metadata), as on the other gRPC front ends.
     tether_telemetry::propagation::set_parent(
         &span,
-        req.headers()
-            .iter()
-            .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?))),
+        tether_telemetry::propagation::header_pairs(req.headers()),
     );
     let client = super::authenticate(&broker, req.headers(), req.extensions()).map_err(|e| {
         broker.record_failure("konnectivity", &e);

@@ -112,9 +112,7 @@ pub async fn serve(broker: Arc<Broker>, req: http::Request<Incoming>) -> Respons
     let span = super::stream_span(
         stream_id,
         "raw",
-        req.headers()
-            .iter()
-            .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?))),
+        tether_telemetry::propagation::header_pairs(req.headers()),
     );
     let opened = async {
         let client = super::authenticate(&broker, req.headers(), req.extensions())
