@@ -437,10 +437,7 @@ async fn handle_mux_dial(incoming: tether_tunnel::mux::Incoming, shared: Arc<Age
         recv,
     } = incoming;
     let span = tracing::info_span!("agent_stream", cluster = %shared.cluster, stream = open.tag, target = %open.target);
-    tether_telemetry::propagation::set_parent(
-        &span,
-        open.trace.iter().map(|(k, v)| (k.as_str(), v.as_str())),
-    );
+    tether_telemetry::propagation::set_parent(&span, open.trace_context());
     let timeout = match open.dial_timeout_ms {
         0 => shared.max_dial_timeout,
         ms => Duration::from_millis(u64::from(ms)).min(shared.max_dial_timeout),

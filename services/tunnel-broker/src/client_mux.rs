@@ -109,11 +109,7 @@ async fn serve_stream(broker: Arc<Broker>, peer: Arc<Option<PeerCert>>, incoming
         return;
     }
     let stream_id = broker.next_stream_id();
-    let span = crate::grpc::stream_span(
-        stream_id,
-        "mux",
-        open.trace.iter().map(|(k, v)| (k.as_str(), v.as_str())),
-    );
+    let span = crate::grpc::stream_span(stream_id, "mux", open.trace_context());
     async move {
         let opened = async {
             let client = broker

@@ -520,10 +520,7 @@ async fn relay_open(broker: Arc<Broker>, incoming: Incoming) {
     }
     let stream_id = broker.next_stream_id();
     let span = tracing::info_span!("relay_stream", stream = stream_id, cluster = %open.cluster, target = %open.target, origin_stream = open.tag);
-    tether_telemetry::propagation::set_parent(
-        &span,
-        open.trace.iter().map(|(k, v)| (k.as_str(), v.as_str())),
-    );
+    tether_telemetry::propagation::set_parent(&span, open.trace_context());
     async move {
         let opened = match Target::from_wire(&open.cluster, &open.target) {
             Ok(target) => {

@@ -282,6 +282,12 @@ pub struct Open {
 }
 
 impl Open {
+    /// The trace context as the name–value pairs `tether_telemetry::propagation::set_parent`
+    /// reads.
+    pub fn trace_context(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.trace.iter().map(|(k, v)| (k.as_str(), v.as_str()))
+    }
+
     pub fn encode(&self) -> Vec<u8> {
         let mut p = Vec::with_capacity(64 + self.target.len());
         p.put_u32(self.dial_timeout_ms);
@@ -498,6 +504,10 @@ mod tests {
             trace: vec![("traceparent".into(), "00-abc-def-01".into())],
         };
         assert_eq!(Open::decode(&o.encode()).unwrap(), o);
+        assert_eq!(
+            o.trace_context().collect::<Vec<_>>(),
+            [("traceparent", "00-abc-def-01")]
+        );
         let bytes = o.encode();
         let e = Open::decode(&bytes[..bytes.len() - 3]).unwrap_err();
         assert!(e.to_string().contains("trace field value"), "{e}");
