@@ -7,7 +7,7 @@
 
 use async_nats::HeaderMap;
 
-pub const TRACEPARENT: &str = "traceparent";
+pub use tether_telemetry::propagation::{TRACEPARENT, TRACESTATE};
 
 /// A parsed `traceparent`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,7 +89,7 @@ pub fn inject_current(headers: &mut HeaderMap) {
 /// Makes `span` a child of the trace context carried in `headers` (when export is on).
 pub fn set_parent(span: &tracing::Span, headers: Option<&HeaderMap>) {
     let Some(h) = headers else { return };
-    let pairs: Vec<(String, String)> = [TRACEPARENT, "tracestate"]
+    let pairs: Vec<(String, String)> = [TRACEPARENT, TRACESTATE]
         .iter()
         .filter_map(|k| h.get(*k).map(|v| (k.to_string(), v.as_str().to_string())))
         .collect();

@@ -11,6 +11,8 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// Header carrying the W3C trace context.
 pub const TRACEPARENT: &str = "traceparent";
+/// Header carrying vendor-specific trace state beside [`TRACEPARENT`].
+pub const TRACESTATE: &str = "tracestate";
 
 /// The trace-context headers for `span` (empty when tracing export is off).
 pub fn inject(span: &tracing::Span) -> HashMap<String, String> {
@@ -60,17 +62,20 @@ impl Extractor for MapExtractor {
     }
 }
 
-/// An HTTP header map (or gRPC metadata, `MetadataMap::as_ref`) as the pairs [`set_parent`]
-/// reads; a value that is not visible ASCII cannot be a trace header's and is skipped.
+/// The trace-context headers of an HTTP header map (or gRPC metadata, `MetadataMap::as_ref`) as
+/// the pairs [`set_parent`] reads. Only `traceparent` and `tracestate` are looked up (header maps
+/// keep names lowercase), so the other headers of a request cost nothing; a value that is not
+/// visible ASCII cannot be a trace header's and is skipped.
 pub fn header_pairs(headers: &http::HeaderMap) -> impl Iterator<Item = (&str, &str)> {
-    headers
-        .iter()
-        .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?)))
+    [TRACEPARENT, TRACESTATE].into_iter().filter_map(|name| {
+        let value = headers.get(name)?.to_str().ok()?;
+        Some((name, value))
+    })
 }
 
 /// Whether a header name belongs to the W3C trace context.
 pub fn is_trace_header(name: &str) -> bool {
-    name.eq_ignore_ascii_case(TRACEPARENT) || name.eq_ignore_ascii_case("tracestate")
+    name.eq_ignore_ascii_case(TRACEPARENT) || name.eq_ignore_ascii_case(TRACESTATE)
 }
 
 #[cfg(test)]
@@ -78,14 +83,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn header_pairs_keep_readable_values_and_skip_the_rest() {
+    fn header_pairs_keep_readable_trace_headers_only() {
         let mut h = http::HeaderMap::new();
         h.insert(TRACEPARENT, http::HeaderValue::from_static("00-abc-def-01"));
+        h.insert("x-other", http::HeaderValue::from_static("kept out"));
+        let pairs: Vec<_> = header_pairs(&h).collect();
+        assert_eq!(pairs, vec![(TRACEPARENT, "00-abc-def-01")]);
+
         h.insert(
-            "x-opaque",
+            TRACESTATE,
             http::HeaderValue::from_bytes(b"caf\xe9").expect("a valid opaque value"),
         );
         let pairs: Vec<_> = header_pairs(&h).collect();
-        assert_eq!(pairs, vec![(TRACEPARENT, "00-abc-def-01")]);
+        assert_eq!(
+            pairs,
+            vec![(TRACEPARENT, "00-abc-def-01")],
+            "an unreadable tracestate is skipped"
+        );
+
+        h.insert(TRACESTATE, http::HeaderValue::from_static("v=1"));
+        let pairs: Vec<_> = header_pairs(&h).collect();
+        assert_eq!(
+            pairs,
+            vec![(TRACEPARENT, "00-abc-def-01"), (TRACESTATE, "v=1")]
+        );
     }
 }
