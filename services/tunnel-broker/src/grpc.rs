@@ -107,10 +107,14 @@ impl GrpcFrontEnd {
             .keep_alive_interval(s.keepalive_interval)
             .keep_alive_timeout(s.keepalive_timeout)
             .timer(hyper_util::rt::TokioTimer::new());
+        // h2 writes (and flushes) each DATA frame on its own: batched, a burst of 16 KiB frames
+        // leaves in one write per poll of the connection (`batch`).
+        let (io, flusher) = crate::batch::batched(io);
         let conn = Box::pin(b.serve_connection(TokioIo::new(io), TowerToHyperService::new(svc)));
+        let conn = Box::pin(crate::batch::FlushAfterPoll::new(conn, flusher));
         // Draining: GOAWAY, so the client's next dials open a connection to another broker.
         if let Err(e) = crate::drain::serve_until_drained(conn, &self.broker.draining, |c| {
-            c.graceful_shutdown()
+            c.get_mut().conn.as_mut().graceful_shutdown()
         })
         .await
         {

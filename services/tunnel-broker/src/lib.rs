@@ -17,6 +17,8 @@
 //! - [`clusters`]: the clusters the hub knows (tunnel admission, "unknown cluster" answers).
 //! - [`service_proxy`]: the HTTP service proxy (`/<cluster>/…` URLs for kube clients), its
 //!   tunnel-stream connection pool and the default-deny service allowlist.
+//! - [`batch`]: writes under HTTP/2 batched per poll of the connection (one write for a burst
+//!   of DATA frames).
 //! - [`linger`]: plain CONNECT clients of a killed broker see a reset, not a clean EOF.
 //! - [`drain`]: on drain, HTTP client connections are told to go elsewhere (GOAWAY, close).
 //! - [`metrics`]: Prometheus metrics.
@@ -28,6 +30,7 @@
 
 pub mod accept;
 pub mod auth;
+pub mod batch;
 pub mod budget;
 pub mod client_mux;
 pub mod clusters;
