@@ -13,6 +13,10 @@
 //! poll's batch was small (idle and lightly used connections hold none).
 //!
 //! Both halves share the I/O object through a mutex that only the connection's task takes.
+//!
+//! Only for HTTP/2-only connections: an HTTP/1.1 upgrade hands the I/O object to another task,
+//! whose writes would wait in the batch for a poll of the connection that never comes (so the
+//! service proxy's HTTP/1.1-or-HTTP/2 listener does not use it).
 
 use std::future::Future;
 use std::io;
