@@ -13,6 +13,8 @@
 //! poll's batch was small (idle and lightly used connections hold none).
 //!
 //! Both halves share the I/O object through a mutex that only the connection's task takes.
+//! A batch that fails to go out after a poll fails every later write, flush and shutdown with
+//! that error, and the connection's task is woken once so that h2 meets it at its next flush.
 //!
 //! Only for HTTP/2-only connections: an HTTP/1.1 upgrade hands the I/O object to another task,
 //! whose writes would wait in the batch for a poll of the connection that never comes (so the
@@ -38,11 +40,15 @@ struct Shared<IO> {
     buf: Vec<u8>,
     /// Bytes of `buf` already written.
     written: usize,
+    /// Why a batch written out after a poll failed (kind and message): every later write,
+    /// flush and shutdown fails with it.
+    failed: Option<(io::ErrorKind, String)>,
 }
 
 impl<IO: AsyncWrite + Unpin> Shared<IO> {
     /// Writes the whole batch (then flushes the I/O object, so TLS records go out too).
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.check()?;
         while self.written < self.buf.len() {
             let n = ready!(Pin::new(&mut self.io).poll_write(cx, &self.buf[self.written..]))?;
             if n == 0 {
@@ -54,6 +60,17 @@ impl<IO: AsyncWrite + Unpin> Shared<IO> {
         self.written = 0;
         Pin::new(&mut self.io).poll_flush(cx)
     }
+
+    /// The failure of an earlier batch, if any.
+    fn check(&self) -> io::Result<()> {
+        match &self.failed {
+            Some((kind, why)) => Err(io::Error::new(
+                *kind,
+                format!("writing a batch of HTTP/2 frames failed: {why}"),
+            )),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Splits `io` into the batched I/O object hyper uses and the handle that writes each poll's
@@ -63,6 +80,7 @@ pub fn batched<IO>(io: IO) -> (BatchedIo<IO>, Flusher<IO>) {
         io,
         buf: Vec::new(),
         written: 0,
+        failed: None,
     }));
     (BatchedIo(Arc::clone(&shared)), Flusher(shared))
 }
@@ -95,6 +113,7 @@ impl<IO: AsyncWrite + Unpin> BatchedIo<IO> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let mut s = lock(&self.0);
+        s.check()?;
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         if s.buf.len() + total > BATCH_BYTES {
             ready!(s.poll_drain(cx))?;
@@ -134,9 +153,10 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for BatchedIo<IO> {
         true
     }
 
-    /// Returns at once: the batch goes out when the poll of the connection returns.
+    /// Returns at once (with an earlier batch's failure, if any): the batch goes out when the
+    /// poll of the connection returns.
     fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(Ok(()))
+        Poll::Ready(lock(&self.0).check())
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -147,12 +167,18 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for BatchedIo<IO> {
 }
 
 impl<IO: AsyncWrite + Unpin> Flusher<IO> {
-    /// Writes the batch out; a write error ends the batching (the connection sees it on its
-    /// next write or read).
+    /// Writes the batch out. The first failure is kept for every later write, flush and
+    /// shutdown, and wakes the connection's task so that h2 meets it at its next flush.
     fn poll_write_out(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let mut s = lock(&self.0);
         let batch = s.buf.len();
-        ready!(s.poll_drain(cx))?;
+        if let Err(e) = ready!(s.poll_drain(cx)) {
+            if s.failed.is_none() {
+                s.failed = Some((e.kind(), e.to_string()));
+                cx.waker().wake_by_ref();
+            }
+            return Poll::Ready(Err(e));
+        }
         if batch < KEEP_BUFFER_ABOVE {
             s.buf = Vec::new();
         }
@@ -182,10 +208,10 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         let r = this.conn.as_mut().poll(cx);
-        // Pending: the socket is full and wakes this task when it drains. An error shows up
-        // on the connection's own next write (or read) too; nothing more to do here.
+        // Pending: the socket is full and wakes this task when it drains. An error is kept
+        // and reaches the connection through its next flush (`Flusher::poll_write_out`).
         if let Poll::Ready(Err(e)) = this.flusher.poll_write_out(cx) {
-            tracing::debug!(error = %e, "writing a batched HTTP/2 write failed");
+            tracing::debug!(error = %e, "writing a batch of HTTP/2 frames failed");
         }
         r
     }
@@ -360,6 +386,48 @@ mod tests {
         task.await
             .expect("task")
             .expect("the connection ends cleanly");
+    }
+
+    #[tokio::test]
+    async fn a_failed_batch_fails_every_later_flush_and_write_with_its_cause() {
+        let (mut io, flusher, far, _writes) = pipe(1 << 20);
+        io.write_all(b"never delivered").await.expect("write");
+        drop(far);
+        let woken = Arc::new(WakeCount::default());
+        let waker = std::task::Waker::from(Arc::clone(&woken));
+        let mut cx = Context::from_waker(&waker);
+        let Poll::Ready(Err(e)) = flusher.poll_write_out(&mut cx) else {
+            panic!("writing to a closed pipe fails");
+        };
+        assert_eq!(e.kind(), io::ErrorKind::BrokenPipe);
+        assert_eq!(woken.0.load(Ordering::SeqCst), 1, "the connection is woken");
+        assert!(flusher.poll_write_out(&mut cx).is_ready());
+        assert_eq!(
+            woken.0.load(Ordering::SeqCst),
+            1,
+            "woken once, not in a loop"
+        );
+
+        let e = io.flush().await.expect_err("the flush reports the failure");
+        assert_eq!(e.kind(), io::ErrorKind::BrokenPipe);
+        assert!(
+            e.to_string()
+                .contains("writing a batch of HTTP/2 frames failed"),
+            "{e}"
+        );
+        let e = io.write_all(b"more").await.expect_err("so does a write");
+        assert_eq!(e.kind(), io::ErrorKind::BrokenPipe);
+        assert!(io.shutdown().await.is_err(), "and a shutdown");
+    }
+
+    /// Counts wake-ups.
+    #[derive(Default)]
+    struct WakeCount(AtomicUsize);
+
+    impl std::task::Wake for WakeCount {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
     }
 
     #[tokio::test]
