@@ -81,10 +81,15 @@ impl GrpcFrontEnd {
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let peer = PeerIdentity(peer);
+        // h2 writes each DATA frame on its own: batched, a burst of 16 KiB frames leaves in one
+        // write per poll of the connection, konnectivity's payloads by reference (`batch`).
+        let (io, flusher) = crate::batch::batched(io);
+        let payloads = flusher.payloads();
         let (routes, broker) = (self.routes.clone(), Arc::clone(&self.broker));
         // The unframed Dial is served here; every other path goes to the gRPC routes.
         let svc = tower::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
             req.extensions_mut().insert(peer.clone());
+            req.extensions_mut().insert(payloads.clone());
             let routes = routes.clone();
             let broker = Arc::clone(&broker);
             async move {
@@ -107,9 +112,6 @@ impl GrpcFrontEnd {
             .keep_alive_interval(s.keepalive_interval)
             .keep_alive_timeout(s.keepalive_timeout)
             .timer(hyper_util::rt::TokioTimer::new());
-        // h2 writes (and flushes) each DATA frame on its own: batched, a burst of 16 KiB frames
-        // leaves in one write per poll of the connection (`batch`).
-        let (io, flusher) = crate::batch::batched(io);
         let conn = Box::pin(b.serve_connection(TokioIo::new(io), TowerToHyperService::new(svc)));
         let conn = Box::pin(crate::batch::FlushAfterPoll::new(conn, flusher));
         // Draining: GOAWAY, so the client's next dials open a connection to another broker.

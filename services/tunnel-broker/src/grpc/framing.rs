@@ -393,14 +393,20 @@ pub struct PacketBody {
     /// A DATA payload to send after its header.
     payload: Option<Bytes>,
     done: bool,
+    /// Where DATA payloads are offered to the connection's batch for sending by reference.
+    payloads: crate::batch::Payloads,
 }
 
 impl PacketBody {
-    pub fn new(rx: mpsc::Receiver<Result<k::Packet, Status>>) -> Self {
+    pub fn new(
+        rx: mpsc::Receiver<Result<k::Packet, Status>>,
+        payloads: crate::batch::Payloads,
+    ) -> Self {
         Self {
             rx,
             payload: None,
             done: false,
+            payloads,
         }
     }
 }
@@ -466,6 +472,7 @@ impl hyper::body::Body for PacketBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         if let Some(p) = self.payload.take() {
+            self.payloads.offer(&p);
             return Poll::Ready(Some(Ok(Frame::data(p))));
         }
         if self.done {

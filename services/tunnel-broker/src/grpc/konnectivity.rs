@@ -145,6 +145,12 @@ async fn start(
         broker.record_failure("konnectivity", &e);
         status_of(&e)
     })?;
+    // The connection's batch may send this RPC's DATA payloads by reference (`batch`).
+    let payloads = req
+        .extensions()
+        .get::<crate::batch::Payloads>()
+        .cloned()
+        .unwrap_or_default();
     let mut inbound = MessageReader::new(req.into_body(), super::MAX_MESSAGE_BYTES);
     let first = tokio::time::timeout(FIRST_MESSAGE_TIMEOUT, inbound.message())
         .await
@@ -167,7 +173,7 @@ async fn start(
     tokio::spawn(async move { conn.serve(client, d, inbound, stream_id).await }.instrument(span));
     Ok(http::Response::builder()
         .header(http::header::CONTENT_TYPE, "application/grpc")
-        .body(tonic::body::Body::new(PacketBody::new(out_rx)))
+        .body(tonic::body::Body::new(PacketBody::new(out_rx, payloads)))
         .expect("valid response"))
 }
 
