@@ -141,6 +141,7 @@ pub struct Seen {
 /// for `kubernetes.default.svc` from the test PKI):
 ///
 /// - discovery (`/api`, `/apis`, `/api/v1`), `/version`, pod `default/echo` (Running);
+/// - `/api/v1/pods`: a large LIST ([`LIST_PODS`] pods, [`large_list`]) for the benchmark;
 /// - `/apis/tether.test/v1/whoami`: JSON of the credential and impersonation headers it got;
 /// - `/api/v1/namespaces/default/pods?watch=1`: a watch that sends one event at once and the
 ///   next only after [`KubeApiServer::release_watch`] (so a test can tell streaming from
@@ -321,6 +322,11 @@ async fn kube_answer(
                 .expect("response")
         }
         "/api/v1/namespaces/default/pods/echo" => kjson(200, POD.into()),
+        "/api/v1/pods" => hyper::Response::builder()
+            .status(200)
+            .header("content-type", "application/json")
+            .body(kbody(large_list()))
+            .expect("response"),
         "/api/v1/namespaces/default/pods/echo/exec" | "/api/v1/namespaces/default/pods/echo/attach" => {
             websocket_echo(st, &mut req)
         }
@@ -329,6 +335,26 @@ async fn kube_answer(
             format!(r#"{{"kind":"Status","apiVersion":"v1","status":"Failure","message":"{path} not found","reason":"NotFound","code":404}}"#),
         ),
     }
+}
+
+/// Pods in the answer to `GET /api/v1/pods` (a large LIST, about 12 MiB).
+pub const LIST_PODS: usize = 65_536;
+
+/// The body of `GET /api/v1/pods`: a `PodList` of [`LIST_PODS`] pods, built once.
+pub fn large_list() -> bytes::Bytes {
+    static LIST: std::sync::OnceLock<bytes::Bytes> = std::sync::OnceLock::new();
+    LIST.get_or_init(|| {
+        let mut b = String::from(r#"{"kind":"PodList","apiVersion":"v1","metadata":{},"items":["#);
+        for i in 0..LIST_PODS {
+            if i > 0 {
+                b.push(',');
+            }
+            b.push_str(&POD.replace(r#""name":"echo""#, &format!(r#""name":"pod-{i}""#)));
+        }
+        b.push_str("]}");
+        bytes::Bytes::from(b)
+    })
+    .clone()
 }
 
 /// Accepts a `v5.channel.k8s.io` WebSocket and echoes channel 0 (stdin) to channel 1 (stdout);

@@ -1744,7 +1744,9 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
 
     // HTTP requests: the service proxy vs the same requests through CONNECT.
     if setup.wants("sproxy") {
-        table.add(sproxy::section(&hub, &setup).await?);
+        for row in sproxy::section(&hub, &setup).await? {
+            table.add(row);
+        }
     }
 
     println!();
@@ -1769,7 +1771,9 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
 /// (b) through CONNECT `c3:443` kept alive (one tunnel stream per client, TLS end to end to the
 /// API server, the cluster token), (c) through a new CONNECT, TLS handshake and HTTP connection
 /// per request (cluster-proxy's user-server pattern). Requests/s and p50/p99 per request,
-/// rotated rounds.
+/// rotated rounds. Then a large LIST (`/api/v1/pods`, about 12 MiB) through the service proxy
+/// by one client over HTTP/2 (hyper's defaults: 16 KiB frames, as kubectl) and over HTTP/1.1,
+/// alternating: throughput and the broker's CPU-s/GB.
 mod sproxy {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
@@ -1777,11 +1781,11 @@ mod sproxy {
     use http_body_util::BodyExt as _;
     use hyper_util::rt::TokioIo;
     use tether_e2e::apiserver::{AGENT_SA_TOKEN, KUBE_TOKEN, KubeApiServer};
-    use tether_e2e::benchkit::percentile;
+    use tether_e2e::benchkit::{cpu_secs, percentile};
     use tether_e2e::{Hub, OPS_TOKEN};
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-    use super::{Row, Setup, us};
+    use super::{Row, Setup, gbit, us};
 
     /// Concurrent clients per path.
     pub const CLIENTS: usize = 4;
@@ -1839,6 +1843,7 @@ mod sproxy {
         service_proxy: std::net::SocketAddr,
         connect: std::net::SocketAddr,
         tls: Arc<rustls::ClientConfig>,
+        tls_h2: Arc<rustls::ClientConfig>,
     }
 
     /// Sends `GET /version` on every sender until `dur` has passed; latencies.
@@ -1882,7 +1887,114 @@ mod sproxy {
         Ok(all)
     }
 
-    pub async fn section(hub: &Hub, setup: &Setup) -> anyhow::Result<Row> {
+    /// An HTTP/2 client of the service proxy (ALPN `h2`, hyper's default settings: 16 KiB
+    /// frames, like kubectl's).
+    async fn h2_client(
+        ends: &Ends,
+    ) -> anyhow::Result<hyper::client::conn::http2::SendRequest<http_body_util::Empty<bytes::Bytes>>>
+    {
+        let tcp = tokio::net::TcpStream::connect(ends.service_proxy).await?;
+        tcp.set_nodelay(true)?;
+        let sni = rustls::pki_types::ServerName::try_from("localhost")?;
+        let tls = tokio_rustls::TlsConnector::from(Arc::clone(&ends.tls_h2))
+            .connect(sni, tcp)
+            .await?;
+        anyhow::ensure!(
+            tls.get_ref().1.alpn_protocol() == Some(b"h2"),
+            "the service proxy did not choose h2"
+        );
+        let (sender, conn) = hyper::client::conn::http2::handshake(
+            hyper_util::rt::TokioExecutor::new(),
+            TokioIo::new(tls),
+        )
+        .await?;
+        tokio::spawn(conn);
+        Ok(sender)
+    }
+
+    /// `GET /<cluster>/api/v1/pods` (the large LIST) through the service proxy, one request
+    /// at a time over one connection, HTTP/2 (`h2`) or HTTP/1.1, until `dur` has passed; bytes
+    /// received.
+    async fn download(
+        h2: &mut hyper::client::conn::http2::SendRequest<http_body_util::Empty<bytes::Bytes>>,
+        h1: &mut Sender,
+        use_h2: bool,
+        dur: Duration,
+    ) -> anyhow::Result<u64> {
+        let end = Instant::now() + dur;
+        let mut bytes = 0u64;
+        while Instant::now() < end {
+            let req = hyper::Request::get(format!("/{CLUSTER}/api/v1/pods"))
+                .header("host", "localhost")
+                .header("authorization", format!("Bearer {OPS_TOKEN}"))
+                .body(http_body_util::Empty::new())?;
+            let resp = if use_h2 {
+                h2.ready().await?;
+                h2.send_request(req).await?
+            } else {
+                h1.ready().await?;
+                h1.send_request(req).await?
+            };
+            anyhow::ensure!(resp.status() == 200, "LIST: {}", resp.status());
+            let mut body = resp.into_body();
+            let mut got = 0u64;
+            while let Some(frame) = body.frame().await {
+                if let Ok(d) = frame?.into_data() {
+                    got += d.len() as u64;
+                }
+            }
+            anyhow::ensure!(
+                got == tether_e2e::apiserver::large_list().len() as u64,
+                "LIST body of {got} bytes"
+            );
+            bytes += got;
+        }
+        Ok(bytes)
+    }
+
+    /// The large LIST through the service proxy over HTTP/2 and over HTTP/1.1, alternating:
+    /// throughput and the broker's CPU-s/GB.
+    async fn list_row(ends: &Ends, setup: &Setup, broker_pid: u32) -> anyhow::Result<Row> {
+        let mut h2 = h2_client(ends).await?;
+        let mut h1 = client(Path::ServiceProxy, ends).await?;
+        for use_h2 in [true, false] {
+            download(&mut h2, &mut h1, use_h2, Duration::from_millis(300)).await?;
+        }
+        // [h2, h1]: bytes, seconds, broker CPU seconds.
+        let mut m = [(0u64, 0.0f64, 0.0f64); 2];
+        for round in 0..setup.rounds * 2 {
+            for i in if round % 2 == 0 { [0, 1] } else { [1, 0] } {
+                let (c0, t) = (cpu_secs(broker_pid), Instant::now());
+                let b = download(&mut h2, &mut h1, i == 0, setup.secs / 2).await?;
+                m[i].0 += b;
+                m[i].1 += t.elapsed().as_secs_f64();
+                m[i].2 += cpu_secs(broker_pid) - c0;
+            }
+        }
+        let rate = |i: usize| m[i].0 as f64 / m[i].1;
+        let per_gb = |i: usize| m[i].2 / (m[i].0 as f64 / 1e9);
+        let cell = |i: usize| format!("{}, broker {:.2} CPU-s/GB", gbit(rate(i)), per_gb(i));
+        println!(
+            "  large LIST ({:.1} MiB) through the service proxy, one client: HTTP/2 {}; HTTP/1.1 {}",
+            tether_e2e::apiserver::large_list().len() as f64 / (1 << 20) as f64,
+            cell(0),
+            cell(1)
+        );
+        Ok(Row {
+            what: "large LIST through the service proxy, HTTP/2 (tunnel col.) vs HTTP/1.1 (direct col.), 16 KiB frames".into(),
+            direct: cell(1),
+            tunnel: cell(0),
+            result: format!(
+                "HTTP/2 {:.2}× HTTP/1.1 throughput, broker CPU {:.2}×",
+                rate(0) / rate(1),
+                per_gb(0) / per_gb(1)
+            ),
+            target: "information".into(),
+            ..Row::default()
+        })
+    }
+
+    pub async fn section(hub: &Hub, setup: &Setup) -> anyhow::Result<Vec<Row>> {
         let api = KubeApiServer::start(hub).await?;
         let broker = hub.start_broker("b3", "service_proxy:\n  listen: 127.0.0.1:0\n")?;
         let service_proxy = hub.service_proxy_addr("b3")?;
@@ -1907,6 +2019,11 @@ mod sproxy {
             tls: Arc::new(tether_e2e::client_tls_config(
                 &hub.pki.ca_path(),
                 &[b"http/1.1"],
+                None,
+            )?),
+            tls_h2: Arc::new(tether_e2e::client_tls_config(
+                &hub.pki.ca_path(),
+                &[b"h2"],
                 None,
             )?),
         };
@@ -1951,19 +2068,23 @@ mod sproxy {
             api.requests()
         );
         let (vs_keep, vs_new) = (rps(0) / rps(1), rps(0) / rps(2));
-        Ok(Row {
-            what: format!(
-                "HTTP GET, {CLIENTS} clients: service proxy (tunnel col.) vs CONNECT kept alive (direct col.) / new CONNECT + TLS per request (relay col.)"
-            ),
-            direct: cell(1),
-            relay: cell(2),
-            tunnel: cell(0),
-            result: format!("service proxy {vs_keep:.2}× CONNECT kept alive req/s"),
-            vs_relay: format!("{vs_new:.2}× a new tunnel + TLS per request"),
-            target: "ahead of per-request tunnels".into(),
-            ok: Some(vs_new > 1.0),
-            ..Row::default()
-        })
+        let list = list_row(&ends, setup, broker.child.pid()).await?;
+        Ok(vec![
+            Row {
+                what: format!(
+                    "HTTP GET, {CLIENTS} clients: service proxy (tunnel col.) vs CONNECT kept alive (direct col.) / new CONNECT + TLS per request (relay col.)"
+                ),
+                direct: cell(1),
+                relay: cell(2),
+                tunnel: cell(0),
+                result: format!("service proxy {vs_keep:.2}× CONNECT kept alive req/s"),
+                vs_relay: format!("{vs_new:.2}× a new tunnel + TLS per request"),
+                target: "ahead of per-request tunnels".into(),
+                ok: Some(vs_new > 1.0),
+                ..Row::default()
+            },
+            list,
+        ])
     }
 }
 
