@@ -729,17 +729,33 @@ mod tests {
             }
             io.shutdown().await
         });
+        let (got, ()) = drive(conn, flusher, &mut far).await;
+        assert_eq!(got.len(), total);
+        assert!(got == pattern(0, total), "bytes arrive whole and in order");
+    }
+
+    /// Runs `conn` under [`FlushAfterPoll`] while reading `far` to its end: the bytes read and
+    /// what `conn` returned.
+    async fn drive<C, T>(
+        conn: Pin<Box<C>>,
+        flusher: Flusher<Counted>,
+        far: &mut DuplexStream,
+    ) -> (Vec<u8>, T)
+    where
+        C: Future<Output = io::Result<T>> + Send + 'static,
+        T: Send + 'static,
+    {
         let task = tokio::spawn(FlushAfterPoll::new(conn, flusher));
         let mut got = Vec::new();
         tokio::time::timeout(WAIT, far.read_to_end(&mut got))
             .await
             .expect("the stream ends")
             .expect("read");
-        assert_eq!(got.len(), total);
-        assert!(got == pattern(0, total), "bytes arrive whole and in order");
-        task.await
+        let out = task
+            .await
             .expect("task")
             .expect("the connection ends cleanly");
+        (got, out)
     }
 
     #[tokio::test]
@@ -768,16 +784,7 @@ mod tests {
             io.shutdown().await?;
             Ok::<_, io::Error>(expect)
         });
-        let task = tokio::spawn(FlushAfterPoll::new(conn, flusher));
-        let mut got = Vec::new();
-        tokio::time::timeout(WAIT, far.read_to_end(&mut got))
-            .await
-            .expect("the stream ends")
-            .expect("read");
-        let expect = task
-            .await
-            .expect("task")
-            .expect("the connection ends cleanly");
+        let (got, expect) = drive(conn, flusher, &mut far).await;
         assert_eq!(got.len(), expect.len());
         assert!(got == expect, "bytes arrive whole and in order");
     }
