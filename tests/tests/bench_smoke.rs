@@ -15,9 +15,14 @@ use tether_test_support::Child;
 
 /// The output of `tether-bench --quick --only <sections>`, which must succeed.
 fn quick_run(sections: &str) -> anyhow::Result<String> {
+    quick_run_with(sections, &[])
+}
+
+/// [`quick_run`] with more options.
+fn quick_run_with(sections: &str, extra: &[&str]) -> anyhow::Result<String> {
     let dir = tempfile::tempdir()?;
     let mut cmd = Command::new(tether_test_support::bin("tether-bench")?);
-    cmd.args(["--quick", "--only", sections]);
+    cmd.args(["--quick", "--only", sections]).args(extra);
     let mut child = Child::spawn("bench", cmd, dir.path())?;
     let status = child.wait_exit(Duration::from_secs(240))?;
     let out = std::fs::read_to_string(child.log_path())?;
@@ -151,6 +156,46 @@ fn every_client_path_moves_data_both_ways() -> anyhow::Result<()> {
             .and_then(|n| n.parse().ok())
             .unwrap_or_else(|| panic!("download: no {path}figure in {row}"));
         assert!(ratio > 0.0, "download {path}{ratio} in {row}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_focused_run_measures_the_chosen_paths_against_connect() -> anyhow::Result<()> {
+    let out = quick_run_with(
+        "clients",
+        &[
+            "--client-paths",
+            "konnectivity-plain",
+            "--client-direction",
+            "download",
+        ],
+    )?;
+    let rows: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("| client path"))
+        .collect();
+    let names: Vec<&str> = rows
+        .iter()
+        .filter_map(|r| r.split('|').nth(1).map(str::trim))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "client path download: CONNECT, 1 / 8 streams",
+            "client path download: konnectivity, plain port, 1 / 8 streams"
+        ],
+        "only CONNECT and the chosen path, downloads only:\n{out}"
+    );
+    for row in rows {
+        // "…; broker X, agent Y CPU-s/GB, …" for 1 and for 8 streams.
+        let figures: Vec<f64> = ["broker ", "agent "]
+            .iter()
+            .flat_map(|k| row.split(k).skip(1))
+            .filter_map(|r| r.split([',', ' ']).next()?.parse().ok())
+            .collect();
+        assert_eq!(figures.len(), 4, "broker and agent, 1 and 8 streams: {row}");
+        assert!(figures.iter().all(|f| *f > 0.0), "{row}");
     }
     Ok(())
 }

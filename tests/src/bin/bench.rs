@@ -116,6 +116,14 @@ struct Args {
     /// (`Dialer::connect_pool`); default: `Dialer::connect` (one, more on demand).
     #[arg(long)]
     sdk_connections: Option<usize>,
+    /// A focused A/B of some client paths: the clients section measures only these (and
+    /// CONNECT, the reference), gives broker and agent CPU apart, and judges nothing (the floors
+    /// and cross-path ratios need every path). Comma-separated.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    client_paths: Vec<clients::Path>,
+    /// With `--client-paths`: only uploads or only downloads (default both).
+    #[arg(long, value_enum)]
+    client_direction: Option<clients::Direction>,
     /// Internal: run as the target server.
     #[arg(long, hide = true)]
     target_server: bool,
@@ -927,6 +935,9 @@ struct Setup {
     stall_rounds: usize,
     /// Connections of the SDK's `Dialer` (clients section; `None`: `Dialer::connect`).
     sdk_connections: Option<usize>,
+    /// `--client-paths` (empty: every path, judged) and `--client-direction`.
+    client_paths: Vec<clients::Path>,
+    client_direction: Option<clients::Direction>,
 }
 
 impl Setup {
@@ -1131,6 +1142,8 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
             .unwrap_or(if args.quick { 1 } else { 5 })
             .max(1),
         sdk_connections: args.sdk_connections,
+        client_paths: args.client_paths.clone(),
+        client_direction: args.client_direction,
     };
     let tunnel_yaml = match &args.tunnel {
         Some(t) => format!("tunnel: {{{t}}}\n"),

@@ -61,17 +61,30 @@ const STREAMS: [usize; 2] = [1, 8];
 /// Within this much of CONNECT (throughput and CPU-s/GB).
 const TOLERANCE: f64 = 0.10;
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Path {
+/// A client path (the `--client-paths` values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Path {
+    /// Plain HTTP CONNECT on the client port (the reference).
     Connect,
+    /// HTTP CONNECT on the client TLS port.
     TlsConnect,
+    /// TLS CONNECT through a plain local relay process (a floor).
     TlsConnectRelayed,
+    /// CONNECT through a plain local relay process (a floor).
     ConnectRelayed,
+    /// The SDK's gRPC Dial on the client TLS port.
+    #[value(name = "sdk")]
     Grpc,
+    /// `tetherctl proxy connect` to the client TLS port.
     ProxyConnect,
+    /// The SDK's gRPC Dial on the plain port (h2c).
+    #[value(name = "sdk-plain")]
     GrpcPlain,
+    /// `tetherctl proxy connect` to the plain port.
     ProxyConnectPlain,
+    /// konnectivity's `ProxyService/Proxy` on the client TLS port.
     Konnectivity,
+    /// konnectivity's `ProxyService/Proxy` on the plain port (h2c).
     KonnectivityPlain,
 }
 
@@ -326,7 +339,9 @@ pub async fn section(
     let cpu = || {
         let all = pids.iter().map(|p| cpu_secs(*p)).sum::<f64>();
         let hop = hop_pids.iter().map(|p| cpu_secs(*p)).sum::<f64>();
-        (all, hop)
+        // The agent's share of `hop` (broker and agent apart in a focused run).
+        let agent = hop_pids.get(1).map_or(0.0, |p| cpu_secs(*p));
+        Cpu { all, hop, agent }
     };
 
     // Warm up every path.
@@ -335,8 +350,35 @@ pub async fn section(
         upload_streams_confirmed(socks, Duration::from_millis(200), path.confirm()).await?;
     }
 
-    let (rate, cpu_s, gb, hop_s) = measure(&clients, setup, Direction::Upload, &cpu).await?;
-    let down = measure(&clients, setup, Direction::Download, &cpu).await?;
+    if !setup.client_paths.is_empty() {
+        let mut only = vec![CONNECT];
+        for p in &setup.client_paths {
+            let i = PATHS
+                .iter()
+                .position(|q| q == p)
+                .expect("every path is in PATHS");
+            if !only.contains(&i) {
+                only.push(i);
+            }
+        }
+        let mut rows = Vec::new();
+        for direction in [Direction::Upload, Direction::Download] {
+            if setup.client_direction.is_some_and(|d| d != direction) {
+                continue;
+            }
+            let m = measure(&clients, setup, direction, &cpu, Some(&only)).await?;
+            rows.extend(focused_rows(&m, &only, direction));
+        }
+        return Ok(rows);
+    }
+    let Measured {
+        rate,
+        cpu_s,
+        gb,
+        hop_s,
+        ..
+    } = measure(&clients, setup, Direction::Upload, &cpu, None).await?;
+    let down = measure(&clients, setup, Direction::Download, &cpu, None).await?;
     drop((forward_proc, forward_plain_proc));
     drop((relay_proc, plain_relay_proc));
 
@@ -440,8 +482,8 @@ pub async fn section(
 }
 
 /// Which way the bulk data goes.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Direction {
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Direction {
     /// Client → target (the target's sink counts).
     Upload,
     /// Target → client (kube watches, large GETs, logs): the SDK's and `proxy connect`'s
@@ -449,29 +491,42 @@ enum Direction {
     Download,
 }
 
-/// [path][streams index]: throughput per round (bytes/s), CPU seconds of every process on the
-/// path, GB, CPU seconds of broker and agent.
-type Measured = (
-    Vec<[Vec<f64>; 2]>,
-    Vec<[f64; 2]>,
-    Vec<[f64; 2]>,
-    Vec<[f64; 2]>,
-);
+/// CPU seconds so far: every process on the path, broker and agent, the agent alone.
+#[derive(Clone, Copy)]
+struct Cpu {
+    all: f64,
+    hop: f64,
+    agent: f64,
+}
 
-/// Every path with 1 and 8 streams in `direction`, `setup.rounds` rounds in rotating order.
+/// Each field `[path][streams index]`: throughput per round (bytes/s), CPU seconds of every
+/// process on the path, GB, CPU seconds of broker and agent, of the agent alone.
+struct Measured {
+    rate: Vec<[Vec<f64>; 2]>,
+    cpu_s: Vec<[f64; 2]>,
+    gb: Vec<[f64; 2]>,
+    hop_s: Vec<[f64; 2]>,
+    agent_s: Vec<[f64; 2]>,
+}
+
+/// Every path (or the paths of `only`, indices into [`PATHS`]) with 1 and 8 streams in
+/// `direction`, `setup.rounds` rounds in rotating order.
 async fn measure(
     clients: &Clients,
     setup: &Setup,
     direction: Direction,
-    cpu: &dyn Fn() -> (f64, f64),
+    cpu: &dyn Fn() -> Cpu,
+    only: Option<&[usize]>,
 ) -> anyhow::Result<Measured> {
     let mut rate = vec![[Vec::new(), Vec::new()]; PATHS.len()];
     let mut cpu_s = vec![[0.0f64; 2]; PATHS.len()];
     let mut gb = vec![[0.0f64; 2]; PATHS.len()];
     let mut hop_s = vec![[0.0f64; 2]; PATHS.len()];
+    let mut agent_s = vec![[0.0f64; 2]; PATHS.len()];
+    let paths: Vec<usize> = only.map_or_else(|| (0..PATHS.len()).collect(), <[usize]>::to_vec);
     for round in 0..setup.rounds {
-        let mut order: Vec<usize> = (0..PATHS.len()).collect();
-        order.rotate_left(round % PATHS.len());
+        let mut order = paths.clone();
+        order.rotate_left(round % paths.len());
         // Each path's 1- and 8-stream measurements run back to back (their order alternating by
         // round), so its 8 vs 1 ratio compares two figures seconds apart rather than two halves
         // of the round, and the machine's drift over a round does not enter it.
@@ -494,8 +549,9 @@ async fn measure(
                     Direction::Download => download_streams(socks, setup.secs).await?,
                 };
                 let c1 = cpu();
-                cpu_s[p][si] += c1.0 - c0.0;
-                hop_s[p][si] += c1.1 - c0.1;
+                cpu_s[p][si] += c1.all - c0.all;
+                hop_s[p][si] += c1.hop - c0.hop;
+                agent_s[p][si] += c1.agent - c0.agent;
                 gb[p][si] += bytes as f64 / 1e9;
                 rate[p][si].push(bytes as f64 / secs);
             }
@@ -509,12 +565,11 @@ async fn measure(
                     ""
                 },
                 round + 1,
-                PATHS
+                paths
                     .iter()
-                    .enumerate()
-                    .map(|(p, path)| format!(
+                    .map(|&p| format!(
                         "{} {}",
-                        path.name(),
+                        PATHS[p].name(),
                         gbit(*rate[p][si].last().expect("measured"))
                     ))
                     .collect::<Vec<_>>()
@@ -522,12 +577,78 @@ async fn measure(
             );
         }
     }
-    Ok((rate, cpu_s, gb, hop_s))
+    Ok(Measured {
+        rate,
+        cpu_s,
+        gb,
+        hop_s,
+        agent_s,
+    })
+}
+
+/// A focused run's rows (`--client-paths`): each measured path against CONNECT in the same
+/// rounds, with broker and agent CPU apart; information, not judged.
+fn focused_rows(m: &Measured, only: &[usize], direction: Direction) -> Vec<Row> {
+    let per_gb = |s: &[[f64; 2]], p: usize, si: usize| s[p][si] / m.gb[p][si];
+    only.iter()
+        .map(|&p| {
+            let notes: Vec<String> = STREAMS
+                .iter()
+                .enumerate()
+                .map(|(si, streams)| {
+                    let vs: Vec<f64> = m.rate[p][si]
+                        .iter()
+                        .zip(&m.rate[CONNECT][si])
+                        .map(|(x, c)| x / c)
+                        .collect();
+                    let hop = per_gb(&m.hop_s, p, si);
+                    let agent = per_gb(&m.agent_s, p, si);
+                    format!(
+                        "{streams}: {:.2}×{} CONNECT, CPU-s/GB {:.2} ({:.2}× CONNECT's); broker {:.3}, agent {:.3} CPU-s/GB, broker+agent {:.2}× CONNECT's",
+                        median(&vs),
+                        range_note(&vs),
+                        per_gb(&m.cpu_s, p, si),
+                        per_gb(&m.cpu_s, p, si) / per_gb(&m.cpu_s, CONNECT, si),
+                        hop - agent,
+                        agent,
+                        hop / per_gb(&m.hop_s, CONNECT, si),
+                    )
+                })
+                .collect();
+            Row {
+                what: format!(
+                    "client path {}: {}, 1 / 8 streams",
+                    match direction {
+                        Direction::Upload => "upload",
+                        Direction::Download => "download",
+                    },
+                    PATHS[p].name()
+                ),
+                tunnel: format!(
+                    "{} / {}",
+                    gbit(mean(&m.rate[p][0])),
+                    gbit(mean(&m.rate[p][1]))
+                ),
+                result: notes.join("; "),
+                target: "information (--client-paths)".into(),
+                ok: None,
+                ..Row::default()
+            }
+        })
+        .collect()
 }
 
 /// Downloads (target → client): every client path against CONNECT, throughput and CPU-s/GB
 /// with 1 and 8 streams, judged like uploads (within 10 %), the floors as information.
-fn download_row((rate, cpu_s, gb, hop_s): &Measured) -> Row {
+fn download_row(
+    Measured {
+        rate,
+        cpu_s,
+        gb,
+        hop_s,
+        ..
+    }: &Measured,
+) -> Row {
     let per_gb = |p: usize, si: usize| cpu_s[p][si] / gb[p][si];
     let hop_per_gb = |p: usize, si: usize| hop_s[p][si] / gb[p][si];
     let mut ok = true;
