@@ -122,7 +122,7 @@ struct Args {
     #[arg(long, value_enum, value_delimiter = ',')]
     client_paths: Vec<clients::Path>,
     /// With `--client-paths`: only uploads or only downloads (default both).
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, requires = "client_paths")]
     client_direction: Option<clients::Direction>,
     /// Internal: run as the target server.
     #[arg(long, hide = true)]
