@@ -344,13 +344,8 @@ pub async fn section(
         Cpu { all, hop, agent }
     };
 
-    // Warm up every path.
-    for path in PATHS {
-        let socks = vec![clients.open(path).await?];
-        upload_streams_confirmed(socks, Duration::from_millis(200), path.confirm()).await?;
-    }
-
-    if !setup.client_paths.is_empty() {
+    // `--client-paths`: CONNECT and the chosen paths only (indices into PATHS).
+    let focus = (!setup.client_paths.is_empty()).then(|| {
         let mut only = vec![CONNECT];
         for p in &setup.client_paths {
             let i = PATHS
@@ -361,6 +356,18 @@ pub async fn section(
                 only.push(i);
             }
         }
+        only
+    });
+
+    // Warm up every path that is measured.
+    let warm: Vec<usize> = focus.clone().unwrap_or_else(|| (0..PATHS.len()).collect());
+    for p in warm {
+        let path = PATHS[p];
+        let socks = vec![clients.open(path).await?];
+        upload_streams_confirmed(socks, Duration::from_millis(200), path.confirm()).await?;
+    }
+
+    if let Some(only) = focus {
         let mut rows = Vec::new();
         for direction in [Direction::Upload, Direction::Download] {
             if setup.client_direction.is_some_and(|d| d != direction) {
