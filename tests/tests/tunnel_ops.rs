@@ -379,6 +379,73 @@ async fn keepalive_detects_frozen_agent_which_then_reconnects() -> anyhow::Resul
     Ok(())
 }
 
+/// The whole data plane pauses — the broker and the agent both SIGSTOPped, as a paused VM stops
+/// every process on it — for longer than the keepalive timeout and the stall timeout together,
+/// while a stream moves data. When they run again, the timers that came due during the pause
+/// fire before the sockets are read; the time the processes did not run is not counted against
+/// their peers (`tether_tunnel::pause`), so the tunnel stays (no wedge, no redial) and the
+/// stream carries on intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_data_plane_keeps_its_tunnel_and_stream() -> anyhow::Result<()> {
+    let keepalive_timeout = Duration::from_millis(700);
+    let stall_timeout = Duration::from_millis(1000);
+    let tunnel = format!(
+        "tunnel:\n  keepalive_interval: 300ms\n  keepalive_timeout: {}ms\n  stall_timeout: {}ms",
+        keepalive_timeout.as_millis(),
+        stall_timeout.as_millis()
+    );
+    let setup = Setup::start("c1", &tunnel, &tunnel).await?;
+    let tunnel_ids = || async {
+        let (_, body) = tether_e2e::admin_get(setup.broker.admin_addr, "/debug/tunnels").await?;
+        let v: serde_json::Value = serde_json::from_str(&body)?;
+        anyhow::Ok(
+            v.as_array()
+                .map(|a| a.iter().map(|t| t["id"].to_string()).collect::<Vec<_>>())
+                .unwrap_or_default(),
+        )
+    };
+    let before = tunnel_ids().await?;
+    assert_eq!(before.len(), 1, "{before:?}");
+    let live = ContinuousEcho::start(setup.connect_echo().await?, 16 << 10, false);
+    live.wait_progress(1 << 20, "data flowing before the pause")
+        .await?;
+
+    let pids = [setup.broker.child.pid(), setup.agent.child.pid()];
+    let pause = 3 * (keepalive_timeout + stall_timeout);
+    for pid in pids {
+        signal(pid, "STOP")?;
+    }
+    let resume: Vec<Resume> = pids.into_iter().map(Resume).collect();
+    // A fixed pause is the stimulus, not a wait: it must outlast every failure detector.
+    tokio::time::sleep(pause).await;
+    drop(resume);
+
+    live.wait_progress(4 << 20, "data flowing after the pause")
+        .await?;
+    let moved = live.finish().await?;
+    println!(
+        "a pause of {pause:?}: the stream moved {} KiB each way, intact",
+        moved >> 10
+    );
+    assert_eq!(tunnel_ids().await?, before, "the tunnel was replaced");
+    for (admin, name) in [
+        (setup.broker.admin_addr, "tether_broker_tunnel_wedged_total"),
+        (setup.agent.admin_addr, "tether_agent_tunnel_wedged_total"),
+        (
+            setup.broker.admin_addr,
+            "tether_broker_tunnel_connects_total",
+        ),
+    ] {
+        let want = if name.ends_with("connects_total") {
+            1.0
+        } else {
+            0.0
+        };
+        assert_eq!(metric(admin, name, &[]).await?, want, "{name}");
+    }
+    Ok(())
+}
+
 /// SIGTERM on a broker with the HTTP service proxy: a kept-alive HTTP/1.1 client connection is
 /// closed and an HTTP/2 one gets a GOAWAY at once (hyper's graceful shutdown), so clients move
 /// to another broker for their next requests instead of sending them to one that is going away

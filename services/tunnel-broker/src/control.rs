@@ -21,7 +21,7 @@ use std::time::{Duration, SystemTime};
 
 use actix::prelude::*;
 use futures::StreamExt;
-use tether_control::brokers::{BrokerPresence, PRESENCE_RENEW};
+use tether_control::brokers::{BrokerPresence, PRESENCE_MISSES, PRESENCE_RENEW};
 use tether_control::clients::{ClientAccessPolicy, HubClient};
 use tether_control::connect::{self, ConnectConfig, Credentials};
 use tether_control::kubeconfig::HubEndpoint;
@@ -29,6 +29,7 @@ use tether_control::resources::{ManagedCluster, rfc3339};
 use tether_control::store::Store as _;
 use tether_control::store::{Bucket, HubStore};
 use tether_runtime::{Backoff, BackoffConfig};
+use tether_tunnel::pause::{Judgement, Settle};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -45,6 +46,10 @@ pub const KV_WRITE_TIMEOUT: Duration = Duration::from_secs(3);
 pub const SESSION_START_TIMEOUT: Duration = Duration::from_secs(15);
 /// How often stale peers are pruned.
 pub const PRUNE_INTERVAL: Duration = Duration::from_millis(500);
+/// How long a peer's presence may go without renewal before it counts as gone; also how long
+/// after a pause of this process no peer is judged (its renewals need that long to be seen).
+pub const PRESENCE_GRACE: Duration =
+    Duration::from_secs(PRESENCE_RENEW.as_secs() * PRESENCE_MISSES as u64);
 
 /// Why the control plane could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -299,6 +304,7 @@ impl ControlPlane {
         let mut renew = tokio::time::interval(PRESENCE_RENEW);
         renew.tick().await;
         let mut prune = tokio::time::interval(PRUNE_INTERVAL);
+        let mut settle = Settle::new(PRESENCE_GRACE);
         // The sender lives as long as the broker runs; once it is gone, stop polling it.
         let mut draining_open = true;
         loop {
@@ -316,9 +322,23 @@ impl ControlPlane {
                         return SessionEnd::Lost(e.to_string());
                     }
                 }
-                _ = prune.tick() => {
-                    if let Some(p) = &mut self.peers {
-                        p.prune(SystemTime::now());
+                due = prune.tick() => {
+                    // After a pause of this process (a paused VM, SIGSTOP) the peers'
+                    // renewals that came due meanwhile are still on their way: a peer is
+                    // judged stale only once they have had the whole grace to arrive.
+                    match settle.check(due.into_std(), std::time::Instant::now()) {
+                        Judgement::Judge => {
+                            if let Some(p) = &mut self.peers {
+                                p.prune(SystemTime::now());
+                            }
+                        }
+                        Judgement::Paused(paused) => tracing::info!(
+                            broker = %self.me.id,
+                            paused_ms = paused.as_millis() as u64,
+                            settle_ms = PRESENCE_GRACE.as_millis() as u64,
+                            "this broker was paused: relay peers' presence is not judged until their renewals had time to arrive"
+                        ),
+                        Judgement::Settling => {}
                     }
                 }
                 ev = brokers_w.next() => match ev {

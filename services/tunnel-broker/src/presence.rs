@@ -9,6 +9,9 @@
 //! Peers: every other live broker with a `relayAddress` gets a [`PeerConnector`]; one whose entry
 //! is deleted or goes stale is dropped. Peers from the static `peers` config are never touched.
 //! While NATS is unreachable the peer set is frozen (stale checks need fresh renewals).
+//! After a pause of this broker's process (a paused VM, SIGSTOP) no peer is judged stale for a
+//! whole grace (`control::PRESENCE_GRACE`): the renewals that came due meanwhile must be seen first
+//! (`tether_tunnel::pause::Settle`).
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;

@@ -135,7 +135,8 @@ pub async fn run_probed(
         }
         let before = sampler.as_ref().map(|s| s.shared.received());
         let sent = Instant::now();
-        match tokio::time::timeout(timeout, pp.ping()).await {
+        // A pause of this process is not the peer's silence (`pause`).
+        match crate::pause::timeout(timeout, pp.ping()).await {
             Ok(Ok(())) => {
                 let rtt = sent.elapsed();
                 let us = u64::try_from(rtt.as_micros()).unwrap_or(u64::MAX).max(1);

@@ -31,6 +31,8 @@
 //! - [`watchdog`]: the wedged-tunnel watchdog (no bytes from the peer while bytes wait for an
 //!   answer: torn down and redialled).
 //! - [`window`]: adaptive receive windows sized to the tunnel's bandwidth × round trip.
+//! - [`pause`]: the keepalive's and watchdog's clocks count only time this process ran (a
+//!   paused VM or process does not blame its peers for the pause).
 
 pub mod abort;
 pub mod address;
@@ -40,6 +42,7 @@ pub mod keepalive;
 pub mod lingering;
 pub mod mux;
 pub mod pattern;
+pub mod pause;
 pub mod pump;
 pub mod readahead;
 pub mod relay;

@@ -24,6 +24,11 @@
 //! most `keepalive_interval + 1.25 × stall_timeout`. A write blocked because the socket buffer
 //! is full also starts the clock (the peer is not reading), so a link that drops packets and one
 //! that stops reading are both caught, whether or not a FIN or RST ever arrives.
+//!
+//! Time this process was not running (a tick that came a pause late: a paused VM, SIGSTOP) is
+//! not counted against the peer ([`crate::pause`]): after such a pause the ticks fire before the
+//! socket is read, and the answer may be sitting in its buffer. Detection then takes the pause
+//! longer (at most [`crate::pause::MAX_PAUSE_CREDIT`] longer).
 
 use std::io;
 use std::pin::Pin;
@@ -34,6 +39,8 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Notify;
+
+use crate::pause;
 
 /// Shortest watchdog tick (a tiny `stall_timeout` must not turn it into a busy loop).
 pub const MIN_TICK: Duration = Duration::from_millis(10);
@@ -115,14 +122,30 @@ impl Progress {
 /// Why [`Watchdog::run`] returned: the tunnel is wedged.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error(
-    "tunnel wedged: bytes written {}ms ago are still unanswered (stall timeout {}ms); \
+    "tunnel wedged: bytes written {}ms ago are still unanswered (stall timeout {}ms{}); \
      the connection is up but moves no bytes",
     unanswered.as_millis(),
-    stall_timeout.as_millis()
+    stall_timeout.as_millis(),
+    paused_note(*paused)
 )]
 pub struct Wedged {
+    /// Wall-clock time the bytes have waited.
     pub unanswered: Duration,
     pub stall_timeout: Duration,
+    /// Part of `unanswered` this process was paused for, not counted against the peer
+    /// ([`crate::pause`]).
+    pub paused: Duration,
+}
+
+fn paused_note(paused: Duration) -> String {
+    if paused.is_zero() {
+        String::new()
+    } else {
+        format!(
+            ", not counting {}ms this process was paused",
+            paused.as_millis()
+        )
+    }
 }
 
 /// The watchdog of one tunnel connection.
@@ -172,29 +195,42 @@ impl Watchdog {
     }
 
     /// Watches until the tunnel is wedged; cancel it by dropping the future.
+    ///
+    /// A tick that comes [`pause::PAUSE_THRESHOLD`] or more late saw this process not run
+    /// (a paused VM or process): that time is not counted against the peer, whose answer may
+    /// be waiting, unread, in the socket buffer ([`crate::pause`]).
     pub async fn run(&self) -> Wedged {
         let tick = self.tick();
         let mut interval = tokio::time::interval(tick);
         interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // The unanswered period (its start, as stored) the first probe went out in, and when.
-        let mut probed: Option<(u64, Instant)> = None;
+        // The unanswered period (its start, as stored) the pause credit belongs to, and it.
+        let mut credit = (0u64, pause::Credit::new(pause::MAX_PAUSE_CREDIT));
+        // The unanswered period the first probe went out in, and how long (pauses not
+        // counted) the bytes had waited then.
+        let mut probed: Option<(u64, Duration)> = None;
         loop {
-            interval.tick().await;
+            let due = interval.tick().await;
             let since = self.progress.unanswered_since.load(Ordering::Relaxed);
-            let Some(waited) = self.progress.waited(since) else {
+            let Some(wall) = self.progress.waited(since) else {
                 probed = None;
                 continue;
             };
+            if credit.0 != since {
+                credit = (since, pause::Credit::new(pause::MAX_PAUSE_CREDIT));
+            }
+            credit.1.observe(due.into_std(), Instant::now());
+            let waited = wall.saturating_sub(credit.1.granted());
             if waited >= self.stall_timeout {
                 return Wedged {
-                    unanswered: waited,
+                    unanswered: wall,
                     stall_timeout: self.stall_timeout,
+                    paused: credit.1.granted().min(wall),
                 };
             }
             if probed.is_some_and(|(period, _)| period != since) {
                 probed = None;
             }
-            let probe_overdue = probed.is_some_and(|(_, at)| at.elapsed() >= tick / 2);
+            let probe_overdue = probed.is_some_and(|(_, at)| waited.saturating_sub(at) >= tick / 2);
             if waited >= self.stall_timeout / 2
                 && probe_overdue
                 && !self.progress.suspect.swap(true, Ordering::Relaxed)
@@ -211,7 +247,7 @@ impl Watchdog {
             }
             if waited >= tick {
                 self.progress.probe.notify_one();
-                probed.get_or_insert((since, Instant::now()));
+                probed.get_or_insert((since, waited));
             }
         }
     }
@@ -402,5 +438,46 @@ mod tests {
         // The probe's answer clears the clock and the suspicion.
         progress.on_read();
         assert!(progress.unanswered().is_none() && !progress.is_suspect());
+    }
+
+    /// The process does not run for longer than the stall timeout while bytes wait for an
+    /// answer, and the answer is read only after the watchdog has run again (as after a VM
+    /// pause: its ticks fire before the socket is read): not wedged. Silence afterwards still
+    /// is, within the bound plus the pause.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_pause_of_the_process_does_not_wedge_the_tunnel() {
+        let progress = Progress::new();
+        let stall = Duration::from_millis(400);
+        let dog = Watchdog::new(Arc::clone(&progress), stall);
+        let (started_tx, running) = tokio::sync::oneshot::channel();
+        let run = tokio::spawn({
+            let dog = dog.clone();
+            async move {
+                let _ = started_tx.send(());
+                dog.run().await // its interval starts in this same poll
+            }
+        });
+        running.await.expect("the watchdog started");
+        progress.on_write();
+        // "Pause": the runtime's only thread sleeps through twice the stall timeout.
+        std::thread::sleep(stall * 2);
+        // Running again: the watchdog's late tick is seen first, then the answer.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert!(
+            !run.is_finished(),
+            "wedged by a pause of its own process: {:?}",
+            run.await
+        );
+        progress.on_read();
+        // A new unanswered write and silence: wedged, counting only the time after the pause.
+        let started = Instant::now();
+        progress.on_write();
+        let w = run.await.expect("no panic");
+        assert!(w.unanswered >= stall, "{w}");
+        assert!(
+            started.elapsed() <= dog.detection_bound() + Duration::from_millis(200),
+            "{:?}",
+            started.elapsed()
+        );
     }
 }
