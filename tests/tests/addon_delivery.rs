@@ -426,12 +426,17 @@ async fn addon_is_delivered_through_a_proxy_and_follows_its_config() -> anyhow::
     wait_addon(&hub, "edge-1", "add-on back and Available", available)?;
     let pid = tunnel_agent_pid(&runtime_dir).context("tunnel-agent pid file")?;
     hub.tetherctl_ok(&["delete", "cluster", "edge-1"])?;
+    let deleted = std::time::Instant::now();
     wait_until(
         WAIT,
         "cluster deleted: tunnel-agent stopped, credentials removed",
         || (!pid_alive(pid) && !addon_creds.exists()).then_some(()),
     )
     .with_context(|| tail(&read_log(&hub.logs, "agent"), 20))?;
+    eprintln!(
+        "cluster deleted -> tunnel-agent stopped, credentials removed: {:?}",
+        deleted.elapsed()
+    );
     let r = tether_e2e::connect(
         broker.client_addr,
         "edge-1:443",

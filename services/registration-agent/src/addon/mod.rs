@@ -126,6 +126,13 @@ pub struct AddOnAgent<R: AddOnRuntime> {
     last_config_error: Option<String>,
 }
 
+/// The hub session changed since this pass began: a pass checks it before each hub request,
+/// so a revoked cluster's agent is stopped within one request's timeout, not after every
+/// request of the pass has timed out. (A gone sender is the agent stopping: `stop` ends it.)
+fn session_moved(session: &watch::Receiver<HubSession>) -> bool {
+    session.has_changed().unwrap_or(false)
+}
+
 fn jitter(d: Duration, factor: f64) -> Duration {
     d.mul_f64(1.0 + rand::random::<f64>() * factor)
 }
@@ -233,7 +240,12 @@ impl<R: AddOnRuntime> AddOnAgent<R> {
                     None => std::future::pending().await,
                 }
             };
+            // Biased: a session change (the cluster's credentials revoked, a new bootstrap)
+            // wins over the tick, which is always ready after a slow pass; unbiased, a pass of
+            // timed-out hub requests (5 s each once the credentials are revoked) picked the tick
+            // half the time and kept the revoked agent running for 30 s in a CI run.
             tokio::select! {
+                biased;
                 _ = stop.cancelled() => return Exit::Stop,
                 _ = session.changed() => return Exit::Session,
                 m = notified => {
@@ -253,6 +265,9 @@ impl<R: AddOnRuntime> AddOnAgent<R> {
             }
             let now = Instant::now();
             if now >= fetch_due {
+                if session_moved(session) {
+                    return Exit::Session;
+                }
                 match self.sync(client, endpoint, agent).await {
                     Ok(()) => {
                         backoff.succeeded();
@@ -284,6 +299,9 @@ impl<R: AddOnRuntime> AddOnAgent<R> {
                     && !a.reported
                     && o.config_sha256 == a.sha256
                 {
+                    if session_moved(session) {
+                        return Exit::Session;
+                    }
                     let report = AddOnStatusReport {
                         applied_configs: a.hashes.clone(),
                     };
@@ -347,6 +365,9 @@ impl<R: AddOnRuntime> AddOnAgent<R> {
                 && self.applied.as_ref().is_some_and(|a| a.reported)
                 && lease_due.is_some_and(|d| d <= Instant::now())
             {
+                if session_moved(session) {
+                    return Exit::Session;
+                }
                 let body = AddOnLeaseRenew {
                     holder_identity: agent.to_string(),
                     lease_duration_seconds: self.s.lease_seconds,
