@@ -770,6 +770,9 @@ async fn tunnel_agent_keeps_its_tunnel_when_the_endpoint_is_renamed() -> anyhow:
             .map(|t| t["id"].to_string())
             .collect::<Vec<_>>())
     };
+    // The agent counts the tunnel at the broker's hello, a moment before the broker has it in
+    // its route table (a CI run read an empty list here): wait for the broker's side too.
+    tether_e2e::wait_tunnel(&b1, "c1").await?;
     let before = tunnel_ids().await?;
     assert_eq!(before.len(), 1, "one tunnel: {before:?}");
     let ok_connects = |label: &'static str| async move {
