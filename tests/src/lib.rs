@@ -345,6 +345,19 @@ pub async fn wait_tunnel(broker: &Broker, cluster: &str) -> anyhow::Result<()> {
     .await
 }
 
+/// The ids of the tunnels `broker` holds, as `/debug/tunnels` lists them (to tell a kept tunnel
+/// from a replaced one).
+pub async fn tunnel_ids(broker: &Broker) -> anyhow::Result<Vec<String>> {
+    let (code, body) = admin_get(broker.admin_addr, "/debug/tunnels").await?;
+    anyhow::ensure!(code == 200, "/debug/tunnels answered {code}");
+    let v: serde_json::Value = serde_json::from_str(&body)?;
+    Ok(v.as_array()
+        .ok_or_else(|| anyhow::anyhow!("/debug/tunnels is not a list: {body}"))?
+        .iter()
+        .map(|t| t["id"].to_string())
+        .collect())
+}
+
 /// Opens a CONNECT tunnel through the broker's plain client port; returns the stream after a
 /// 200, or the status line and body of an error.
 pub async fn connect(

@@ -760,20 +760,10 @@ async fn tunnel_agent_keeps_its_tunnel_when_the_endpoint_is_renamed() -> anyhow:
         &render(endpoint("b1", "tether-broker")),
     )?;
     wait_debug(admin, "a tunnel to b1", |v| connected(v) == ["b1"]).await?;
-    let tunnel_ids = || async {
-        let (code, body) = tether_e2e::admin_get(b1.admin_addr, "/debug/tunnels").await?;
-        anyhow::ensure!(code == 200, "/debug/tunnels answered {code}");
-        let v: serde_json::Value = serde_json::from_str(&body)?;
-        Ok(v.as_array()
-            .context("/debug/tunnels is not a list")?
-            .iter()
-            .map(|t| t["id"].to_string())
-            .collect::<Vec<_>>())
-    };
     // The agent counts the tunnel at the broker's hello, a moment before the broker has it in
     // its route table (a CI run read an empty list here): wait for the broker's side too.
     tether_e2e::wait_tunnel(&b1, "c1").await?;
-    let before = tunnel_ids().await?;
+    let before = tether_e2e::tunnel_ids(&b1).await?;
     assert_eq!(before.len(), 1, "one tunnel: {before:?}");
     let ok_connects = |label: &'static str| async move {
         tether_e2e::metric(
@@ -812,7 +802,7 @@ async fn tunnel_agent_keeps_its_tunnel_when_the_endpoint_is_renamed() -> anyhow:
     .await?;
     round(&mut stream, b"and back").await?;
     assert_eq!(
-        tunnel_ids().await?,
+        tether_e2e::tunnel_ids(&b1).await?,
         before,
         "the broker holds the same tunnel"
     );

@@ -395,16 +395,7 @@ async fn a_paused_data_plane_keeps_its_tunnel_and_stream() -> anyhow::Result<()>
         stall_timeout.as_millis()
     );
     let setup = Setup::start("c1", &tunnel, &tunnel).await?;
-    let tunnel_ids = || async {
-        let (_, body) = tether_e2e::admin_get(setup.broker.admin_addr, "/debug/tunnels").await?;
-        let v: serde_json::Value = serde_json::from_str(&body)?;
-        anyhow::Ok(
-            v.as_array()
-                .map(|a| a.iter().map(|t| t["id"].to_string()).collect::<Vec<_>>())
-                .unwrap_or_default(),
-        )
-    };
-    let before = tunnel_ids().await?;
+    let before = tether_e2e::tunnel_ids(&setup.broker).await?;
     assert_eq!(before.len(), 1, "{before:?}");
     let live = ContinuousEcho::start(setup.connect_echo().await?, 16 << 10, false);
     live.wait_progress(1 << 20, "data flowing before the pause")
@@ -427,7 +418,11 @@ async fn a_paused_data_plane_keeps_its_tunnel_and_stream() -> anyhow::Result<()>
         "a pause of {pause:?}: the stream moved {} KiB each way, intact",
         moved >> 10
     );
-    assert_eq!(tunnel_ids().await?, before, "the tunnel was replaced");
+    assert_eq!(
+        tether_e2e::tunnel_ids(&setup.broker).await?,
+        before,
+        "the tunnel was replaced"
+    );
     for (admin, name) in [
         (setup.broker.admin_addr, "tether_broker_tunnel_wedged_total"),
         (setup.agent.admin_addr, "tether_agent_tunnel_wedged_total"),
