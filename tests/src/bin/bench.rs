@@ -1784,9 +1784,10 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
 /// (b) through CONNECT `c3:443` kept alive (one tunnel stream per client, TLS end to end to the
 /// API server, the cluster token), (c) through a new CONNECT, TLS handshake and HTTP connection
 /// per request (cluster-proxy's user-server pattern). Requests/s and p50/p99 per request,
-/// rotated rounds. Then a large LIST (`/api/v1/pods`, about 12 MiB) through the service proxy
-/// by one client over HTTP/2 (hyper's defaults: 16 KiB frames, as kubectl) and over HTTP/1.1,
-/// alternating: throughput and the broker's CPU-s/GB.
+/// rotated rounds. Then a large LIST (`/api/v1/pods`, about 12 MiB) by one client, through the
+/// service proxy and through CONNECT kept alive, each over HTTP/2 (hyper's defaults: 16 KiB
+/// frames, as kubectl) and over HTTP/1.1, rotated: throughput and CPU-s/GB, the service proxy
+/// judged against CONNECT plus the TLS floor (its one extra TLS pair).
 mod sproxy {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
@@ -1818,7 +1819,13 @@ mod sproxy {
 
     type Sender = hyper::client::conn::http1::SendRequest<http_body_util::Empty<bytes::Bytes>>;
 
-    async fn client(path: Path, ends: &Ends) -> anyhow::Result<Sender> {
+    /// A TLS connection for `path`: to the broker's service proxy, or through `CONNECT c3:443`
+    /// (one tunnel stream) to the API server itself, offering `alpn`'s protocols.
+    async fn tls(
+        path: Path,
+        ends: &Ends,
+        cfg: &Arc<rustls::ClientConfig>,
+    ) -> anyhow::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
         let (addr, name) = match path {
             Path::ServiceProxy => (ends.service_proxy, "localhost"),
             Path::Connect | Path::ConnectPerRequest => (ends.connect, "kubernetes.default.svc"),
@@ -1844,12 +1851,25 @@ mod sproxy {
             );
         }
         let sni = rustls::pki_types::ServerName::try_from(name)?;
-        let tls = tokio_rustls::TlsConnector::from(Arc::clone(&ends.tls))
+        Ok(tokio_rustls::TlsConnector::from(Arc::clone(cfg))
             .connect(sni, tcp)
-            .await?;
+            .await?)
+    }
+
+    /// An HTTP/1.1 client for `path`.
+    async fn client(path: Path, ends: &Ends) -> anyhow::Result<Sender> {
+        let tls = tls(path, ends, &ends.tls).await?;
         let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
         tokio::spawn(conn);
         Ok(sender)
+    }
+
+    /// The request target and bearer token of `uri` (a path on the API server) for `path`.
+    fn target(path: Path, uri: &str) -> (String, &'static str) {
+        match path {
+            Path::ServiceProxy => (format!("/{CLUSTER}{uri}"), OPS_TOKEN),
+            Path::Connect | Path::ConnectPerRequest => (uri.to_string(), KUBE_TOKEN),
+        }
     }
 
     struct Ends {
@@ -1866,10 +1886,7 @@ mod sproxy {
         senders: &mut [Sender],
         dur: Duration,
     ) -> anyhow::Result<Vec<Duration>> {
-        let (uri, token) = match path {
-            Path::ServiceProxy => (format!("/{CLUSTER}/version"), OPS_TOKEN),
-            Path::Connect | Path::ConnectPerRequest => ("/version".to_string(), KUBE_TOKEN),
-        };
+        let (uri, token) = target(path, "/version");
         let end = Instant::now() + dur;
         let tasks = senders.iter_mut().map(|s| {
             let uri = uri.clone();
@@ -1900,21 +1917,15 @@ mod sproxy {
         Ok(all)
     }
 
-    /// An HTTP/2 client of the service proxy (ALPN `h2`, hyper's default settings: 16 KiB
-    /// frames, like kubectl's).
-    async fn h2_client(
-        ends: &Ends,
-    ) -> anyhow::Result<hyper::client::conn::http2::SendRequest<http_body_util::Empty<bytes::Bytes>>>
-    {
-        let tcp = tokio::net::TcpStream::connect(ends.service_proxy).await?;
-        tcp.set_nodelay(true)?;
-        let sni = rustls::pki_types::ServerName::try_from("localhost")?;
-        let tls = tokio_rustls::TlsConnector::from(Arc::clone(&ends.tls_h2))
-            .connect(sni, tcp)
-            .await?;
+    type H2Sender = hyper::client::conn::http2::SendRequest<http_body_util::Empty<bytes::Bytes>>;
+
+    /// An HTTP/2 client for `path` (ALPN `h2`, hyper's default settings: 16 KiB frames, like
+    /// kubectl's).
+    async fn h2_client(path: Path, ends: &Ends) -> anyhow::Result<H2Sender> {
+        let tls = tls(path, ends, &ends.tls_h2).await?;
         anyhow::ensure!(
             tls.get_ref().1.alpn_protocol() == Some(b"h2"),
-            "the service proxy did not choose h2"
+            "the server did not choose h2"
         );
         let (sender, conn) = hyper::client::conn::http2::handshake(
             hyper_util::rt::TokioExecutor::new(),
@@ -1925,84 +1936,149 @@ mod sproxy {
         Ok(sender)
     }
 
-    /// `GET /<cluster>/api/v1/pods` (the large LIST) through the service proxy, one request
-    /// at a time over one connection, HTTP/2 (`h2`) or HTTP/1.1, until `dur` has passed; bytes
-    /// received.
-    async fn download(
-        h2: &mut hyper::client::conn::http2::SendRequest<http_body_util::Empty<bytes::Bytes>>,
-        h1: &mut Sender,
-        use_h2: bool,
-        dur: Duration,
-    ) -> anyhow::Result<u64> {
-        let end = Instant::now() + dur;
-        let mut bytes = 0u64;
-        while Instant::now() < end {
-            let req = hyper::Request::get(format!("/{CLUSTER}/api/v1/pods"))
-                .header("host", "localhost")
-                .header("authorization", format!("Bearer {OPS_TOKEN}"))
-                .body(http_body_util::Empty::new())?;
-            let resp = if use_h2 {
-                h2.ready().await?;
-                h2.send_request(req).await?
-            } else {
-                h1.ready().await?;
-                h1.send_request(req).await?
-            };
-            anyhow::ensure!(resp.status() == 200, "LIST: {}", resp.status());
-            let mut body = resp.into_body();
-            let mut got = 0u64;
-            while let Some(frame) = body.frame().await {
-                if let Ok(d) = frame?.into_data() {
-                    got += d.len() as u64;
-                }
-            }
-            anyhow::ensure!(
-                got == tether_e2e::apiserver::large_list().len() as u64,
-                "LIST body of {got} bytes"
-            );
-            bytes += got;
-        }
-        Ok(bytes)
+    /// One way of fetching the large LIST: the service proxy or CONNECT kept alive (TLS end to
+    /// end to the API server), over HTTP/2 or HTTP/1.1.
+    enum ListClient {
+        H2(Path, H2Sender),
+        H1(Path, Sender),
     }
 
-    /// The large LIST through the service proxy over HTTP/2 and over HTTP/1.1, alternating:
-    /// throughput and the broker's CPU-s/GB.
-    async fn list_row(ends: &Ends, setup: &Setup, broker_pid: u32) -> anyhow::Result<Row> {
-        let mut h2 = h2_client(ends).await?;
-        let mut h1 = client(Path::ServiceProxy, ends).await?;
-        for use_h2 in [true, false] {
-            download(&mut h2, &mut h1, use_h2, Duration::from_millis(300)).await?;
+    impl ListClient {
+        async fn new(path: Path, h2: bool, ends: &Ends) -> anyhow::Result<Self> {
+            Ok(if h2 {
+                Self::H2(path, h2_client(path, ends).await?)
+            } else {
+                Self::H1(path, client(path, ends).await?)
+            })
         }
-        // [h2, h1]: bytes, seconds, broker CPU seconds.
-        let mut m = [(0u64, 0.0f64, 0.0f64); 2];
+
+        /// `GET /api/v1/pods` (the large LIST), one request at a time over one connection,
+        /// until `dur` has passed; bytes received.
+        async fn download(&mut self, dur: Duration) -> anyhow::Result<u64> {
+            let end = Instant::now() + dur;
+            let mut bytes = 0u64;
+            let want = tether_e2e::apiserver::large_list().len() as u64;
+            while Instant::now() < end {
+                let path = match self {
+                    Self::H2(p, _) | Self::H1(p, _) => *p,
+                };
+                let (uri, token) = target(path, "/api/v1/pods");
+                let req = hyper::Request::get(uri)
+                    .header("host", "localhost")
+                    .header("authorization", format!("Bearer {token}"))
+                    .body(http_body_util::Empty::new())?;
+                let resp = match self {
+                    Self::H2(_, s) => {
+                        s.ready().await?;
+                        s.send_request(req).await?
+                    }
+                    Self::H1(_, s) => {
+                        s.ready().await?;
+                        s.send_request(req).await?
+                    }
+                };
+                anyhow::ensure!(resp.status() == 200, "LIST: {}", resp.status());
+                let mut body = resp.into_body();
+                let mut got = 0u64;
+                while let Some(frame) = body.frame().await {
+                    if let Ok(d) = frame?.into_data() {
+                        got += d.len() as u64;
+                    }
+                }
+                anyhow::ensure!(got == want, "LIST body of {got} bytes, {want} expected");
+                bytes += got;
+            }
+            Ok(bytes)
+        }
+    }
+
+    /// The large LIST by one client, one request at a time: through the service proxy and
+    /// through CONNECT kept alive (TLS end to end to the API server), each over HTTP/2 and
+    /// HTTP/1.1, in rotating order. Throughput and CPU-s/GB: every process on the path (this
+    /// one, which is the client and the API server, the broker and the agent) and Tether's
+    /// share (broker+agent). The service proxy ends the client's TLS at the broker and the
+    /// agent opens its own to the API server: one TLS encryption and decryption per byte more
+    /// than CONNECT, so it is judged against CONNECT kept alive plus the TLS floor, as TLS
+    /// CONNECT is against CONNECT.
+    async fn list_row(
+        ends: &Ends,
+        setup: &Setup,
+        pids: [u32; 2],
+        floor: f64,
+    ) -> anyhow::Result<Row> {
+        // Service proxy h2, h1; CONNECT h2, h1.
+        const WAYS: [(Path, bool); 4] = [
+            (Path::ServiceProxy, true),
+            (Path::ServiceProxy, false),
+            (Path::Connect, true),
+            (Path::Connect, false),
+        ];
+        let mut clients = Vec::new();
+        for (path, h2) in WAYS {
+            let mut c = ListClient::new(path, h2, ends).await?;
+            c.download(Duration::from_millis(300)).await?;
+            clients.push(c);
+        }
+        let this = std::process::id();
+        let cpu = |pids: &[u32]| pids.iter().map(|p| cpu_secs(*p)).sum::<f64>();
+        // Per way: bytes, seconds, CPU seconds of every process, of broker+agent.
+        let mut m = [(0u64, 0.0f64, 0.0f64, 0.0f64); 4];
         for round in 0..setup.rounds * 2 {
-            for i in if round % 2 == 0 { [0, 1] } else { [1, 0] } {
-                let (c0, t) = (cpu_secs(broker_pid), Instant::now());
-                let b = download(&mut h2, &mut h1, i == 0, setup.secs / 2).await?;
+            let mut order = [0, 1, 2, 3];
+            order.rotate_left(round % 4);
+            for i in order {
+                let (all0, ba0, t) = (cpu(&[this, pids[0], pids[1]]), cpu(&pids), Instant::now());
+                let b = clients[i].download(setup.secs / 2).await?;
                 m[i].0 += b;
                 m[i].1 += t.elapsed().as_secs_f64();
-                m[i].2 += cpu_secs(broker_pid) - c0;
+                m[i].2 += cpu(&[this, pids[0], pids[1]]) - all0;
+                m[i].3 += cpu(&pids) - ba0;
             }
         }
         let rate = |i: usize| m[i].0 as f64 / m[i].1;
         let per_gb = |i: usize| m[i].2 / (m[i].0 as f64 / 1e9);
-        let cell = |i: usize| format!("{}, broker {:.2} CPU-s/GB", gbit(rate(i)), per_gb(i));
+        let ba_per_gb = |i: usize| m[i].3 / (m[i].0 as f64 / 1e9);
+        let cell = |i: usize, j: usize| {
+            format!(
+                "h2 {}, h1 {}; {:.2} / {:.2} CPU-s/GB (broker+agent {:.2} / {:.2})",
+                gbit(rate(i)),
+                gbit(rate(j)),
+                per_gb(i),
+                per_gb(j),
+                ba_per_gb(i),
+                ba_per_gb(j)
+            )
+        };
+        // Service proxy against CONNECT (+ the floor), h2 and h1.
+        let vs_floor = [0, 1].map(|k| per_gb(k) / (per_gb(k + 2) + floor));
+        let ok = vs_floor
+            .iter()
+            .all(|r| *r <= 1.0 + super::clients::TOLERANCE);
+        let result = format!(
+            "throughput {:.2} / {:.2}× CONNECT's (h2 / h1); CPU-s/GB {:.2} / {:.2}× CONNECT + the TLS floor ({floor:.2}; {:.2} / {:.2}× CONNECT alone); broker+agent {:.2} / {:.2}× CONNECT's; service proxy h2 {:.2}× its h1 throughput",
+            rate(0) / rate(2),
+            rate(1) / rate(3),
+            vs_floor[0],
+            vs_floor[1],
+            per_gb(0) / per_gb(2),
+            per_gb(1) / per_gb(3),
+            ba_per_gb(0) / ba_per_gb(2),
+            ba_per_gb(1) / ba_per_gb(3),
+            rate(0) / rate(1),
+        );
         println!(
-            "  large LIST ({:.1} MiB) through the service proxy, one client: HTTP/2 {}; HTTP/1.1 {}",
+            "  large LIST ({:.1} MiB), one client: service proxy {}; CONNECT kept alive {}; {result}",
             tether_e2e::apiserver::large_list().len() as f64 / (1 << 20) as f64,
-            cell(0),
-            cell(1)
+            cell(0, 1),
+            cell(2, 3),
         );
         Ok(Row {
-            what: "large LIST through the service proxy, HTTP/2 (tunnel col.) vs HTTP/1.1 (direct col.), 16 KiB frames".into(),
-            direct: cell(1),
-            tunnel: cell(0),
-            result: format!(
-                "HTTP/2 {:.2}× HTTP/1.1 throughput, broker CPU {:.2}×",
-                rate(0) / rate(1),
-                per_gb(0) / per_gb(1)
-            ),
-            target: "information".into(),
+            what: "large LIST, one client: service proxy (tunnel col.) vs CONNECT kept alive, TLS end to end (direct col.), HTTP/2 (16 KiB frames) / HTTP/1.1".into(),
+            direct: cell(2, 3),
+            tunnel: cell(0, 1),
+            result,
+            target: "within 10 % of CONNECT + the TLS floor (CPU-s/GB, all processes)".into(),
+            ok: Some(ok),
             ..Row::default()
         })
     }
@@ -2081,7 +2157,8 @@ mod sproxy {
             api.requests()
         );
         let (vs_keep, vs_new) = (rps(0) / rps(1), rps(0) / rps(2));
-        let list = list_row(&ends, setup, broker.child.pid()).await?;
+        let floor = super::clients::measure_tls_floor(hub).await?;
+        let list = list_row(&ends, setup, [broker.child.pid(), agent.child.pid()], floor).await?;
         Ok(vec![
             Row {
                 what: format!(

@@ -59,7 +59,7 @@ type BoxIo = Box<dyn Io>;
 /// Streams per measurement.
 const STREAMS: [usize; 2] = [1, 8];
 /// Within this much of CONNECT (throughput and CPU-s/GB).
-const TOLERANCE: f64 = 0.10;
+pub(super) const TOLERANCE: f64 = 0.10;
 
 /// A client path (the `--client-paths` values).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
