@@ -463,3 +463,162 @@ async fn kubectl_through_the_service_proxy() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// A client that stops reading a large response is cut off once the broker's write to it has
+/// made no progress for `tunnel.write_stall_timeout`: its connection ends short of the
+/// `content-length` (never a clean end of a shorter body), and the tunnel stream it held ends
+/// on the broker and on the agent (both open-stream gauges back to 0). A client that reads
+/// slowly but steadily is never cut off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_is_cut_off_and_frees_its_stream() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    const STALL: Duration = Duration::from_secs(1);
+    const DEADLINE: Duration = Duration::from_secs(30);
+    let hub = tether_e2e::Hub::new()?;
+    let api = KubeApiServer::start(&hub).await?;
+    let broker = hub.start_broker(
+        "st1",
+        &format!(
+            "service_proxy:\n  listen: 127.0.0.1:0\ntunnel:\n  write_stall_timeout: {}ms\n",
+            STALL.as_millis()
+        ),
+    )?;
+    let sp_addr = hub.service_proxy_addr("st1")?;
+    let token = hub.path().join("sa.token");
+    std::fs::write(&token, AGENT_SA_TOKEN)?;
+    let agent = hub.start_agent(
+        "c1",
+        "c1",
+        &[vec![broker.agent_addr]],
+        api.addr,
+        &format!(
+            "service_proxy:\n  apiserver_ca: {}\n  token_file: {}\n",
+            hub.pki.ca_path().display(),
+            token.display()
+        ),
+    )?;
+    tether_e2e::wait_agent_ready(&agent).await?;
+    wait_tunnel(&broker, "c1").await?;
+    let tls = std::sync::Arc::new(tether_e2e::client_tls_config(
+        &hub.pki.ca_path(),
+        &[b"http/1.1"],
+        None,
+    )?);
+    let body_len = tether_e2e::apiserver::large_list().len();
+
+    // A small receive buffer, so that the broker's writes stall long before the body is out.
+    let sock = tokio::net::TcpSocket::new_v4()?;
+    sock.set_recv_buffer_size(64 << 10)?;
+    let tcp = sock.connect(sp_addr).await?;
+    let mut client = tokio_rustls::TlsConnector::from(std::sync::Arc::clone(&tls))
+        .connect(rustls::pki_types::ServerName::try_from("localhost")?, tcp)
+        .await?;
+    client
+        .write_all(
+            format!(
+                "GET /c1/api/v1/pods HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {OPS_TOKEN}\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await?;
+    let mut got = vec![0u8; 4096];
+    let n = tokio::time::timeout(DEADLINE, client.read(&mut got))
+        .await
+        .context("the response head")??;
+    let head = String::from_utf8_lossy(&got[..n]).into_owned();
+    anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let open = |addr| async move {
+        anyhow::Ok((
+            metric(
+                addr,
+                "tether_broker_open_streams",
+                &[("frontend", "service_proxy")],
+            )
+            .await?,
+            metric(agent.admin_addr, "tether_agent_open_streams", &[]).await?,
+        ))
+    };
+    anyhow::ensure!(
+        open(broker.admin_addr).await? == (1.0, 1.0),
+        "one stream on each side while the body moves"
+    );
+
+    // The client stops reading here. The streams must end by themselves.
+    let stalled = Instant::now();
+    loop {
+        let (b, a) = open(broker.admin_addr).await?;
+        if b == 0.0 && a == 0.0 {
+            break;
+        }
+        anyhow::ensure!(
+            stalled.elapsed() < DEADLINE,
+            "a stalled client still holds streams after {DEADLINE:?}: broker {b}, agent {a}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let freed = stalled.elapsed();
+    anyhow::ensure!(
+        freed >= STALL,
+        "freed after {freed:?}, before the stall timeout"
+    );
+    // What the client still gets is what was buffered, then the end: short of the body.
+    let mut rest = 0usize;
+    let mut buf = vec![0u8; 256 << 10];
+    let end = loop {
+        match tokio::time::timeout(DEADLINE, client.read(&mut buf)).await? {
+            Ok(0) => break "EOF".to_string(),
+            Ok(k) => rest += k,
+            Err(e) => break e.to_string(),
+        }
+    };
+    let body_got = n - head.find("\r\n\r\n").map_or(n, |i| i + 4) + rest;
+    anyhow::ensure!(
+        body_got < body_len,
+        "the stalled client got the whole body ({body_got} bytes): nothing stalled"
+    );
+    println!(
+        "stalled client: streams freed {freed:?} after it stopped reading (stall timeout {STALL:?}); it got {body_got} of {body_len} body bytes, then {end}"
+    );
+
+    // A slow client that keeps reading gets the whole body on the same broker.
+    let tcp = tokio::net::TcpStream::connect(sp_addr).await?;
+    let mut slow = tokio_rustls::TlsConnector::from(tls)
+        .connect(rustls::pki_types::ServerName::try_from("localhost")?, tcp)
+        .await?;
+    slow.write_all(
+        format!(
+            "GET /c1/api/v1/pods HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {OPS_TOKEN}\r\nConnection: close\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await?;
+    let started = Instant::now();
+    let mut all = Vec::new();
+    let mut chunk = vec![0u8; 32 << 10];
+    loop {
+        let k = tokio::time::timeout(DEADLINE, slow.read(&mut chunk)).await??;
+        if k == 0 {
+            break;
+        }
+        all.extend_from_slice(&chunk[..k]);
+        // The stimulus: a reader slower than the path, never pausing near the stall timeout.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        anyhow::ensure!(
+            started.elapsed() < DEADLINE * 2,
+            "the slow read never ended"
+        );
+    }
+    let text = String::from_utf8_lossy(&all[..all.len().min(4096)]).into_owned();
+    let head_len = text.find("\r\n\r\n").context("a response head")? + 4;
+    anyhow::ensure!(text.starts_with("HTTP/1.1 200"), "{}", &text[..head_len]);
+    anyhow::ensure!(
+        all.len() - head_len == body_len,
+        "the slow client got {} of {body_len} body bytes",
+        all.len() - head_len
+    );
+    println!(
+        "slow client: the whole body in {:?} (stall timeout {STALL:?})",
+        started.elapsed()
+    );
+    Ok(())
+}

@@ -183,8 +183,14 @@ fn build_shared(
         .service_proxy
         .as_ref()
         .map(|s| {
-            service_proxy::ServiceProxy::new(&cfg.cluster, &cfg.apiserver, &cfg.policy, s)
-                .map(Arc::new)
+            service_proxy::ServiceProxy::new(
+                &cfg.cluster,
+                &cfg.apiserver,
+                &cfg.policy,
+                s,
+                cfg.tunnel.write_stall_timeout,
+            )
+            .map(Arc::new)
         })
         .transpose()?;
     Ok(Arc::new(AgentShared {

@@ -13,8 +13,13 @@
 //!   `Impersonate-User`/`Impersonate-Group` and removed every client `Impersonate-*` header;
 //! - services are checked against the agent's target `policy` like any dial.
 //!
+//! The broker's stream is served by hyper directly ([`tether_tunnel::stream_io::StreamIo`], no
+//! pipe in between); a write to an upstream that makes no progress for
+//! `tunnel.write_stall_timeout` fails its connection ([`tether_tunnel::stall`]).
+//!
 //! Layout: [`ServiceProxy`] (built from [`ServiceProxySettings`]), [`Upstream`] (the TLS or
-//! plain connection and its hyper `Connection` facts), [`UpstreamConnector`] (dial + TLS).
+//! plain connection with its write-stall guard, and its hyper `Connection` facts),
+//! [`UpstreamConnector`] (dial + TLS).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -33,6 +38,7 @@ use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use rustls::pki_types::ServerName;
 use tether_tunnel::http_proxy;
+use tether_tunnel::stall::WriteStallGuard;
 use tether_tunnel::wire;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
@@ -46,6 +52,11 @@ pub const TOKEN_REFRESH: Duration = Duration::from_secs(60);
 pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 /// Idle pooled upstream connections kept per host.
 pub const POOL_MAX_IDLE_PER_HOST: usize = 32;
+/// The largest HTTP/2 frame the agent accepts from an upstream (`SETTINGS_MAX_FRAME_SIZE`).
+/// HTTP/2's default, 16 KiB, makes a large response (a LIST) a frame, a parse and a body
+/// chunk per 16 KiB on both ends; servers that honour the setting (Go's, the API server's)
+/// send up to this much per frame.
+pub const UPSTREAM_H2_MAX_FRAME_BYTES: u32 = 256 << 10;
 /// Budget of one upstream dial + TLS handshake.
 pub const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -79,6 +90,7 @@ impl ServiceProxy {
         apiserver: &str,
         policy: &TargetPolicy,
         s: &ServiceProxySettings,
+        write_stall_timeout: Duration,
     ) -> Result<Self, ServiceProxyError> {
         let roots = |field, path: &std::path::Path| {
             tether_tls::reload::load_roots(path)
@@ -112,12 +124,14 @@ impl ServiceProxy {
                 api_tls: TlsConnector::from(api),
                 svc_tls: TlsConnector::from(svc),
                 addresses: s.service_addresses.clone(),
+                write_stall_timeout,
             }))
         };
         let build = |c: UpstreamConnector| {
             Client::builder(TokioExecutor::new())
                 .pool_idle_timeout(POOL_IDLE_TIMEOUT)
                 .pool_max_idle_per_host(POOL_MAX_IDLE_PER_HOST)
+                .http2_max_frame_size(UPSTREAM_H2_MAX_FRAME_BYTES)
                 .build(c)
         };
         Ok(Self {
@@ -272,6 +286,8 @@ struct ConnectorInner {
     api_tls: TlsConnector,
     svc_tls: TlsConnector,
     addresses: std::collections::BTreeMap<String, String>,
+    /// A write to the upstream that makes no progress this long fails its connection.
+    write_stall_timeout: Duration,
 }
 
 /// Dials upstreams for the pooled client: the API server (TLS name `apiserver_server_name`)
@@ -279,8 +295,15 @@ struct ConnectorInner {
 #[derive(Clone)]
 pub struct UpstreamConnector(Arc<ConnectorInner>);
 
-/// A connection to an upstream, plain or TLS.
-pub enum Upstream {
+/// A connection to an upstream, plain or TLS. An upstream that stops reading while a write
+/// (a request body) waits fails the connection after `tunnel.write_stall_timeout`, and with it
+/// the tunnel stream it holds.
+pub struct Upstream {
+    io: WriteStallGuard<UpstreamStream>,
+}
+
+/// The socket of an [`Upstream`].
+pub enum UpstreamStream {
     Plain(TcpStream),
     Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
 }
@@ -318,7 +341,7 @@ impl tower_service::Service<Uri> for UpstreamConnector {
                     .map_err(|e| io_err(format!("dial {dial}: {e}")))?;
                 let _ = tcp.set_nodelay(true);
                 if !tls {
-                    return Ok(Upstream::Plain(tcp));
+                    return Ok::<_, std::io::Error>(UpstreamStream::Plain(tcp));
                 }
                 let sni = ServerName::try_from(name.clone())
                     .map_err(|_| io_err(format!("bad TLS name {name:?}")))?;
@@ -333,20 +356,22 @@ impl tower_service::Service<Uri> for UpstreamConnector {
                 s.get_mut()
                     .1
                     .set_buffer_limit(Some(tether_tunnel::settings::DEFAULT_TLS_SEND_BUFFER));
-                Ok(Upstream::Tls(Box::new(s)))
+                Ok(UpstreamStream::Tls(Box::new(s)))
             };
-            tokio::time::timeout(UPSTREAM_CONNECT_TIMEOUT, work)
+            let stream = tokio::time::timeout(UPSTREAM_CONNECT_TIMEOUT, work)
                 .await
-                .map_err(|_| io_err(format!("connect to {dial} timed out")))?
-                .map(TokioIo::new)
+                .map_err(|_| io_err(format!("connect to {dial} timed out")))??;
+            Ok(TokioIo::new(Upstream {
+                io: WriteStallGuard::new(stream, inner.write_stall_timeout),
+            }))
         })
     }
 }
 
 impl Connection for Upstream {
     fn connected(&self) -> Connected {
-        match self {
-            Upstream::Tls(s) if s.get_ref().1.alpn_protocol() == Some(b"h2") => {
+        match self.io.get_ref() {
+            UpstreamStream::Tls(s) if s.get_ref().1.alpn_protocol() == Some(b"h2") => {
                 Connected::new().negotiated_h2()
             }
             _ => Connected::new(),
@@ -360,34 +385,64 @@ impl AsyncRead for Upstream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            Upstream::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            Upstream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
-        }
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
     }
 }
 
 impl AsyncWrite for Upstream {
+    tether_tunnel::forward_writes!(io);
+}
+
+impl AsyncRead for UpstreamStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Self::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for UpstreamStream {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
         match self.get_mut() {
-            Upstream::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            Upstream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            Self::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Self::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Self::Plain(s) => s.is_write_vectored(),
+            Self::Tls(s) => s.is_write_vectored(),
         }
     }
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         match self.get_mut() {
-            Upstream::Plain(s) => Pin::new(s).poll_flush(cx),
-            Upstream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            Self::Plain(s) => Pin::new(s).poll_flush(cx),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
         }
     }
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         match self.get_mut() {
-            Upstream::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            Upstream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            Self::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Self::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
     }
 }

@@ -14,6 +14,7 @@ use bytes::Bytes;
 use h2::server::SendResponse;
 use http::{Request, Response, StatusCode};
 use tether_tunnel::pump::{ByteCounters, TcpChunkReader, splice};
+use tether_tunnel::stream_io::StreamIo;
 use tether_tunnel::wire::{self, DialErrorKind, header_safe};
 use tether_tunnel::{DialError, StreamRx, StreamTx, TunnelSettings};
 use tokio::net::TcpStream;
@@ -763,12 +764,9 @@ async fn write_early_data(
     Ok(())
 }
 
-/// Bytes buffered between a service-proxy tunnel stream and its HTTP server.
-pub const SERVICE_PROXY_PIPE_BYTES: usize = 256 * 1024;
-
 /// A service-proxy stream: HTTP/1.1 from the broker, served by [`AgentShared::service_proxy`]
-/// through an in-memory pipe spliced to the tunnel stream (same flow control, half-close and
-/// abort as any stream).
+/// on the stream itself ([`StreamIo`]: the stream's flow control, half-close and abort, no pipe
+/// in between).
 async fn serve_service_proxy(answer: Answer, body: StreamRx, shared: &AgentShared) {
     let Some(proxy) = shared.service_proxy.clone() else {
         let e = DialError::new(
@@ -784,14 +782,10 @@ async fn serve_service_proxy(answer: Answer, body: StreamRx, shared: &AgentShare
     let Some(send) = answer.ok().await else {
         return;
     };
-    let (ours, theirs) = tokio::io::duplex(SERVICE_PROXY_PIPE_BYTES);
-    tokio::spawn(proxy.serve(theirs));
-    let (rd, wr) = tokio::io::split(ours);
-    let rd = tether_tunnel::pump::AsyncChunkReader::new(rd, shared.settings.read_chunk_bytes);
-    let r = shared.splice(rd, wr, send, body).await;
-    if let Err(e) = r {
-        tracing::debug!(reason = %e.reason, "service-proxy stream aborted");
-    }
+    let io = StreamIo::new(send, body, shared.counters.clone());
+    shared.metrics.open_streams.inc();
+    proxy.serve(io).await;
+    shared.metrics.open_streams.dec();
 }
 
 /// Resolves and dials a target, classifying failures.

@@ -18,6 +18,9 @@
 //! - [`mux`]: `tether-tunnel/2`, Tether's own broker↔agent multiplexer (one task per hop on the
 //!   send path), negotiated by ALPN before `tether-tunnel/1` (HTTP/2).
 //! - [`stream`]: a tunnel stream's two halves whatever carries them (HTTP/2 or `mux`).
+//! - [`stream_io`]: a tunnel stream as `AsyncRead + AsyncWrite`, for a protocol spoken on the
+//!   stream itself (the service proxy's HTTP/1.1 on broker and agent).
+//! - [`stall`]: a write-progress timeout for a socket handed to a protocol library.
 //! - [`abort`]: why a stream was aborted.
 //! - [`pump`]: copying between a socket and a tunnel stream with bounded buffers, half-close,
 //!   abort propagation and a write-progress timeout.
@@ -47,7 +50,9 @@ pub mod pump;
 pub mod readahead;
 pub mod relay;
 pub mod settings;
+pub mod stall;
 pub mod stream;
+pub mod stream_io;
 pub mod watchdog;
 pub mod window;
 pub mod wire;

@@ -67,6 +67,97 @@ impl StreamTx {
         }
     }
 
+    /// The poll form of [`StreamTx::send`] from a borrowed buffer, for an `AsyncWrite`
+    /// ([`crate::stream_io::StreamIo`]): ready with how many bytes of `buf` went (at least one,
+    /// at most a frame on `tether-tunnel/2`), once the stream's credit (the peer's window)
+    /// allows. On `tether-tunnel/2` it first waits until the connection's writer is free with
+    /// nothing queued (`SendHalf::poll_writable`: the connection's backpressure, as a socket's
+    /// own) and the bytes go straight from `buf` (a copy only for what the socket did not take);
+    /// on HTTP/2 they are copied into an owned chunk for h2.
+    pub fn poll_send_from(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<Result<usize, AbortReason>> {
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        match self {
+            Self::H2(tx) => loop {
+                let cap = tx.capacity();
+                if cap > 0 {
+                    let n = cap.min(buf.len());
+                    tx.send_data(Bytes::copy_from_slice(&buf[..n]), false)
+                        .map_err(|e| h2_reason(&e))?;
+                    return Poll::Ready(Ok(n));
+                }
+                tx.reserve_capacity(buf.len());
+                match std::task::ready!(tx.poll_capacity(cx)) {
+                    Some(Ok(_)) => {}
+                    Some(Err(e)) => return Poll::Ready(Err(h2_reason(&e))),
+                    None => {
+                        return Poll::Ready(Err(AbortReason::PeerReset("stream closed".into())));
+                    }
+                }
+            },
+            Self::Mux(tx) => {
+                std::task::ready!(tx.poll_writable(cx))?;
+                let n = std::task::ready!(tx.poll_reserve(cx, buf.len()))?;
+                tx.send_reserved_from(&buf[..n], Bytes::copy_from_slice)?;
+                Poll::Ready(Ok(n))
+            }
+        }
+    }
+
+    /// [`StreamTx::poll_send_from`] for a vectored write: on `tether-tunnel/2` as many of
+    /// `bufs` as one frame and the credit hold go out as one frame, straight from the slices
+    /// (TLS builds its records across them, so an HTTP head and its body chunks need no
+    /// gathering copy); on HTTP/2 the first non-empty slice.
+    pub fn poll_send_vectored(
+        &mut self,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<Result<usize, AbortReason>> {
+        let Self::Mux(tx) = self else {
+            let first = bufs
+                .iter()
+                .find(|b| !b.is_empty())
+                .map_or(&[][..], |b| &b[..]);
+            return self.poll_send_from(cx, first);
+        };
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if total == 0 {
+            return Poll::Ready(Ok(0));
+        }
+        std::task::ready!(tx.poll_writable(cx))?;
+        let n = std::task::ready!(tx.poll_reserve(cx, total))?;
+        // The slices that fill the `n` bytes of credit taken (the last one cut).
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(bufs.len());
+        let mut left = n;
+        for b in bufs {
+            if left == 0 {
+                break;
+            }
+            let take = b.len().min(left);
+            if take > 0 {
+                parts.push(&b[..take]);
+                left -= take;
+            }
+        }
+        tx.send_reserved_vectored(&parts)?;
+        Poll::Ready(Ok(n))
+    }
+
+    /// [`StreamTx::finish`] without waiting: the end goes behind everything sent before.
+    pub fn finish_now(&mut self) -> Result<(), AbortReason> {
+        match self {
+            Self::H2(tx) => tx
+                .send_data(Bytes::new(), true)
+                .map_err(|e| h2_abort_reason(&e)),
+            Self::Mux(tx) => tx.finish_now(),
+        }
+    }
+
     /// Aborts the stream: the peer sees a reset, never a clean end.
     pub fn reset(&mut self) {
         match self {

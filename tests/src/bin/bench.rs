@@ -1786,8 +1786,8 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
 /// per request (cluster-proxy's user-server pattern). Requests/s and p50/p99 per request,
 /// rotated rounds. Then a large LIST (`/api/v1/pods`, about 12 MiB) by one client, through the
 /// service proxy and through CONNECT kept alive, each over HTTP/2 (hyper's defaults: 16 KiB
-/// frames, as kubectl) and over HTTP/1.1, rotated: throughput and CPU-s/GB, the service proxy
-/// judged against CONNECT plus the TLS floor (its one extra TLS pair).
+/// frames, as kubectl) and over HTTP/1.1, rotated: throughput and CPU-s/GB, the service proxy's
+/// broker+agent judged against CONNECT's plus the TLS floor (its one extra TLS pair).
 mod sproxy {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
@@ -1998,8 +1998,8 @@ mod sproxy {
     /// one, which is the client and the API server, the broker and the agent) and Tether's
     /// share (broker+agent). The service proxy ends the client's TLS at the broker and the
     /// agent opens its own to the API server: one TLS encryption and decryption per byte more
-    /// than CONNECT, so it is judged against CONNECT kept alive plus the TLS floor, as TLS
-    /// CONNECT is against CONNECT.
+    /// than CONNECT, both in broker+agent, so that share is judged against CONNECT's plus the
+    /// TLS floor, as TLS CONNECT is against CONNECT (and konnectivity by broker+agent).
     async fn list_row(
         ends: &Ends,
         setup: &Setup,
@@ -2049,21 +2049,25 @@ mod sproxy {
                 ba_per_gb(j)
             )
         };
-        // Service proxy against CONNECT (+ the floor), h2 and h1.
-        let vs_floor = [0, 1].map(|k| per_gb(k) / (per_gb(k + 2) + floor));
+        // Tether's share (broker+agent) of the service proxy against CONNECT's plus the floor
+        // (the agent's decryption of the API server's TLS and the broker's encryption for the
+        // client are the service proxy's extra TLS pair), h2 and h1. The whole path is shown
+        // too; it also carries the API server's side, which differs by protocol: the agent
+        // speaks HTTP/2 upstream whatever the client speaks, CONNECT's client speaks to the API
+        // server end to end.
+        let vs_floor = [0, 1].map(|k| ba_per_gb(k) / (ba_per_gb(k + 2) + floor));
+        let whole = [0, 1].map(|k| per_gb(k) / (per_gb(k + 2) + floor));
         let ok = vs_floor
             .iter()
             .all(|r| *r <= 1.0 + super::clients::TOLERANCE);
         let result = format!(
-            "throughput {:.2} / {:.2}× CONNECT's (h2 / h1); CPU-s/GB {:.2} / {:.2}× CONNECT + the TLS floor ({floor:.2}; {:.2} / {:.2}× CONNECT alone); broker+agent {:.2} / {:.2}× CONNECT's; service proxy h2 {:.2}× its h1 throughput",
-            rate(0) / rate(2),
-            rate(1) / rate(3),
+            "broker+agent CPU-s/GB {:.2} / {:.2}× CONNECT's + the TLS floor ({floor:.2}) (h2 / h1); all processes {:.2} / {:.2}× CONNECT + the floor; throughput {:.2} / {:.2}× CONNECT's; service proxy h2 {:.2}× its h1 throughput",
             vs_floor[0],
             vs_floor[1],
-            per_gb(0) / per_gb(2),
-            per_gb(1) / per_gb(3),
-            ba_per_gb(0) / ba_per_gb(2),
-            ba_per_gb(1) / ba_per_gb(3),
+            whole[0],
+            whole[1],
+            rate(0) / rate(2),
+            rate(1) / rate(3),
             rate(0) / rate(1),
         );
         println!(
@@ -2077,7 +2081,7 @@ mod sproxy {
             direct: cell(2, 3),
             tunnel: cell(0, 1),
             result,
-            target: "within 10 % of CONNECT + the TLS floor (CPU-s/GB, all processes)".into(),
+            target: "broker+agent within 10 % of CONNECT's + the TLS floor (CPU-s/GB)".into(),
             ok: Some(ok),
             ..Row::default()
         })

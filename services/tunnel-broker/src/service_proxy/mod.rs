@@ -18,7 +18,9 @@
 //!
 //! Forwarding: one pooled HTTP/1.1 client per broker ([`pool`]); a pooled connection is a tunnel
 //! stream to the agent's service proxy (`tether-service-proxy:0`), kept alive between requests,
-//! so a request costs no tunnel dial and no TLS handshake once the pool is warm. Watches stream
+//! so a request costs no tunnel dial and no TLS handshake once the pool is warm. A client whose
+//! connection takes no bytes for `tunnel.write_stall_timeout` while a write waits is cut off
+//! (`tether_tunnel::stall`). Watches stream
 //! as bodies; upgrades (exec/attach/port-forward over SPDY or WebSocket) are joined end to end.
 //!
 //! Layout: this file (listener, routing, auth, header rewrite, metrics), [`pool`] (tunnel
@@ -198,6 +200,12 @@ impl ServiceProxy {
             .header_read_timeout(HEAD_TIMEOUT);
         b.http2()
             .max_header_list_size(u32::try_from(max).unwrap_or(u32::MAX));
+        // A client that stops reading while a response waits fails its connection after the
+        // stall timeout (and with it the tunnel streams it holds), as a spliced stream would.
+        let io = tether_tunnel::stall::WriteStallGuard::new(
+            io,
+            self.inner.broker.settings.write_stall_timeout,
+        );
         let conn = Box::pin(b.serve_connection_with_upgrades(TokioIo::new(io), svc));
         // Draining: HTTP/2 GOAWAY, HTTP/1.1 closed once the request in flight is answered.
         if let Err(e) = crate::drain::serve_until_drained(conn, &self.inner.broker.draining, |c| {

@@ -6,27 +6,28 @@
 //! peer, dial timeout, pending-dial bound, metrics). hyper keys its pool by that authority, so
 //! the pool is per cluster and a warm connection serves request after request with no dial.
 //!
-//! The stream is bridged to hyper through an in-memory pipe of [`PIPE_BYTES`] spliced to the
-//! HTTP/2 stream by the same [`splice`] every front end uses (flow control, half-close, abort),
-//! its bytes charged to the cluster's CPU share like every front end's (`budget::PacedReader`).
+//! hyper reads and writes the stream itself ([`StreamIo`]: no pipe and no splice task in
+//! between, so a response body is copied once out of the stream's chunks into hyper's buffer).
+//! Both directions are charged to the stream's share of the broker's CPU (`budget::PollPacer`,
+//! as every front end's bytes), and the stream's end is recorded like any other front end's
+//! ([`Broker::finish`]) when hyper drops the connection.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 
 use http::Uri;
 use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::TokioIo;
 use tether_tunnel::Target;
-use tether_tunnel::pump::AsyncChunkReader;
-use tokio::io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf};
+use tether_tunnel::pump::SpliceError;
+use tether_tunnel::stream_io::StreamIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tracing::Instrument;
 
-use crate::dial::Broker;
-
-/// Bytes buffered between a pooled connection and its tunnel stream.
-pub const PIPE_BYTES: usize = 256 * 1024;
+use crate::budget::PollPacer;
+use crate::dial::{Broker, StreamTicket};
 
 /// Front-end label of service-proxy streams in the broker's dial and stream metrics.
 pub const FRONTEND: &str = "service_proxy";
@@ -43,9 +44,14 @@ impl TunnelConnector {
     }
 }
 
-/// One pooled connection: the hyper end of the pipe to a tunnel stream.
+/// One pooled connection: a tunnel stream, paced, recorded when dropped.
 pub struct TunnelConn {
-    pipe: DuplexStream,
+    io: StreamIo,
+    read_pace: PollPacer,
+    write_pace: PollPacer,
+    ticket: Option<StreamTicket>,
+    broker: Arc<Broker>,
+    span: tracing::Span,
 }
 
 impl tower::Service<Uri> for TunnelConnector {
@@ -69,17 +75,31 @@ impl tower::Service<Uri> for TunnelConnector {
                 .instrument(span.clone())
                 .await
                 .map_err(std::io::Error::other)?;
-            let (ours, theirs) = tokio::io::duplex(PIPE_BYTES);
-            tokio::spawn(
-                async move {
-                    let (rd, wr) = tokio::io::split(theirs);
-                    let rd = AsyncChunkReader::new(rd, broker.settings.read_chunk_bytes);
-                    let _ = broker.splice_paced(open, rd, wr).await;
-                }
-                .instrument(span),
-            );
-            Ok(TokioIo::new(TunnelConn { pipe: ours }))
+            let pacer = open.ticket.pacer.clone();
+            Ok(TokioIo::new(TunnelConn {
+                io: StreamIo::new(open.send, open.recv, broker.counters.clone()),
+                read_pace: PollPacer::new(pacer.clone()),
+                write_pace: PollPacer::new(pacer),
+                ticket: Some(open.ticket),
+                broker,
+                span,
+            }))
         })
+    }
+}
+
+impl Drop for TunnelConn {
+    fn drop(&mut self) {
+        if let Some(ticket) = self.ticket.take() {
+            let _enter = self.span.enter();
+            let stats = self.io.stats();
+            let result = self
+                .io
+                .outcome()
+                .map(|()| stats.clone())
+                .map_err(|reason| SpliceError { reason, stats });
+            self.broker.finish(&ticket, &result);
+        }
     }
 }
 
@@ -95,10 +115,49 @@ impl AsyncRead for TunnelConn {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().pipe).poll_read(cx, buf)
+        let me = self.get_mut();
+        ready!(me.read_pace.poll_ready(cx));
+        let before = buf.filled().len();
+        ready!(Pin::new(&mut me.io).poll_read(cx, buf))?;
+        me.read_pace.charge(buf.filled().len() - before);
+        Poll::Ready(Ok(()))
     }
 }
 
 impl AsyncWrite for TunnelConn {
-    tether_tunnel::forward_writes!(pipe);
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let me = self.get_mut();
+        ready!(me.write_pace.poll_ready(cx));
+        let n = ready!(Pin::new(&mut me.io).poll_write(cx, buf))?;
+        me.write_pace.charge(n);
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let me = self.get_mut();
+        ready!(me.write_pace.poll_ready(cx));
+        let n = ready!(Pin::new(&mut me.io).poll_write_vectored(cx, bufs))?;
+        me.write_pace.charge(n);
+        Poll::Ready(Ok(n))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
 }

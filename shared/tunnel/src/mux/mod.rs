@@ -631,17 +631,22 @@ impl Shared {
     /// is free and nothing is queued before it (no copy: the kernel, or TLS, takes the bytes
     /// from `data`); what the socket does not take now, or the whole frame when the writer is
     /// busy or frames wait before it, is copied with `copy` and queued.
+    ///
+    /// The payload may come in several slices (a vectored write): they go out as one frame.
     fn write_data_now(
         &self,
         head: [u8; HEADER_LEN],
-        data: &[u8],
+        data: &[&[u8]],
         copy: impl FnOnce(&[u8]) -> Bytes,
     ) -> Result<(), AbortReason> {
         if self.closed.is_cancelled() {
             return Err(lost(&self.closed_reason()));
         }
         let Ok(mut io) = self.io.try_lock() else {
-            self.defer([Piece::Head { b: head, at: 0 }, Piece::Buf(copy(data))]);
+            self.defer([
+                Piece::Head { b: head, at: 0 },
+                Piece::Buf(copy_tail(data, 0, copy)),
+            ]);
             return Ok(());
         };
         self.take_control(&mut io);
@@ -668,13 +673,14 @@ impl Shared {
         } else {
             0
         };
+        let len: usize = data.iter().map(|d| d.len()).sum();
         if written < HEADER_LEN {
             let at = written as u8;
             io.pending.push_back(Piece::Head { b: head, at });
-            io.pending.push_back(Piece::Buf(copy(data)));
-        } else if written < HEADER_LEN + data.len() {
+            io.pending.push_back(Piece::Buf(copy_tail(data, 0, copy)));
+        } else if written < HEADER_LEN + len {
             io.pending
-                .push_back(Piece::Buf(copy(&data[written - HEADER_LEN..])));
+                .push_back(Piece::Buf(copy_tail(data, written - HEADER_LEN, copy)));
         }
         self.flush_now(io)
     }
@@ -766,22 +772,48 @@ impl Drop for FlushOnDrop<'_> {
     }
 }
 
-/// Writes `head` and `data` from the caller's buffers as far as the socket takes them now
-/// (nothing queued before them); returns how many bytes went.
-fn write_direct(io: &mut Io, head: &[u8; HEADER_LEN], data: &[u8]) -> io::Result<usize> {
+/// The bytes of `data` (a payload in slices) after the first `skip`, as one owned chunk: `copy`
+/// of the rest of one slice, or (spanning slices, the rarer case) a new buffer.
+fn copy_tail(data: &[&[u8]], mut skip: usize, copy: impl FnOnce(&[u8]) -> Bytes) -> Bytes {
+    let mut rest: Vec<&[u8]> = Vec::new();
+    for d in data {
+        if skip >= d.len() {
+            skip -= d.len();
+            continue;
+        }
+        rest.push(&d[skip..]);
+        skip = 0;
+    }
+    match rest.as_slice() {
+        [] => Bytes::new(),
+        [one] => copy(one),
+        many => Bytes::from(many.concat()),
+    }
+}
+
+/// Writes `head` and `data` (the payload, in slices) from the caller's buffers as far as the
+/// socket takes them now (nothing queued before them); returns how many bytes went.
+fn write_direct(io: &mut Io, head: &[u8; HEADER_LEN], data: &[&[u8]]) -> io::Result<usize> {
     let mut cx = Context::from_waker(Waker::noop());
-    let total = HEADER_LEN + data.len();
+    let total = HEADER_LEN + data.iter().map(|d| d.len()).sum::<usize>();
     let mut written = 0;
     while written < total {
-        let slices = if written < HEADER_LEN {
-            [io::IoSlice::new(&head[written..]), io::IoSlice::new(data)]
-        } else {
-            [
-                io::IoSlice::new(&data[written - HEADER_LEN..]),
-                io::IoSlice::new(&[]),
-            ]
-        };
-        match io.w.as_mut().poll_write_vectored(&mut cx, &slices) {
+        let mut slices = [io::IoSlice::new(&[]); MAX_WRITE_SLICES];
+        let mut k = 0;
+        let mut skip = written;
+        for part in std::iter::once(&head[..]).chain(data.iter().copied()) {
+            if skip >= part.len() {
+                skip -= part.len();
+                continue;
+            }
+            if k == MAX_WRITE_SLICES {
+                break;
+            }
+            slices[k] = io::IoSlice::new(&part[skip..]);
+            skip = 0;
+            k += 1;
+        }
+        match io.w.as_mut().poll_write_vectored(&mut cx, &slices[..k]) {
             Poll::Ready(Ok(0)) => return Err(io::ErrorKind::WriteZero.into()),
             Poll::Ready(Ok(k)) => written += k,
             Poll::Ready(Err(e)) => return Err(e),
@@ -1127,7 +1159,24 @@ impl SendHalf {
             return Err(e.clone());
         }
         let head = frame::header(Kind::Data, 0, self.stream.id, data.len());
-        self.stream.conn.write_data_now(head, data, copy)
+        self.stream.conn.write_data_now(head, &[data], copy)
+    }
+
+    /// [`SendHalf::send_reserved_from`] for a payload in slices (a vectored write, at most
+    /// the credit taken): one frame, written straight from the slices (TLS builds its records
+    /// across them), a copy only for what must wait.
+    pub fn send_reserved_vectored(&mut self, data: &[&[u8]]) -> Result<(), AbortReason> {
+        let len: usize = data.iter().map(|d| d.len()).sum();
+        if len == 0 {
+            return Ok(());
+        }
+        if let Some(e) = &self.stream.st.lock().expect("stream").error {
+            return Err(e.clone());
+        }
+        let head = frame::header(Kind::Data, 0, self.stream.id, len);
+        self.stream
+            .conn
+            .write_data_now(head, data, Bytes::copy_from_slice)
     }
 
     /// [`SendHalf::finish`] without waiting (the FIN goes behind everything sent before).
