@@ -127,6 +127,19 @@ fn answer(head: &str) -> (&'static str, String) {
 /// `service_proxy.token_file`); [`KubeApiServer`] accepts it and [`KUBE_TOKEN`].
 pub const AGENT_SA_TOKEN: &str = "agent-sa-token";
 
+/// The agent's `service_proxy` section for an API server started by [`KubeApiServer::start`]
+/// on `hub`: its CA is the hub's, and the add-on's token ([`AGENT_SA_TOKEN`]) is written to a
+/// file in the hub's directory. `extra` (indented YAML lines) is appended to the section.
+pub fn agent_service_proxy_yaml(hub: &Hub, extra: &str) -> anyhow::Result<String> {
+    let token = hub.path().join("agent-sa.token");
+    std::fs::write(&token, AGENT_SA_TOKEN)?;
+    Ok(format!(
+        "service_proxy:\n  apiserver_ca: {}\n  token_file: {}\n{extra}",
+        hub.pki.ca_path().display(),
+        token.display()
+    ))
+}
+
 /// What [`KubeApiServer`] saw on its last `/apis/tether.test/v1/whoami` request.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Seen {

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use tether_control::store::Store as _;
-use tether_e2e::apiserver::{AGENT_SA_TOKEN, KUBE_TOKEN, KubeApiServer};
+use tether_e2e::apiserver::{AGENT_SA_TOKEN, KUBE_TOKEN, KubeApiServer, agent_service_proxy_yaml};
 use tether_e2e::control_plane::{ControlPlane, broker_control_plane_yaml, tunnel_hub_from_ca};
 use tether_e2e::{OPS_TOKEN, metric, wait_tunnel};
 use tether_test_support::bin;
@@ -159,18 +159,15 @@ async fn kubectl_through_the_service_proxy() -> anyhow::Result<()> {
         ),
     )?;
     let sp_addr = hub.service_proxy_addr("sp1")?;
-    let sa_token = dir.path().join("sa.token");
-    std::fs::write(&sa_token, AGENT_SA_TOKEN)?;
     let _agent = hub.start_agent(
         "c1",
         "c1",
         &[vec![broker.agent_addr]],
         api.addr,
-        &format!(
-            "service_proxy:\n  apiserver_ca: {}\n  token_file: {}\n  service_addresses:\n    'web.default.svc:8080': '{web}'\n",
-            hub.pki.ca_path().display(),
-            sa_token.display()
-        ),
+        &agent_service_proxy_yaml(
+            &hub,
+            &format!("  service_addresses:\n    'web.default.svc:8080': '{web}'\n"),
+        )?,
     )?;
     wait_tunnel(&broker, "c1").await?;
 
@@ -484,18 +481,12 @@ async fn a_client_that_stops_reading_is_cut_off_and_frees_its_stream() -> anyhow
         ),
     )?;
     let sp_addr = hub.service_proxy_addr("st1")?;
-    let token = hub.path().join("sa.token");
-    std::fs::write(&token, AGENT_SA_TOKEN)?;
     let agent = hub.start_agent(
         "c1",
         "c1",
         &[vec![broker.agent_addr]],
         api.addr,
-        &format!(
-            "service_proxy:\n  apiserver_ca: {}\n  token_file: {}\n",
-            hub.pki.ca_path().display(),
-            token.display()
-        ),
+        &agent_service_proxy_yaml(&hub, "")?,
     )?;
     tether_e2e::wait_agent_ready(&agent).await?;
     wait_tunnel(&broker, "c1").await?;

@@ -1794,7 +1794,7 @@ mod sproxy {
 
     use http_body_util::BodyExt as _;
     use hyper_util::rt::TokioIo;
-    use tether_e2e::apiserver::{AGENT_SA_TOKEN, KUBE_TOKEN, KubeApiServer};
+    use tether_e2e::apiserver::{KUBE_TOKEN, KubeApiServer};
     use tether_e2e::benchkit::{cpu_secs, percentile};
     use tether_e2e::{Hub, OPS_TOKEN};
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -2091,18 +2091,12 @@ mod sproxy {
         let api = KubeApiServer::start(hub).await?;
         let broker = hub.start_broker("b3", "service_proxy:\n  listen: 127.0.0.1:0\n")?;
         let service_proxy = hub.service_proxy_addr("b3")?;
-        let token = hub.path().join("bench-sa.token");
-        std::fs::write(&token, AGENT_SA_TOKEN)?;
         let agent = hub.start_agent(
             CLUSTER,
             CLUSTER,
             &[vec![broker.agent_addr]],
             api.addr,
-            &format!(
-                "service_proxy:\n  apiserver_ca: {}\n  token_file: {}\n",
-                hub.pki.ca_path().display(),
-                token.display()
-            ),
+            &tether_e2e::apiserver::agent_service_proxy_yaml(hub, "")?,
         )?;
         tether_e2e::wait_agent_ready(&agent).await?;
         tether_e2e::wait_tunnel(&broker, CLUSTER).await?;
