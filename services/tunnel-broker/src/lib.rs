@@ -238,10 +238,11 @@ pub async fn run(
                         if let Some((mut tls, peer)) = accept_client_tls(&acceptor, tcp, hs).await {
                             // HTTP/2 ends as a whole; an HTTP/1.1 connection may be upgraded
                             // (exec, port-forward) into a byte stream that half-closes.
-                            if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
+                            let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+                            if h2 {
                                 tls.get_mut().0.arm();
                             }
-                            front.serve_connection(tls, peer).await;
+                            front.serve_connection(tls, peer, h2).await;
                         }
                     }
                 },

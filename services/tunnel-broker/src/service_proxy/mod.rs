@@ -59,6 +59,39 @@ pub const IMPERSONATE_USER_PREFIX: &str = "tether:client:";
 
 type Body = BoxBody<Bytes, hyper::Error>;
 
+/// A response body whose data chunks are offered to the connection's write batch before h2
+/// gets them, so the batch sends h2's frames of them by reference (`batch::Payloads`).
+struct LentBody {
+    inner: Body,
+    payloads: crate::batch::Payloads,
+}
+
+impl hyper::body::Body for LentBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        let r = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        if let std::task::Poll::Ready(Some(Ok(f))) = &r
+            && let Some(d) = f.data_ref()
+        {
+            self.payloads.offer(d);
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 /// Where a request goes inside the cluster.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Route {
@@ -177,11 +210,20 @@ impl ServiceProxy {
         }
     }
 
-    /// Serves one TLS connection (HTTP/1.1 or HTTP/2 by ALPN) until it closes.
-    pub async fn serve_connection<IO>(&self, io: IO, peer: Option<PeerCert>)
+    /// Serves one TLS connection (HTTP/1.1 or HTTP/2 by ALPN: `h2`) until it closes.
+    pub async fn serve_connection<IO>(&self, io: IO, peer: Option<PeerCert>, h2: bool)
     where
         IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
+        // A client that stops reading while a response waits fails its connection after the
+        // stall timeout (and with it the tunnel streams it holds), as a spliced stream would.
+        let io = tether_tunnel::stall::WriteStallGuard::new(
+            io,
+            self.inner.broker.settings.write_stall_timeout,
+        );
+        if h2 {
+            return self.serve_h2(io, peer).await;
+        }
         let me = self.clone();
         let peer = Arc::new(peer);
         let svc = hyper::service::service_fn(move |req| {
@@ -200,16 +242,48 @@ impl ServiceProxy {
             .header_read_timeout(HEAD_TIMEOUT);
         b.http2()
             .max_header_list_size(u32::try_from(max).unwrap_or(u32::MAX));
-        // A client that stops reading while a response waits fails its connection after the
-        // stall timeout (and with it the tunnel streams it holds), as a spliced stream would.
-        let io = tether_tunnel::stall::WriteStallGuard::new(
-            io,
-            self.inner.broker.settings.write_stall_timeout,
-        );
         let conn = Box::pin(b.serve_connection_with_upgrades(TokioIo::new(io), svc));
         // Draining: HTTP/2 GOAWAY, HTTP/1.1 closed once the request in flight is answered.
         if let Err(e) = crate::drain::serve_until_drained(conn, &self.inner.broker.draining, |c| {
             c.graceful_shutdown()
+        })
+        .await
+        {
+            tracing::debug!(error = %e, "service-proxy connection ended with an error");
+        }
+    }
+
+    /// An HTTP/2 connection (ALPN `h2`: no HTTP/1.1 upgrade can happen on it). h2 writes each
+    /// DATA frame, at most the client's frame size (16 KiB for kubectl), with a write and a
+    /// flush of its own: batched per poll of the connection (`batch`), a burst of frames leaves
+    /// in one write, each response chunk lent to the batch (no copy).
+    async fn serve_h2<IO>(&self, io: IO, peer: Option<PeerCert>)
+    where
+        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let (io, flusher) = crate::batch::batched(io);
+        let payloads = flusher.payloads();
+        let me = self.clone();
+        let peer = Arc::new(peer);
+        let svc = hyper::service::service_fn(move |req| {
+            let me = me.clone();
+            let peer = Arc::clone(&peer);
+            let payloads = payloads.clone();
+            async move {
+                crate::drain::refuse_if_draining(&me.inner.broker.draining, req.version())?;
+                let resp = me.handle(req, peer.as_ref().as_ref()).await;
+                Ok::<_, h2::Error>(resp.map(|b| LentBody { inner: b, payloads }.boxed()))
+            }
+        });
+        let max = self.inner.cfg.max_header_bytes;
+        let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+        b.max_header_list_size(u32::try_from(max).unwrap_or(u32::MAX))
+            .timer(hyper_util::rt::TokioTimer::new());
+        let conn = Box::pin(b.serve_connection(TokioIo::new(io), svc));
+        let conn = Box::pin(crate::batch::FlushAfterPoll::new(conn, flusher));
+        // Draining: GOAWAY.
+        if let Err(e) = crate::drain::serve_until_drained(conn, &self.inner.broker.draining, |c| {
+            c.get_mut().conn.as_mut().graceful_shutdown()
         })
         .await
         {
