@@ -24,8 +24,9 @@
 //! that error, and the connection's task is woken once so that h2 meets it at its next flush.
 //!
 //! Only for HTTP/2-only connections: an HTTP/1.1 upgrade hands the I/O object to another task,
-//! whose writes would wait in the batch for a poll of the connection that never comes (so the
-//! service proxy's HTTP/1.1-or-HTTP/2 listener does not use it).
+//! whose writes would wait in the batch for a poll of the connection that never comes. The gRPC
+//! port uses it, and the service proxy for the connections whose client chose `h2` (its
+//! HTTP/1.1 connections, which may be upgraded, do not).
 
 use std::collections::VecDeque;
 use std::future::Future;
