@@ -333,12 +333,30 @@ async fn h2_server<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(s: S) -> 
         send.send_data(Bytes::new(), true)?;
         anyhow::Ok(())
     });
-    // Drive the connection until the client goes away.
+    // Drive the connection until the client goes away. The client ends by dropping its
+    // runtime once it has its answers, so a write of ours still in flight (a window update,
+    // the stream's end) may meet a closed socket: that is its going away, not a failure.
     while let Some(r) = conn.accept().await {
-        r?;
+        match r {
+            Ok(_) => {}
+            Err(e) if client_gone(&e) => break,
+            Err(e) => return Err(e.into()),
+        }
     }
-    stream.await??;
-    Ok(())
+    match stream.await? {
+        Err(e) if e.downcast_ref::<h2::Error>().is_some_and(client_gone) => Ok(()),
+        r => r,
+    }
+}
+
+/// An HTTP/2 error that only says the client's socket is gone (closed or reset).
+fn client_gone(e: &h2::Error) -> bool {
+    e.get_io().is_some_and(|io| {
+        matches!(
+            io.kind(),
+            std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+        )
+    })
 }
 
 async fn h2_client<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
