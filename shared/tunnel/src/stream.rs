@@ -12,6 +12,10 @@ use h2::{Reason, RecvStream, SendStream};
 use crate::abort::AbortReason;
 use crate::mux;
 
+/// Most slices of a vectored write that go into one `tether-tunnel/2` frame (with the frame's
+/// header they fill one vectored write of the mux's writer, `MAX_WRITE_SLICES`).
+const VECTORED_SLICES: usize = 15;
+
 /// The sending half of a tunnel stream.
 pub enum StreamTx {
     H2(SendStream<Bytes>),
@@ -68,7 +72,7 @@ impl StreamTx {
     }
 
     /// The poll form of [`StreamTx::send`] from a borrowed buffer, for an `AsyncWrite`
-    /// ([`crate::stream_io::StreamIo`]): ready with how many bytes of `buf` went (at least one,
+    /// (`stream_io::StreamIo`): ready with how many bytes of `buf` went (at least one,
     /// at most a frame on `tether-tunnel/2`), once the stream's credit (the peer's window)
     /// allows. On `tether-tunnel/2` it first waits until the connection's writer is free with
     /// nothing queued (`SendHalf::poll_writable`: the connection's backpressure, as a socket's
@@ -125,26 +129,30 @@ impl StreamTx {
                 .map_or(&[][..], |b| &b[..]);
             return self.poll_send_from(cx, first);
         };
-        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        // At most VECTORED_SLICES non-empty slices per frame (a frame header and these fill
+        // one vectored write of the mux's writer), held on the stack: no allocation per frame.
+        let mut parts: [&[u8]; VECTORED_SLICES] = [&[]; VECTORED_SLICES];
+        let mut k = 0;
+        for b in bufs.iter().filter(|b| !b.is_empty()).take(VECTORED_SLICES) {
+            parts[k] = b;
+            k += 1;
+        }
+        let total: usize = parts[..k].iter().map(|p| p.len()).sum();
         if total == 0 {
             return Poll::Ready(Ok(0));
         }
         std::task::ready!(tx.poll_writable(cx))?;
         let n = std::task::ready!(tx.poll_reserve(cx, total))?;
-        // The slices that fill the `n` bytes of credit taken (the last one cut).
-        let mut parts: Vec<&[u8]> = Vec::with_capacity(bufs.len());
+        // Keep the slices that fill the `n` bytes of credit taken (the last one cut).
         let mut left = n;
-        for b in bufs {
-            if left == 0 {
-                break;
-            }
-            let take = b.len().min(left);
-            if take > 0 {
-                parts.push(&b[..take]);
-                left -= take;
-            }
+        let mut used = 0;
+        while left > 0 {
+            let take = parts[used].len().min(left);
+            parts[used] = &parts[used][..take];
+            left -= take;
+            used += 1;
         }
-        tx.send_reserved_vectored(&parts)?;
+        tx.send_reserved_vectored(&parts[..used])?;
         Poll::Ready(Ok(n))
     }
 

@@ -203,7 +203,8 @@ mod tests {
 
     /// A `tether-tunnel/2` connection over real loopback TCP and one stream on it: the
     /// opener's [`StreamIo`] and the acceptor's halves.
-    async fn stream() -> (StreamIo, mux::SendHalf, mux::RecvHalf) {
+    /// The opener's `Mux` comes back too: the connection lives while the test holds it.
+    async fn stream() -> (StreamIo, mux::SendHalf, mux::RecvHalf, mux::Mux) {
         let (a, b) = crate::testing::tcp_pair().await;
         let cfg = Config {
             max_frame_bytes: MAX_FRAME,
@@ -241,12 +242,11 @@ mod tests {
         inc.responder.ok().await.unwrap();
         let (opener, halves) = opening.await.unwrap();
         let (send, recv) = halves.unwrap();
-        // The connection lives as long as the process's test runtime.
-        std::mem::forget(opener);
         (
             StreamIo::new(send, recv, ByteCounters::default()),
             inc.send,
             inc.recv,
+            opener,
         )
     }
 
@@ -268,7 +268,7 @@ mod tests {
     /// the stream counts what it moved.
     #[tokio::test]
     async fn moves_bytes_both_ways_and_ends_cleanly() {
-        let (mut io, mut tx, mut rx) = stream().await;
+        let (mut io, mut tx, mut rx, _conn) = stream().await;
         // A head and body chunks, 300 KiB in all: several frames of at most MAX_FRAME.
         let head = b"HTTP/1.1 200 OK\r\ncontent-length: 307200\r\n\r\n".to_vec();
         let chunks: Vec<Vec<u8>> = (0..19u8).map(|i| vec![i; 16 << 10]).collect();
@@ -313,7 +313,7 @@ mod tests {
     /// A peer's reset is an error on read, never an EOF, and the outcome names it.
     #[tokio::test]
     async fn a_reset_by_the_peer_is_an_error_not_an_eof() {
-        let (mut io, mut tx, _rx) = stream().await;
+        let (mut io, mut tx, _rx, _conn) = stream().await;
         tx.send(Bytes::from_static(b"part")).await.unwrap();
         let mut got = [0u8; 4];
         io.read_exact(&mut got).await.unwrap();
@@ -330,7 +330,7 @@ mod tests {
     /// end of a shorter body.
     #[tokio::test]
     async fn dropped_before_its_end_the_peer_sees_an_abort() {
-        let (mut io, _tx, mut rx) = stream().await;
+        let (mut io, _tx, mut rx, _conn) = stream().await;
         io.write_all(b"the first half of a body").await.unwrap();
         assert!(io.outcome().is_err(), "not ended: {:?}", io.outcome());
         drop(io);

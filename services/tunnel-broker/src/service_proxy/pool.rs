@@ -130,11 +130,7 @@ impl AsyncWrite for TunnelConn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        let me = self.get_mut();
-        ready!(me.write_pace.poll_ready(cx));
-        let n = ready!(Pin::new(&mut me.io).poll_write(cx, buf))?;
-        me.write_pace.charge(n);
-        Poll::Ready(Ok(n))
+        self.poll_write_vectored(cx, &[std::io::IoSlice::new(buf)])
     }
 
     fn poll_write_vectored(
