@@ -614,6 +614,63 @@ async fn tunnel_agent_reloads_brokers_and_refuses_an_invalid_config() -> anyhow:
     Ok(())
 }
 
+/// The config the agent reports as running is the one it parsed. A file rewritten between the
+/// agent's read at start and its first check is applied at that check. (CI once lost this race:
+/// the registration-agent's rewrite with the serving broker landed while the tunnel-agent
+/// started, `/debug/agent` hashed the new file, and the agent dialled the old endpoint for good.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnel_agent_applies_a_config_rewritten_while_it_starts() -> anyhow::Result<()> {
+    let procs = tether_e2e::Hub::new()?;
+    let b1 = procs.start_broker("b1", "")?;
+    let b2 = procs.start_broker("b2", "")?;
+    let echo = tether_e2e::echo_server().await?;
+    let tls = procs.pki.issue(
+        "race-agent",
+        tether_tls::Identity::tunnel_agent("c1", "agent-0"),
+        &[],
+    )?;
+    let cfg = procs.path().join("race-agent.yaml");
+    std::fs::write(&cfg, agent_config(&tls, &echo, "", &[&b1]))?;
+    let (parsed, file) = tunnel_agent::ConfigFile::load(&cfg)?;
+    // The window, made certain: the file changes after the read, before the agent runs.
+    let rewritten = agent_config(&tls, &echo, "", &[&b2]);
+    std::fs::write(&cfg, &rewritten)?;
+    assert_ne!(file.sha256(), tether_tls::sha256_hex(rewritten.as_bytes()));
+
+    let _ = tether_tls::install_default_crypto();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    listener.set_nonblocking(true)?;
+    let admin = listener.local_addr()?;
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let token = shutdown.clone();
+    // Actors start inside an actix System, on a thread of its own.
+    let agent = std::thread::spawn(move || {
+        tether_runtime::actix_system(Some(1)).block_on(async move {
+            let admin = tokio::net::TcpListener::from_std(listener)?;
+            tunnel_agent::run_with_reload(parsed, Some(file), admin, token).await?;
+            anyhow::Ok(())
+        })
+    });
+    let seen = wait_debug(
+        admin,
+        "the rewritten config running (a tunnel to b2 only)",
+        |v| connected(v) == ["b2"],
+    )
+    .await;
+    shutdown.cancel();
+    let ended = agent
+        .join()
+        .map_err(|_| anyhow::anyhow!("agent thread panicked"))?;
+    let v = seen?;
+    ended?;
+    assert_eq!(
+        v["configSha256"].as_str(),
+        Some(tether_tls::sha256_hex(rewritten.as_bytes()).as_str())
+    );
+    assert_eq!(v["configGeneration"], 2, "{v}");
+    Ok(())
+}
+
 /// `keep_removed_brokers_connected` (what the registration-agent renders for hub-delivered
 /// configs): a broker that leaves the config while its tunnel works keeps that tunnel (same
 /// tunnel, streams still routed), gets it back untouched when it returns to the config, and

@@ -484,10 +484,52 @@ pub async fn run(
     run_with_reload(cfg, None, admin, shutdown).await
 }
 
-/// [`run`], watching `config_path` (the file `cfg` came from) and applying its changes.
+/// A config file as it was read at start: its path (watched for changes) and the SHA-256 of the
+/// exact bytes the running config was parsed from.
+#[derive(Debug, Clone)]
+pub struct ConfigFile {
+    path: PathBuf,
+    sha256: String,
+}
+
+impl ConfigFile {
+    /// Reads `path` once, parses and validates it, and remembers the hash of those bytes. The
+    /// hash must name what was parsed, not what the file holds a moment later: a config rewritten
+    /// between the parse and a second read would otherwise count as running, and never be applied.
+    pub fn load(path: &Path) -> Result<(AgentConfig, ConfigFile), tether_config::ConfigError> {
+        let bytes = std::fs::read(path).map_err(|source| tether_config::ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let text = std::str::from_utf8(&bytes).map_err(|e| tether_config::ConfigError::Syntax {
+            path: path.to_owned(),
+            message: format!("not UTF-8: {e}"),
+        })?;
+        let cfg = tether_config::from_str::<AgentConfig>(text, path)?;
+        Ok((
+            cfg,
+            ConfigFile {
+                path: path.to_owned(),
+                sha256: sha256_hex(&bytes),
+            },
+        ))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// SHA-256 (hex) of the bytes the config was parsed from.
+    pub fn sha256(&self) -> &str {
+        &self.sha256
+    }
+}
+
+/// [`run`], watching `config_file` (where `cfg` came from, see [`ConfigFile::load`]) and applying
+/// its changes.
 pub async fn run_with_reload(
     cfg: AgentConfig,
-    config_path: Option<PathBuf>,
+    config_file: Option<ConfigFile>,
     admin: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), AgentError> {
@@ -546,10 +588,9 @@ pub async fn run_with_reload(
     tracing::info!(cluster = %cfg.cluster, %agent, endpoints = cfg.brokers.len(), "tunnel-agent started");
 
     let status = Arc::new(Mutex::new(ConfigStatus {
-        config_sha256: config_path
-            .as_deref()
-            .and_then(|p| std::fs::read(p).ok())
-            .map(|b| sha256_hex(&b))
+        config_sha256: config_file
+            .as_ref()
+            .map(|f| f.sha256.clone())
             .unwrap_or_default(),
         config_generation: 1,
         ..Default::default()
@@ -596,10 +637,10 @@ pub async fn run_with_reload(
             }
             _ = tick.tick() => {}
         }
-        let Some(path) = config_path.as_deref() else {
+        let Some(file) = config_file.as_ref() else {
             continue;
         };
-        check_config(path, &mut running, &status, &reload_metrics);
+        check_config(&file.path, &mut running, &status, &reload_metrics);
     }
     tracing::info!(grace = ?grace, "shutting down: draining tunnels");
     // Tunnels see the cancellation through their child tokens: each sends GOAWAY, lets its open

@@ -13,8 +13,8 @@ fn main() -> anyhow::Result<()> {
         "TETHER_AGENT_CONFIG",
     );
     let aead = tether_tls::install_default_crypto()?;
-    let cfg: tunnel_agent::config::AgentConfig =
-        tether_config::load(&args.config).context("invalid tunnel-agent configuration")?;
+    let (cfg, config_file) = tunnel_agent::ConfigFile::load(&args.config)
+        .context("invalid tunnel-agent configuration")?;
     tether_runtime::actix_system(Some(args.process.data_plane_workers())).block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("tunnel-agent");
         tracing::info!(aead = %aead, "TLS record encryption");
@@ -22,7 +22,7 @@ fn main() -> anyhow::Result<()> {
         let admin =
             tether_runtime::bind_admin(cfg.admin_listen, args.process.ready_file.as_deref())
                 .await?;
-        tunnel_agent::run_with_reload(cfg, Some(args.config.clone()), admin, shutdown).await?;
+        tunnel_agent::run_with_reload(cfg, Some(config_file), admin, shutdown).await?;
         anyhow::Ok(())
     })
 }
