@@ -551,19 +551,49 @@ async fn wait_debug(
     .await
 }
 
+/// What the tunnel-agent reload tests start from: a hub with brokers `b1` and `b2`, an echo
+/// server as the API server, and the certificate of agent `agent-0` of cluster `c1`.
+struct TwoBrokers {
+    procs: tether_e2e::Hub,
+    b1: tether_e2e::Broker,
+    b2: tether_e2e::Broker,
+    echo: std::net::SocketAddr,
+    tls: tether_test_support::LeafFiles,
+}
+
+impl TwoBrokers {
+    /// `name` names the agent's certificate files.
+    async fn start(name: &str) -> anyhow::Result<Self> {
+        let procs = tether_e2e::Hub::new()?;
+        let b1 = procs.start_broker("b1", "")?;
+        let b2 = procs.start_broker("b2", "")?;
+        let echo = tether_e2e::echo_server().await?;
+        let tls = procs.pki.issue(
+            name,
+            tether_tls::Identity::tunnel_agent("c1", "agent-0"),
+            &[],
+        )?;
+        Ok(Self {
+            procs,
+            b1,
+            b2,
+            echo,
+            tls,
+        })
+    }
+}
+
 /// The tunnel-agent's config reload on its own: brokers added and removed without touching
 /// the others, an invalid file refused with the field named while the old config keeps running.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tunnel_agent_reloads_brokers_and_refuses_an_invalid_config() -> anyhow::Result<()> {
-    let procs = tether_e2e::Hub::new()?;
-    let b1 = procs.start_broker("b1", "")?;
-    let b2 = procs.start_broker("b2", "")?;
-    let echo = tether_e2e::echo_server().await?;
-    let tls = procs.pki.issue(
-        "reload-agent",
-        tether_tls::Identity::tunnel_agent("c1", "agent-0"),
-        &[],
-    )?;
+    let TwoBrokers {
+        procs,
+        b1,
+        b2,
+        echo,
+        tls,
+    } = TwoBrokers::start("reload-agent").await?;
     let render = |brokers: &[&tether_e2e::Broker]| agent_config(&tls, &echo, "", brokers);
     let cfg = procs.path().join("reload-agent.yaml");
     let (_agent, admin) = start_agent_with_config(&procs, "reload-agent", &cfg, &render(&[&b1]))?;
@@ -620,20 +650,12 @@ async fn tunnel_agent_reloads_brokers_and_refuses_an_invalid_config() -> anyhow:
 /// started, `/debug/agent` hashed the new file, and the agent dialled the old endpoint for good.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tunnel_agent_applies_a_config_rewritten_while_it_starts() -> anyhow::Result<()> {
-    let procs = tether_e2e::Hub::new()?;
-    let b1 = procs.start_broker("b1", "")?;
-    let b2 = procs.start_broker("b2", "")?;
-    let echo = tether_e2e::echo_server().await?;
-    let tls = procs.pki.issue(
-        "race-agent",
-        tether_tls::Identity::tunnel_agent("c1", "agent-0"),
-        &[],
-    )?;
-    let cfg = procs.path().join("race-agent.yaml");
-    std::fs::write(&cfg, agent_config(&tls, &echo, "", &[&b1]))?;
+    let t = TwoBrokers::start("race-agent").await?;
+    let cfg = t.procs.path().join("race-agent.yaml");
+    std::fs::write(&cfg, agent_config(&t.tls, &t.echo, "", &[&t.b1]))?;
     let (parsed, file) = tunnel_agent::ConfigFile::load(&cfg)?;
     // The window, made certain: the file changes after the read, before the agent runs.
-    let rewritten = agent_config(&tls, &echo, "", &[&b2]);
+    let rewritten = agent_config(&t.tls, &t.echo, "", &[&t.b2]);
     std::fs::write(&cfg, &rewritten)?;
     assert_ne!(file.sha256(), tether_tls::sha256_hex(rewritten.as_bytes()));
 
@@ -677,15 +699,13 @@ async fn tunnel_agent_applies_a_config_rewritten_while_it_starts() -> anyhow::Re
 /// once removed again and drained by its broker it is not redialled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tunnel_agent_keeps_a_working_tunnel_of_a_removed_broker() -> anyhow::Result<()> {
-    let procs = tether_e2e::Hub::new()?;
-    let mut b1 = procs.start_broker("b1", "")?;
-    let b2 = procs.start_broker("b2", "")?;
-    let echo = tether_e2e::echo_server().await?;
-    let tls = procs.pki.issue(
-        "keep-agent",
-        tether_tls::Identity::tunnel_agent("c1", "agent-0"),
-        &[],
-    )?;
+    let TwoBrokers {
+        procs,
+        mut b1,
+        b2,
+        echo,
+        tls,
+    } = TwoBrokers::start("keep-agent").await?;
     let render = |brokers: &[&tether_e2e::Broker]| {
         agent_config(
             &tls,
