@@ -497,15 +497,7 @@ impl ConfigFile {
     /// hash must name what was parsed, not what the file holds a moment later: a config rewritten
     /// between the parse and a second read would otherwise count as running, and never be applied.
     pub fn load(path: &Path) -> Result<(AgentConfig, ConfigFile), tether_config::ConfigError> {
-        let bytes = std::fs::read(path).map_err(|source| tether_config::ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        let text = std::str::from_utf8(&bytes).map_err(|e| tether_config::ConfigError::Syntax {
-            path: path.to_owned(),
-            message: format!("not UTF-8: {e}"),
-        })?;
-        let cfg = tether_config::from_str::<AgentConfig>(text, path)?;
+        let (cfg, bytes) = tether_config::load_with_bytes(path)?;
         Ok((
             cfg,
             ConfigFile {
@@ -513,10 +505,6 @@ impl ConfigFile {
                 sha256: sha256_hex(&bytes),
             },
         ))
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 
     /// SHA-256 (hex) of the bytes the config was parsed from.

@@ -50,11 +50,24 @@ pub trait Validate {
 
 /// Reads, parses and validates a YAML config file.
 pub fn load<T: DeserializeOwned + Validate>(path: &Path) -> Result<T, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+    load_with_bytes(path).map(|(cfg, _)| cfg)
+}
+
+/// [`load`], also returning the bytes the config was parsed from: a caller that watches the
+/// file compares later reads with these, never with a second read that may already hold a
+/// newer file.
+pub fn load_with_bytes<T: DeserializeOwned + Validate>(
+    path: &Path,
+) -> Result<(T, Vec<u8>), ConfigError> {
+    let read_error = |source| ConfigError::Read {
         path: path.to_owned(),
         source,
-    })?;
-    from_str(&text, path)
+    };
+    let bytes = std::fs::read(path).map_err(read_error)?;
+    let text = std::str::from_utf8(&bytes)
+        .map_err(|e| read_error(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
+    let cfg = from_str(text, path)?;
+    Ok((cfg, bytes))
 }
 
 /// Parses and validates YAML text; `origin` is only used in error messages.
@@ -127,6 +140,21 @@ mod tests {
 
     fn parse(s: &str) -> Result<Cfg, ConfigError> {
         from_str(s, Path::new("test.yaml"))
+    }
+
+    #[test]
+    fn load_with_bytes_returns_what_it_parsed_and_names_a_file_it_cannot_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.yaml");
+        let text = "name: a\ninner:\n  timeout: 1s\n  port: 8\n";
+        std::fs::write(&path, text).unwrap();
+        let (c, bytes): (Cfg, _) = load_with_bytes(&path).unwrap();
+        assert_eq!(c.name, "a");
+        assert_eq!(bytes, text.as_bytes());
+
+        std::fs::write(&path, b"name: \xff\n").unwrap();
+        let e = load::<Cfg>(&path).unwrap_err().to_string();
+        assert!(e.contains("agent.yaml") && e.contains("utf-8"), "{e}");
     }
 
     #[test]
