@@ -124,6 +124,16 @@ struct Args {
     /// With `--client-paths`: only uploads or only downloads (default both).
     #[arg(long, value_enum, requires = "client_paths")]
     client_direction: Option<clients::Direction>,
+    /// With `--client-paths`: CONNECT's download client copies each read this many more times
+    /// (into a scratch buffer of its size), so that another path's broker and agent can be
+    /// compared with CONNECT's at an equal client load (a heavier client slows the broker's
+    /// copies on a 2-core machine); information only, default 0.
+    #[arg(long, default_value_t = 0, requires = "client_paths")]
+    connect_reader_copies: usize,
+    /// With `--client-paths`: only these stream counts (`1`, `8`; comma-separated; default
+    /// both), e.g. one-stream runs without the eight-stream measurements between them.
+    #[arg(long, value_delimiter = ',', requires = "client_paths", value_parser = parse_stream_count)]
+    client_streams: Vec<usize>,
     /// Internal: run as the target server.
     #[arg(long, hide = true)]
     target_server: bool,
@@ -546,19 +556,41 @@ where
     .await
 }
 
+/// A `--client-streams` value: one of the clients section's stream counts.
+fn parse_stream_count(v: &str) -> Result<usize, String> {
+    match v {
+        "1" => Ok(1),
+        "8" => Ok(8),
+        _ => Err(format!("{v:?} is not a measured stream count (1 or 8)")),
+    }
+}
+
 /// Downloads from every socket (target mode `G`: the target writes until the stream ends) for
 /// `dur`; total bytes read and the seconds they took. Each stream is dropped (aborted) after.
-async fn download_streams<S>(socks: Vec<S>, dur: Duration) -> anyhow::Result<(u64, f64)>
+/// `extra_copies` makes the reader copy each read that many more times into a scratch buffer
+/// (`--connect-reader-copies`: a heavier client; 0 in every judged measurement).
+async fn download_streams<S>(
+    socks: Vec<S>,
+    dur: Duration,
+    extra_copies: usize,
+) -> anyhow::Result<(u64, f64)>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    run_streams(socks, b'G', dur, |mut s, deadline| async move {
+    run_streams(socks, b'G', dur, move |mut s, deadline| async move {
         let mut buf = vec![0u8; BUF];
+        let mut scratch = vec![0u8; if extra_copies > 0 { BUF } else { 0 }];
         let mut n = 0u64;
         while Instant::now() < deadline {
             match tokio::time::timeout_at(deadline.into(), s.read(&mut buf)).await {
                 Ok(Ok(0)) => anyhow::bail!("the target ended a download early"),
-                Ok(Ok(k)) => n += k as u64,
+                Ok(Ok(k)) => {
+                    for _ in 0..extra_copies {
+                        scratch[..k].copy_from_slice(std::hint::black_box(&buf[..k]));
+                        std::hint::black_box(&mut scratch);
+                    }
+                    n += k as u64;
+                }
                 Ok(Err(e)) => return Err(e.into()),
                 Err(_) => break,
             }
@@ -938,6 +970,10 @@ struct Setup {
     /// `--client-paths` (empty: every path, judged) and `--client-direction`.
     client_paths: Vec<clients::Path>,
     client_direction: Option<clients::Direction>,
+    /// `--connect-reader-copies`: extra copies of each read by CONNECT's download client.
+    connect_reader_copies: usize,
+    /// `--client-streams` (empty: 1 and 8).
+    client_streams: Vec<usize>,
 }
 
 impl Setup {
@@ -1144,6 +1180,8 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         sdk_connections: args.sdk_connections,
         client_paths: args.client_paths.clone(),
         client_direction: args.client_direction,
+        connect_reader_copies: args.connect_reader_copies,
+        client_streams: args.client_streams.clone(),
     };
     let tunnel_yaml = match &args.tunnel {
         Some(t) => format!("tunnel: {{{t}}}\n"),

@@ -374,7 +374,12 @@ pub async fn section(
                 continue;
             }
             let m = measure(&clients, setup, direction, &cpu, Some(&only)).await?;
-            rows.extend(focused_rows(&m, &only, direction));
+            rows.extend(focused_rows(
+                &m,
+                &only,
+                direction,
+                setup.connect_reader_copies,
+            ));
         }
         return Ok(rows);
     }
@@ -537,7 +542,11 @@ async fn measure(
         // Each path's 1- and 8-stream measurements run back to back (their order alternating by
         // round), so its 8 vs 1 ratio compares two figures seconds apart rather than two halves
         // of the round, and the machine's drift over a round does not enter it.
-        let mut stream_order: Vec<usize> = (0..STREAMS.len()).collect();
+        let mut stream_order: Vec<usize> = (0..STREAMS.len())
+            .filter(|&si| {
+                setup.client_streams.is_empty() || setup.client_streams.contains(&STREAMS[si])
+            })
+            .collect();
         if round % 2 == 1 {
             stream_order.reverse();
         }
@@ -553,7 +562,14 @@ async fn measure(
                     Direction::Upload => {
                         upload_streams_confirmed(socks, setup.secs, PATHS[p].confirm()).await?
                     }
-                    Direction::Download => download_streams(socks, setup.secs).await?,
+                    Direction::Download => {
+                        let copies = if PATHS[p] == Path::Connect {
+                            setup.connect_reader_copies
+                        } else {
+                            0
+                        };
+                        download_streams(socks, setup.secs, copies).await?
+                    }
                 };
                 let c1 = cpu();
                 cpu_s[p][si] += c1.all - c0.all;
@@ -564,6 +580,9 @@ async fn measure(
             }
         }
         for (si, &streams) in STREAMS.iter().enumerate() {
+            if !stream_order.contains(&si) {
+                continue;
+            }
             println!(
                 "  clients{}, {streams} stream(s), round {}: {}",
                 if direction == Direction::Download {
@@ -595,13 +614,19 @@ async fn measure(
 
 /// A focused run's rows (`--client-paths`): each measured path against CONNECT in the same
 /// rounds, with broker and agent CPU apart; information, not judged.
-fn focused_rows(m: &Measured, only: &[usize], direction: Direction) -> Vec<Row> {
+fn focused_rows(
+    m: &Measured,
+    only: &[usize],
+    direction: Direction,
+    connect_reader_copies: usize,
+) -> Vec<Row> {
     let per_gb = |s: &[[f64; 2]], p: usize, si: usize| s[p][si] / m.gb[p][si];
     only.iter()
         .map(|&p| {
             let notes: Vec<String> = STREAMS
                 .iter()
                 .enumerate()
+                .filter(|&(si, _)| !m.rate[p][si].is_empty())
                 .map(|(si, streams)| {
                     let vs: Vec<f64> = m.rate[p][si]
                         .iter()
@@ -624,18 +649,30 @@ fn focused_rows(m: &Measured, only: &[usize], direction: Direction) -> Vec<Row> 
                 .collect();
             Row {
                 what: format!(
-                    "client path {}: {}, 1 / 8 streams",
+                    "client path {}: {}{}, 1 / 8 streams",
                     match direction {
                         Direction::Upload => "upload",
                         Direction::Download => "download",
                     },
-                    PATHS[p].name()
+                    PATHS[p].name(),
+                    if p == CONNECT && direction == Direction::Download && connect_reader_copies > 0
+                    {
+                        format!(" (reader copies each read {connect_reader_copies} more times)")
+                    } else {
+                        String::new()
+                    }
                 ),
-                tunnel: format!(
-                    "{} / {}",
-                    gbit(mean(&m.rate[p][0])),
-                    gbit(mean(&m.rate[p][1]))
-                ),
+                tunnel: m.rate[p]
+                    .iter()
+                    .map(|r| {
+                        if r.is_empty() {
+                            "—".to_owned()
+                        } else {
+                            gbit(mean(r))
+                        }
+                    })
+                    .collect::<Vec<_>>()
+                    .join(" / "),
                 result: notes.join("; "),
                 target: "information (--client-paths)".into(),
                 ok: None,
