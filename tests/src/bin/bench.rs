@@ -556,13 +556,18 @@ where
     .await
 }
 
-/// A `--client-streams` value: one of the clients section's stream counts.
+/// A `--client-streams` value: one of the clients section's stream counts
+/// ([`clients::STREAMS`]).
 fn parse_stream_count(v: &str) -> Result<usize, String> {
-    match v {
-        "1" => Ok(1),
-        "8" => Ok(8),
-        _ => Err(format!("{v:?} is not a measured stream count (1 or 8)")),
-    }
+    v.parse()
+        .ok()
+        .filter(|n| clients::STREAMS.contains(n))
+        .ok_or_else(|| {
+            format!(
+                "{v:?} is not a measured stream count (one of {:?})",
+                clients::STREAMS
+            )
+        })
 }
 
 /// Downloads from every socket (target mode `G`: the target writes until the stream ends) for

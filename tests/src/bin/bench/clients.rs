@@ -57,7 +57,7 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 type BoxIo = Box<dyn Io>;
 
 /// Streams per measurement.
-const STREAMS: [usize; 2] = [1, 8];
+pub(super) const STREAMS: [usize; 2] = [1, 8];
 /// Within this much of CONNECT (throughput and CPU-s/GB).
 pub(super) const TOLERANCE: f64 = 0.10;
 
