@@ -20,7 +20,9 @@
 //! - **Receive path, one hand-off.** The connection's reader decrypts and parses, and appends a
 //!   DATA frame's bytes to its stream's inbox (bounded by the stream's window: a peer that sends
 //!   beyond it gets the stream reset), waking the stream's task, which writes them to its
-//!   socket and returns credit.
+//!   socket and returns credit. After a large DATA frame (read into an allocation of its own)
+//!   the reader yields, so the woken task copies those bytes out while they are still in cache
+//!   instead of after the reader has decrypted the frames behind it.
 //! - **Opens.** `OPEN` carries the target, dial timeout, stream tag and trace context in a few
 //!   dozen bytes; early data follows in the same write. The agent's handler is spawned by the
 //!   reader itself ([`OnOpen`]). `OPEN_OK` / `OPEN_ERR` answer; `RESET` with code `Refused`
@@ -825,6 +827,22 @@ fn write_direct(io: &mut Io, head: &[u8; HEADER_LEN], data: &[&[u8]]) -> io::Res
 
 /// Writes every queued piece (several per vectored write: a frame's header and payload end up
 /// in one TLS record and one `send`), then flushes.
+/// Lets the tasks woken so far run before the caller goes on: returns `Pending` once, having
+/// woken itself, so the runtime queues the caller behind them. Unlike `tokio::task::yield_now`
+/// it does not wait for the runtime to poll its I/O driver first (one more `epoll_wait` per
+/// call).
+fn woken_tasks_first() -> impl Future<Output = ()> {
+    let mut yielded = false;
+    poll_fn(move |cx| {
+        if yielded {
+            return Poll::Ready(());
+        }
+        yielded = true;
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    })
+}
+
 async fn flush(io: &mut Io) -> io::Result<()> {
     while !io.pending.is_empty() {
         let n = {
@@ -1428,6 +1446,12 @@ impl Driver {
                 let (h, own) = large.take().expect("large frame");
                 header_only = true;
                 self.on_frame(h, pool.lend(own), true)?;
+                // The stream's task writes this payload out before the next frame is read,
+                // while its bytes are still in cache. Read ahead instead, the reader decrypts
+                // frame after frame (as far as the stream's window lets the peer send) into
+                // buffers that have left the cache by the time the task copies them to its
+                // socket: docs/benchmarks.md, the forty-first machine.
+                woken_tasks_first().await;
             }
             while large.is_none() && buf.len() >= HEADER_LEN {
                 let h = frame::parse_header(buf[..HEADER_LEN].try_into().expect("header"), max)?;

@@ -696,3 +696,83 @@ async fn a_full_socket_holds_poll_writers_back_instead_of_queueing_copies() {
         "{copied} of {total} bytes were copied and queued: the writers were not held back by the full socket"
     );
 }
+
+/// After a large DATA frame the reader yields before it reads the next, so the stream's task
+/// takes each frame while its bytes are fresh rather than finding the reader's read-ahead
+/// queued behind it (decrypted into buffers that have left the cache by the time they are
+/// written out). The burst is in memory at once, so a reader that did not yield would parse
+/// all of it before the stream's task ran.
+#[tokio::test]
+async fn the_reader_hands_each_large_frame_over_before_reading_the_next() {
+    hands_each_large_frame_over().await;
+}
+
+/// The same on the broker's and agent's runtime (one worker: tasks woken by the running one go
+/// to its LIFO slot, the task that woke itself behind them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn the_reader_hands_each_large_frame_over_on_a_worker_thread() {
+    hands_each_large_frame_over().await;
+}
+
+async fn hands_each_large_frame_over() {
+    const FRAMES: usize = 8;
+    let frame = cfg(0).max_frame_bytes;
+    let window = 4 << 20;
+    let (a, b) = tokio::io::duplex(8 << 20);
+    let burst: Bytes = (0..FRAMES * frame).map(|i| (i % 251) as u8).collect();
+    // The burst leaves once the receiving stream's task waits for it.
+    let go = Arc::new(Notify::new());
+    let on_open: OnOpen = {
+        let (burst, go) = (burst.clone(), Arc::clone(&go));
+        Arc::new(move |inc: Incoming| {
+            let (burst, go) = (burst.clone(), Arc::clone(&go));
+            tokio::spawn(async move {
+                let Incoming {
+                    responder,
+                    mut send,
+                    recv: _recv,
+                    ..
+                } = inc;
+                responder.ok().await.unwrap();
+                go.notified().await;
+                send.send(burst).await.unwrap();
+                send.finish().await.unwrap();
+                std::future::pending::<()>().await;
+            });
+        })
+    };
+    let (_agent, driver, _agent_events) = connect(b, Role::Acceptor, cfg(window), Some(on_open));
+    tokio::spawn(driver.run());
+    let (broker, driver, _broker_events) = connect(a, Role::Opener, cfg(window), None);
+    tokio::spawn(driver.run());
+
+    let (_tx, mut rx) = tokio::time::timeout(DEADLINE, broker.open(&open("burst"), &Bytes::new()))
+        .await
+        .expect("opened within the deadline")
+        .expect("opened");
+    // A task of its own, as every stream's task is (the test's own future is polled only
+    // between rounds of the runtime's tasks).
+    let (got, frames, most_queued) = tokio::spawn(async move {
+        let (mut got, mut frames, mut most_queued) = (Vec::new(), 0, 0);
+        go.notify_one();
+        while let Some(d) = tokio::time::timeout(DEADLINE, rx.data())
+            .await
+            .expect("data within the deadline")
+        {
+            let d = d.expect("not reset");
+            frames += 1;
+            most_queued = most_queued.max(rx.stream.st.lock().unwrap().inbox.len());
+            rx.release(d.len());
+            got.extend_from_slice(&d);
+        }
+        (got, frames, most_queued)
+    })
+    .await
+    .unwrap();
+    assert_eq!(got, burst, "every byte, in order");
+    assert_eq!(frames, FRAMES, "one large frame per data()");
+    assert_eq!(
+        most_queued, 0,
+        "a frame was still queued when its stream's task took the one before it: the reader read ahead"
+    );
+}
