@@ -825,8 +825,6 @@ fn write_direct(io: &mut Io, head: &[u8; HEADER_LEN], data: &[&[u8]]) -> io::Res
     Ok(written)
 }
 
-/// Writes every queued piece (several per vectored write: a frame's header and payload end up
-/// in one TLS record and one `send`), then flushes.
 /// Lets the tasks woken so far run before the caller goes on: returns `Pending` once, having
 /// woken itself, so the runtime queues the caller behind them. Unlike `tokio::task::yield_now`
 /// it does not wait for the runtime to poll its I/O driver first (one more `epoll_wait` per
@@ -843,6 +841,8 @@ fn woken_tasks_first() -> impl Future<Output = ()> {
     })
 }
 
+/// Writes every queued piece (several per vectored write: a frame's header and payload end up
+/// in one TLS record and one `send`), then flushes.
 async fn flush(io: &mut Io) -> io::Result<()> {
     while !io.pending.is_empty() {
         let n = {
