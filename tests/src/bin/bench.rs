@@ -130,6 +130,12 @@ struct Args {
     /// copies on a 2-core machine); information only, default 0.
     #[arg(long, default_value_t = 0, requires = "client_paths")]
     connect_reader_copies: usize,
+    /// With `--client-paths`: CONNECT's upload client copies each buffer this many more times
+    /// before writing it (the upload twin of `--connect-reader-copies`), so that a path with a
+    /// heavier client (TLS CONNECT's encrypts) can be compared at an equal client load;
+    /// information only, default 0.
+    #[arg(long, default_value_t = 0, requires = "client_paths")]
+    connect_writer_copies: usize,
     /// With `--client-paths`: only these stream counts (`1`, `8`; comma-separated; default
     /// both), e.g. one-stream runs without the eight-stream measurements between them.
     #[arg(long, value_delimiter = ',', requires = "client_paths", value_parser = parse_stream_count)]
@@ -519,22 +525,30 @@ async fn upload_streams<S>(socks: Vec<S>, dur: Duration) -> anyhow::Result<(u64,
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    upload_streams_confirmed(socks, dur, Confirm::TargetCount).await
+    upload_streams_confirmed(socks, dur, Confirm::TargetCount, 0).await
 }
 
-/// [`upload_streams`] with the end `confirm` describes.
+/// [`upload_streams`] with the end `confirm` describes. `extra_copies` makes the writer copy
+/// each buffer that many more times before writing it (`--connect-writer-copies`: a heavier
+/// client; 0 in every judged measurement).
 async fn upload_streams_confirmed<S>(
     socks: Vec<S>,
     dur: Duration,
     confirm: Confirm,
+    extra_copies: usize,
 ) -> anyhow::Result<(u64, f64)>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     run_streams(socks, b'S', dur, move |mut s, deadline| async move {
         let buf = vec![0u8; BUF];
+        let mut scratch = vec![0u8; if extra_copies > 0 { BUF } else { 0 }];
         let mut written = 0u64;
         while Instant::now() < deadline {
+            for _ in 0..extra_copies {
+                scratch.copy_from_slice(std::hint::black_box(&buf));
+                std::hint::black_box(&mut scratch);
+            }
             s.write_all(&buf).await?;
             written += BUF as u64;
         }
@@ -977,11 +991,22 @@ struct Setup {
     client_direction: Option<clients::Direction>,
     /// `--connect-reader-copies`: extra copies of each read by CONNECT's download client.
     connect_reader_copies: usize,
+    /// `--connect-writer-copies`: extra copies of each write by CONNECT's upload client.
+    connect_writer_copies: usize,
     /// `--client-streams` (empty: 1 and 8).
     client_streams: Vec<usize>,
 }
 
 impl Setup {
+    /// Extra copies per buffer by CONNECT's client in `direction` (`--connect-writer-copies`,
+    /// `--connect-reader-copies`).
+    fn connect_client_copies(&self, direction: clients::Direction) -> usize {
+        match direction {
+            clients::Direction::Upload => self.connect_writer_copies,
+            clients::Direction::Download => self.connect_reader_copies,
+        }
+    }
+
     fn wants(&self, section: &str) -> bool {
         self.only.is_empty() || self.only.iter().any(|s| s == section)
     }
@@ -1186,6 +1211,7 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         client_paths: args.client_paths.clone(),
         client_direction: args.client_direction,
         connect_reader_copies: args.connect_reader_copies,
+        connect_writer_copies: args.connect_writer_copies,
         client_streams: args.client_streams.clone(),
     };
     let tunnel_yaml = match &args.tunnel {

@@ -364,7 +364,7 @@ pub async fn section(
     for p in warm {
         let path = PATHS[p];
         let socks = vec![clients.open(path).await?];
-        upload_streams_confirmed(socks, Duration::from_millis(200), path.confirm()).await?;
+        upload_streams_confirmed(socks, Duration::from_millis(200), path.confirm(), 0).await?;
     }
 
     if let Some(only) = focus {
@@ -374,12 +374,8 @@ pub async fn section(
                 continue;
             }
             let m = measure(&clients, setup, direction, &cpu, Some(&only)).await?;
-            rows.extend(focused_rows(
-                &m,
-                &only,
-                direction,
-                setup.connect_reader_copies,
-            ));
+            let copies = setup.connect_client_copies(direction);
+            rows.extend(focused_rows(&m, &only, direction, copies));
         }
         return Ok(rows);
     }
@@ -557,19 +553,19 @@ async fn measure(
                 for _ in 0..streams {
                     socks.push(clients.open(PATHS[p]).await?);
                 }
+                // Only CONNECT's client is ever loaded (the reference the other paths meet).
+                let copies = if PATHS[p] == Path::Connect {
+                    setup.connect_client_copies(direction)
+                } else {
+                    0
+                };
                 let c0 = cpu();
                 let (bytes, secs) = match direction {
                     Direction::Upload => {
-                        upload_streams_confirmed(socks, setup.secs, PATHS[p].confirm()).await?
+                        upload_streams_confirmed(socks, setup.secs, PATHS[p].confirm(), copies)
+                            .await?
                     }
-                    Direction::Download => {
-                        let copies = if PATHS[p] == Path::Connect {
-                            setup.connect_reader_copies
-                        } else {
-                            0
-                        };
-                        download_streams(socks, setup.secs, copies).await?
-                    }
+                    Direction::Download => download_streams(socks, setup.secs, copies).await?,
                 };
                 let c1 = cpu();
                 cpu_s[p][si] += c1.all - c0.all;
@@ -618,7 +614,7 @@ fn focused_rows(
     m: &Measured,
     only: &[usize],
     direction: Direction,
-    connect_reader_copies: usize,
+    connect_client_copies: usize,
 ) -> Vec<Row> {
     let per_gb = |s: &[[f64; 2]], p: usize, si: usize| s[p][si] / m.gb[p][si];
     only.iter()
@@ -655,9 +651,15 @@ fn focused_rows(
                         Direction::Download => "download",
                     },
                     PATHS[p].name(),
-                    if p == CONNECT && direction == Direction::Download && connect_reader_copies > 0
-                    {
-                        format!(" (reader copies each read {connect_reader_copies} more times)")
+                    if p == CONNECT && connect_client_copies > 0 {
+                        match direction {
+                            Direction::Upload => format!(
+                                " (writer copies each buffer {connect_client_copies} more times)"
+                            ),
+                            Direction::Download => format!(
+                                " (reader copies each read {connect_client_copies} more times)"
+                            ),
+                        }
                     } else {
                         String::new()
                     }
