@@ -545,10 +545,7 @@ where
         let mut scratch = vec![0u8; if extra_copies > 0 { BUF } else { 0 }];
         let mut written = 0u64;
         while Instant::now() < deadline {
-            for _ in 0..extra_copies {
-                scratch.copy_from_slice(std::hint::black_box(&buf));
-                std::hint::black_box(&mut scratch);
-            }
+            load_client(&mut scratch, &buf, extra_copies);
             s.write_all(&buf).await?;
             written += BUF as u64;
         }
@@ -604,10 +601,7 @@ where
             match tokio::time::timeout_at(deadline.into(), s.read(&mut buf)).await {
                 Ok(Ok(0)) => anyhow::bail!("the target ended a download early"),
                 Ok(Ok(k)) => {
-                    for _ in 0..extra_copies {
-                        scratch[..k].copy_from_slice(std::hint::black_box(&buf[..k]));
-                        std::hint::black_box(&mut scratch);
-                    }
+                    load_client(&mut scratch, &buf[..k], extra_copies);
                     n += k as u64;
                 }
                 Ok(Err(e)) => return Err(e.into()),
@@ -617,6 +611,15 @@ where
         anyhow::Ok((n, Instant::now()))
     })
     .await
+}
+
+/// A heavier client (`--connect-reader-copies`, `--connect-writer-copies`): copies `data` into
+/// `scratch` `copies` times, in a way the optimiser cannot drop.
+fn load_client(scratch: &mut [u8], data: &[u8], copies: usize) {
+    for _ in 0..copies {
+        scratch[..data.len()].copy_from_slice(std::hint::black_box(data));
+        std::hint::black_box(&mut *scratch);
+    }
 }
 
 /// Sends the target `mode` on every socket, then runs `each(socket, deadline)` for all of them
