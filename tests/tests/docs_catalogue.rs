@@ -19,7 +19,7 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 
 /// String literals shaped like our metric names: `"tether_<component>_<rest>"`.
 fn metric_names(src: &str) -> Vec<String> {
-    const COMPONENTS: [&str; 5] = ["broker", "agent", "hub", "prober", "tls"];
+    const COMPONENTS: [&str; 6] = ["broker", "agent", "hub", "prober", "tls", "runtime"];
     let mut out = Vec::new();
     for lit in src.split('"').skip(1).step_by(2) {
         let Some(rest) = lit.strip_prefix("tether_") else {

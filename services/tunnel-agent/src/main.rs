@@ -15,7 +15,7 @@ fn main() -> anyhow::Result<()> {
     let aead = tether_tls::install_default_crypto()?;
     let (cfg, config_file) = tunnel_agent::ConfigFile::load(&args.config)
         .context("invalid tunnel-agent configuration")?;
-    tether_runtime::actix_system(Some(args.process.data_plane_workers())).block_on(async move {
+    args.process.data_plane_system().block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("tunnel-agent");
         tracing::info!(aead = %aead, "TLS record encryption");
         let shutdown = tether_runtime::shutdown_token();

@@ -25,6 +25,8 @@ pub struct AgentMetrics {
 
 impl AgentMetrics {
     pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        // Process-wide: the runtime's idle polling (`--idle-poll-us`).
+        tether_idlepoll::register(registry)?;
         let m = Self {
             tunnels: IntGaugeVec::new(
                 Opts::new(

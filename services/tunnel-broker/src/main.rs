@@ -17,7 +17,7 @@ fn main() -> anyhow::Result<()> {
     let cfg: tunnel_broker::config::BrokerConfig =
         tether_config::load(&args.config).context("invalid tunnel-broker configuration")?;
     let bind = tether_runtime::bind;
-    tether_runtime::actix_system(Some(args.process.data_plane_workers())).block_on(async move {
+    args.process.data_plane_system().block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("tunnel-broker");
         tracing::info!(aead = %aead, "TLS record encryption");
         let shutdown = tether_runtime::shutdown_token();

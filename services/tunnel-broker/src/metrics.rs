@@ -53,6 +53,8 @@ pub struct BrokerMetrics {
 
 impl BrokerMetrics {
     pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        // Process-wide: the runtime's idle polling (`--idle-poll-us`).
+        tether_idlepoll::register(registry)?;
         let m = Self {
             tunnels: IntGauge::new(
                 "tether_broker_tunnels",

@@ -3,7 +3,8 @@
 //! - [`backoff`]: jittered exponential backoff with a reset after a healthy period, used by every
 //!   retry loop (agent connectors, NATS reconnects, registration), and [`retry`] for start-up
 //!   steps whose dependency may come up later.
-//! - [`process`]: the actix system on a multi-thread tokio runtime, binding listeners (errors
+//! - [`process`]: the actix system on a multi-thread tokio runtime (the data plane's on one
+//!   thread with idle polling, [`tether_idlepoll`]), binding listeners (errors
 //!   naming the config field), ready files, and the glibc
 //!   tunable launchers give data-plane processes, atomic file writes with a mode, the command
 //!   line of a service run from a config file ([`ConfigFileArgs`]).
@@ -23,8 +24,9 @@ pub mod test_hooks;
 
 pub use backoff::{Backoff, BackoffConfig, RetryError, retry};
 pub use process::{
-    ConfigFileArgs, GLIBC_TUNABLES_DATA_PLANE, ProcessArgs, StartError, actix_system, bind,
-    bind_admin, data_plane_workers, glibc_tunables_for_child, write_atomic, write_ready_file,
+    ConfigFileArgs, DEFAULT_IDLE_POLL_US, GLIBC_TUNABLES_DATA_PLANE, ProcessArgs, StartError,
+    actix_system, actix_system_data_plane, bind, bind_admin, data_plane_workers,
+    glibc_tunables_for_child, write_atomic, write_ready_file,
 };
 pub use service::{DEFAULT_TASK_DRAIN_DEADLINE, Drain, DrainReport, DrainToken};
 pub use shutdown::shutdown_token;

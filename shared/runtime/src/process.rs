@@ -29,6 +29,25 @@ pub fn actix_system(workers: Option<usize>) -> actix::SystemRunner {
     })
 }
 
+/// The broker's and the agent's actix `System`: as [`actix_system`] with `workers`, and with
+/// idle polling of at most `idle_poll` ([`tether_idlepoll`]) when the runtime is a
+/// current-thread one (`workers == 1`, the default on machines with up to three CPUs). Call it
+/// from `main` before any other thread starts: the runtime's epoll descriptor is found as the
+/// one its creation added.
+pub fn actix_system_data_plane(
+    workers: usize,
+    idle_poll: std::time::Duration,
+) -> actix::SystemRunner {
+    if workers != 1 || idle_poll.is_zero() {
+        return actix_system(Some(workers));
+    }
+    actix::System::with_tokio_rt(move || {
+        let mut b = tokio::runtime::Builder::new_current_thread();
+        b.enable_all();
+        tether_idlepoll::build_current_thread(&mut b, idle_poll).expect("tokio runtime")
+    })
+}
+
 /// Default tokio worker threads of the data-plane processes (broker, agent): half the CPUs, at
 /// least one.
 ///
@@ -59,12 +78,33 @@ pub struct ProcessArgs {
     /// for the others).
     #[arg(long, env = "TETHER_WORKER_THREADS")]
     pub worker_threads: Option<usize>,
+    /// Broker and agent: the longest a runtime thread polls for more work after light traffic
+    /// before it sleeps, in microseconds (0: never; at most 1000). Adaptive below this bound;
+    /// only with one worker thread. See docs/configuration.md, "Idle polling".
+    #[arg(
+        long,
+        env = "TETHER_IDLE_POLL_US",
+        default_value_t = DEFAULT_IDLE_POLL_US,
+        value_parser = clap::value_parser!(u64).range(0..=1000)
+    )]
+    pub idle_poll_us: u64,
 }
+
+/// Default of `--idle-poll-us` ([`tether_idlepoll::DEFAULT_MAX`]).
+pub const DEFAULT_IDLE_POLL_US: u64 = tether_idlepoll::DEFAULT_MAX.as_micros() as u64;
 
 impl ProcessArgs {
     /// `--worker-threads`, or the data-plane default ([`data_plane_workers`]).
     pub fn data_plane_workers(&self) -> usize {
         self.worker_threads.unwrap_or_else(data_plane_workers)
+    }
+
+    /// The data-plane actix `System` these flags ask for ([`actix_system_data_plane`]).
+    pub fn data_plane_system(&self) -> actix::SystemRunner {
+        actix_system_data_plane(
+            self.data_plane_workers(),
+            std::time::Duration::from_micros(self.idle_poll_us),
+        )
     }
 }
 

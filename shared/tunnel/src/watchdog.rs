@@ -254,7 +254,8 @@ impl Watchdog {
 }
 
 /// A transport wrapper that reports reads and writes to a [`Progress`] (put it right on the
-/// socket, below TLS, so every byte counts and nothing buffered above hides a stall).
+/// socket, below TLS, so every byte counts and nothing buffered above hides a stall), and the
+/// bytes moved to [`tether_idlepoll::note_io`] (idle polling follows light traffic, not bulk).
 pub struct ProgressIo<T> {
     inner: T,
     progress: Arc<Progress>,
@@ -281,6 +282,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for ProgressIo<T> {
         let r = Pin::new(&mut me.inner).poll_read(cx, buf);
         if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
             me.progress.on_read();
+            tether_idlepoll::note_io(buf.filled().len() - before);
         }
         r
     }
@@ -297,6 +299,9 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for ProgressIo<T> {
         if !buf.is_empty() && !matches!(r, Poll::Ready(Err(_))) {
             me.progress.on_write();
         }
+        if let Poll::Ready(Ok(n)) = r {
+            tether_idlepoll::note_io(n);
+        }
         r
     }
 
@@ -309,6 +314,9 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for ProgressIo<T> {
         let r = Pin::new(&mut me.inner).poll_write_vectored(cx, bufs);
         if bufs.iter().any(|b| !b.is_empty()) && !matches!(r, Poll::Ready(Err(_))) {
             me.progress.on_write();
+        }
+        if let Poll::Ready(Ok(n)) = r {
+            tether_idlepoll::note_io(n);
         }
         r
     }

@@ -1,0 +1,177 @@
+//! Idle polling for the data-plane processes (broker and agent).
+//!
+//! A tunnelled message crosses the broker and the agent, and at each of them it usually finds
+//! the runtime thread asleep in `epoll_wait`: every hop pays a wake-up. On a machine whose idle
+//! CPU halts that is the dearest part of a small message's trip: on a VM without guest halt
+//! polling (`cpuidle_haltpoll` with `guest_halt_poll_ns=0`, common on Firecracker and cloud
+//! hosts), waking a halted vCPU costs 15–25 µs, so a 64 B round trip through the tunnel pays it
+//! four times. With idle polling, a runtime thread that runs out of work after *light* traffic
+//! (a request, an answer, an open; not bulk data) first checks its I/O driver for a short
+//! while, yielding the CPU between checks, and sleeps only if nothing came: the answer that
+//! arrives a few tens of µs later finds it awake. This is what Linux's `haltpoll` governor does
+//! for a whole guest, and what Seastar's reactor (`--idle-poll-time-us`) and Go's spinning
+//! scheduler threads do in user space.
+//!
+//! The cost is CPU time that would have been idle, bounded two ways: the window adapts per
+//! thread ([`policy::Policy`]: it opens while idle periods are short and closes once they are
+//! long, so an idle tunnel with only keepalives stops polling after a few of them), and busy
+//! periods that moved more than [`policy::LIGHT_BYTES`] through the tunnel are not followed by a
+//! poll at all (bulk transfers gain nothing from it). Measured in docs/benchmarks.md.
+//!
+//! Layout:
+//! - [`note_io`]: the tunnel transport reports bytes moved (`tether_tunnel`'s `ProgressIo`,
+//!   below TLS on every tunnel connection), counted per thread since the thread last parked;
+//! - [`policy`]: the adaptive window and the light-traffic gate (pure, unit-tested);
+//! - [`ready`]: finding the runtime's epoll descriptor and polling it (the crate's one reviewed
+//!   `unsafe` block, the `poll(2)` call);
+//! - [`build_current_thread`]: installs the park and unpark hooks on a current-thread runtime;
+//! - [`register`]: the three counters in a Prometheus registry.
+//!
+//! Only current-thread runtimes poll (the broker's and agent's default on machines with up to
+//! three CPUs): a multi-thread runtime's worker that holds no driver could not tell that another
+//! worker queued work for it while it polled.
+
+pub mod policy;
+pub mod ready;
+
+use std::cell::{Cell, RefCell};
+use std::os::fd::RawFd;
+use std::sync::{Arc, LazyLock, OnceLock};
+use std::time::{Duration, Instant};
+
+use policy::Policy;
+use prometheus::{Counter, IntCounter};
+
+/// The default longest poll of the broker and the agent: long enough to cover the answer to a
+/// message that crosses the agent and its target (about 40–60 µs on the hosts measured), short
+/// next to any timer (1 ms resolution).
+pub const DEFAULT_MAX: Duration = Duration::from_micros(100);
+
+/// Longest window accepted: a window this long would only burn CPU (and delay timers).
+pub const MAX_MAX: Duration = Duration::from_millis(1);
+
+thread_local! {
+    /// Bytes moved through tunnel transports on this thread since it last parked.
+    static WORK: Cell<u64> = const { Cell::new(0) };
+    static STATE: RefCell<Option<ThreadState>> = const { RefCell::new(None) };
+}
+
+struct ThreadState {
+    policy: Policy,
+    parked_at: Option<Instant>,
+}
+
+/// Reports `bytes` moved through a tunnel transport on this thread (read or written). Cheap: a
+/// thread-local addition.
+pub fn note_io(bytes: usize) {
+    WORK.with(|w| w.set(w.get().saturating_add(bytes as u64)));
+}
+
+static POLLS: LazyLock<IntCounter> = LazyLock::new(|| {
+    IntCounter::new(
+        "tether_runtime_idle_polls_total",
+        "Times a runtime thread polled its I/O driver before sleeping (after light traffic, \
+         with its window open)",
+    )
+    .expect("valid metric")
+});
+static HITS: LazyLock<IntCounter> = LazyLock::new(|| {
+    IntCounter::new(
+        "tether_runtime_idle_poll_hits_total",
+        "Idle polls that saw work arrive within the window: a sleep and a wake-up avoided",
+    )
+    .expect("valid metric")
+});
+static SECONDS: LazyLock<Counter> = LazyLock::new(|| {
+    Counter::new(
+        "tether_runtime_idle_poll_seconds_total",
+        "Time runtime threads spent polling before sleeping",
+    )
+    .expect("valid metric")
+});
+
+/// Registers the idle-poll counters (process-wide) in `registry`.
+pub fn register(registry: &prometheus::Registry) -> prometheus::Result<()> {
+    registry.register(Box::new(POLLS.clone()))?;
+    registry.register(Box::new(HITS.clone()))?;
+    registry.register(Box::new(SECONDS.clone()))?;
+    Ok(())
+}
+
+/// Counters so far: (polls, hits, seconds polled), for tests and logs.
+pub fn totals() -> (u64, u64, f64) {
+    (POLLS.get(), HITS.get(), SECONDS.get())
+}
+
+/// Builds a current-thread runtime from `builder` with idle polling of at most `max` (zero:
+/// none; longer than [`MAX_MAX`]: [`MAX_MAX`]). Call it where nothing else creates epoll
+/// descriptors at the same time (a service's `main` before it starts other threads): the
+/// runtime's descriptor is found as the one its creation added. If that cannot be told (no
+/// `/proc`, or more than [`ready::MAX_DRIVER_FDS`] new ones), the runtime runs without polling.
+pub fn build_current_thread(
+    builder: &mut tokio::runtime::Builder,
+    max: Duration,
+) -> std::io::Result<tokio::runtime::Runtime> {
+    let max = max.min(MAX_MAX);
+    if max.is_zero() {
+        return builder.build();
+    }
+    let Ok(before) = ready::epoll_fds() else {
+        return builder.build();
+    };
+    let fds: Arc<OnceLock<Box<[RawFd]>>> = Arc::new(OnceLock::new());
+    let park_fds = fds.clone();
+    builder
+        .on_thread_park(move || before_park(&park_fds, max))
+        .on_thread_unpark(after_unpark);
+    let rt = builder.build()?;
+    if let Ok(after) = ready::epoll_fds() {
+        let new: Box<[RawFd]> = after.into_iter().filter(|f| !before.contains(f)).collect();
+        if (1..=ready::MAX_DRIVER_FDS).contains(&new.len()) {
+            let _ = fds.set(new);
+        }
+    }
+    Ok(rt)
+}
+
+fn before_park(fds: &OnceLock<Box<[RawFd]>>, max: Duration) {
+    let bytes = WORK.with(|w| w.replace(0));
+    STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        let st = s.get_or_insert_with(|| ThreadState {
+            policy: Policy::new(max),
+            parked_at: None,
+        });
+        let started = Instant::now();
+        st.parked_at = Some(started);
+        let window = st.policy.poll_for(bytes);
+        if window.is_zero() {
+            return;
+        }
+        let Some(fds) = fds.get() else { return };
+        let hit = ready::wait_ready(fds, window);
+        POLLS.inc();
+        SECONDS.inc_by(started.elapsed().as_secs_f64());
+        if hit {
+            HITS.inc();
+        }
+    });
+}
+
+fn after_unpark() {
+    STATE.with(|s| {
+        if let Some(st) = s.borrow_mut().as_mut()
+            && let Some(at) = st.parked_at.take()
+        {
+            st.policy.observe_idle(at.elapsed());
+        }
+    });
+}
+
+/// Tests that create runtimes while listing descriptors, or that read the process-wide
+/// counters, run one at a time (under `cargo test` they share a process).
+#[cfg(test)]
+pub(crate) static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+#[cfg(test)]
+mod tests;

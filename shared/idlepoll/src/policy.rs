@@ -1,0 +1,184 @@
+//! How long to poll before sleeping: an adaptive window, grown while the thread's idle periods
+//! are short and shrunk once they are long, the scheme of Linux's `haltpoll` cpuidle governor
+//! (which does the same for a whole guest vCPU, and which many VM hosts leave off).
+
+use std::time::Duration;
+
+/// The first window after a short idle period, doubled on each further one up to the maximum.
+pub const START: Duration = Duration::from_micros(8);
+
+/// While the thread's recent tunnel traffic exceeds this it is moving bulk data: no poll. Bulk
+/// transfers amortise a wake-up over hundreds of KiB, and polling between their bursts would
+/// only turn idle time into CPU time. A request, an answer, an open, a window update or a
+/// keepalive moves far less (a 64 B message is about 120 bytes on the wire, TLS included).
+///
+/// "Recent" is a decaying sum over busy periods (each park halves it, then adds the bytes of
+/// the period that just ended), not the last period alone: a bulk transfer also has empty busy
+/// periods (a write-readiness edge, a timer) that must not count as light traffic, and after
+/// bulk data stops the sum falls below this within a few periods.
+pub const LIGHT_BYTES: u64 = 16 * 1024;
+
+/// One runtime thread's window.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    max: Duration,
+    window: Duration,
+    /// Decaying sum of the bytes of recent busy periods (see [`LIGHT_BYTES`]).
+    recent: u64,
+}
+
+impl Policy {
+    /// A policy whose window never exceeds `max`; it starts closed (no polling until an idle
+    /// period shorter than `max` was seen).
+    pub fn new(max: Duration) -> Self {
+        Self {
+            max,
+            window: Duration::ZERO,
+            recent: 0,
+        }
+    }
+
+    /// The current window.
+    pub fn window(&self) -> Duration {
+        self.window
+    }
+
+    /// How long to poll before sleeping, after a busy period that moved `bytes` through the
+    /// tunnel: the window while recent traffic is light, nothing while it is bulk.
+    pub fn poll_for(&mut self, bytes: u64) -> Duration {
+        self.recent = (self.recent / 2).saturating_add(bytes);
+        if self.recent > LIGHT_BYTES {
+            Duration::ZERO
+        } else {
+            self.window
+        }
+    }
+
+    /// Adapts the window to an idle period (from the moment the thread ran out of work until it
+    /// had work again, polling included): one that ended inside the window keeps it; one that
+    /// ended after the window but within the maximum would have been caught by a longer window,
+    /// so it doubles (from [`START`]); one longer than the maximum halves it, and below
+    /// [`START`] it closes. A thread that sees work only now and then (keepalives, a watch
+    /// event) so stops polling after a few idle periods.
+    pub fn observe_idle(&mut self, idle: Duration) {
+        if idle <= self.window {
+            return;
+        }
+        if idle <= self.max {
+            self.window = (self.window * 2).max(START).min(self.max);
+        } else {
+            self.window /= 2;
+            if self.window < START {
+                self.window = Duration::ZERO;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MAX: Duration = Duration::from_micros(100);
+
+    fn us(n: u64) -> Duration {
+        Duration::from_micros(n)
+    }
+
+    #[test]
+    fn short_idle_periods_open_the_window_up_to_the_maximum() {
+        let mut p = Policy::new(MAX);
+        assert_eq!(p.window(), Duration::ZERO);
+        let mut seen = Vec::new();
+        for _ in 0..6 {
+            p.observe_idle(us(90));
+            seen.push(p.window().as_micros());
+        }
+        assert_eq!(seen, [8, 16, 32, 64, 100, 100]);
+    }
+
+    #[test]
+    fn an_idle_period_inside_the_window_keeps_it() {
+        let mut p = Policy::new(MAX);
+        for _ in 0..4 {
+            p.observe_idle(us(50));
+        }
+        assert_eq!(p.window(), us(64));
+        p.observe_idle(us(20));
+        assert_eq!(p.window(), us(64));
+    }
+
+    #[test]
+    fn long_idle_periods_close_the_window() {
+        let mut p = Policy::new(MAX);
+        for _ in 0..5 {
+            p.observe_idle(us(90));
+        }
+        assert_eq!(p.window(), MAX);
+        let mut seen = Vec::new();
+        for _ in 0..5 {
+            p.observe_idle(Duration::from_millis(10));
+            seen.push(p.window().as_micros());
+        }
+        assert_eq!(seen, [50, 25, 12, 0, 0]);
+    }
+
+    #[test]
+    fn idle_periods_longer_than_the_maximum_never_open_it() {
+        let mut p = Policy::new(MAX);
+        for _ in 0..10 {
+            p.observe_idle(us(150));
+        }
+        assert_eq!(p.window(), Duration::ZERO);
+    }
+
+    #[test]
+    fn bulk_work_is_not_followed_by_a_poll() {
+        let mut p = Policy::new(MAX);
+        for _ in 0..5 {
+            p.observe_idle(us(90));
+        }
+        assert_eq!(p.poll_for(120), MAX);
+        assert_eq!(p.poll_for(120), MAX);
+        assert_eq!(p.poll_for(LIGHT_BYTES + 1), Duration::ZERO);
+        assert_eq!(p.poll_for(256 * 1024), Duration::ZERO);
+    }
+
+    #[test]
+    fn an_empty_busy_period_amid_bulk_is_not_light() {
+        let mut p = Policy::new(MAX);
+        for _ in 0..5 {
+            p.observe_idle(us(90));
+        }
+        for _ in 0..3 {
+            assert_eq!(p.poll_for(256 * 1024), Duration::ZERO);
+            assert_eq!(
+                p.poll_for(0),
+                Duration::ZERO,
+                "a readiness edge between frames"
+            );
+        }
+    }
+
+    #[test]
+    fn light_traffic_after_bulk_polls_again_within_a_few_periods() {
+        let mut p = Policy::new(MAX);
+        for _ in 0..5 {
+            p.observe_idle(us(90));
+        }
+        assert_eq!(p.poll_for(256 * 1024), Duration::ZERO);
+        let light = (0..10).position(|_| !p.poll_for(120).is_zero());
+        // 256 KiB halves to under 16 KiB in five periods.
+        assert_eq!(light, Some(4));
+    }
+
+    #[test]
+    fn a_zero_maximum_never_polls() {
+        let mut p = Policy::new(Duration::ZERO);
+        for _ in 0..5 {
+            p.observe_idle(Duration::ZERO);
+            p.observe_idle(us(1));
+        }
+        assert_eq!(p.poll_for(0), Duration::ZERO);
+    }
+}

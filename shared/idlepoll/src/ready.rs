@@ -1,0 +1,134 @@
+//! The runtime's I/O driver, seen from outside: which epoll descriptors it created, and whether
+//! any of them has events waiting.
+//!
+//! tokio does not expose its driver's descriptor. An epoll descriptor is itself pollable: it
+//! reads as ready while its ready list is not empty, without taking anything off that list. So
+//! a thread can ask "has anything happened?" with `poll(2)` and a zero timeout, and the events
+//! stay for the driver's own `epoll_wait` right after. The descriptors are found by listing the
+//! process's epoll descriptors (`/proc/self/fd`) before and after the runtime is built, on the
+//! thread that builds it at process start, when nothing else creates one.
+
+use std::os::fd::RawFd;
+use std::time::{Duration, Instant};
+
+/// Most epoll descriptors a runtime may have created: tokio's driver makes one epoll instance and
+/// keeps a duplicate of its descriptor (two numbers, one instance). More means something else
+/// was creating descriptors at the same time, and polling is skipped.
+pub const MAX_DRIVER_FDS: usize = 2;
+
+/// The process's epoll descriptors, by number.
+pub fn epoll_fds() -> std::io::Result<Vec<RawFd>> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc/self/fd")? {
+        let entry = entry?;
+        let Some(fd) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
+            continue;
+        };
+        // A descriptor can close between the listing and the read: skip it.
+        if let Ok(target) = std::fs::read_link(entry.path())
+            && target.as_os_str() == "anon_inode:[eventpoll]"
+        {
+            out.push(fd);
+        }
+    }
+    out.sort_unstable();
+    Ok(out)
+}
+
+/// Whether any of `fds` has events waiting, checking until `window` has passed and yielding the
+/// CPU between checks (so a task woken on this CPU, a client or a target on a small machine,
+/// runs at once instead of waiting for the window to end). Returns at the first check that sees
+/// events.
+pub fn wait_ready(fds: &[RawFd], window: Duration) -> bool {
+    let mut set = [libc::pollfd {
+        fd: -1,
+        events: 0,
+        revents: 0,
+    }; MAX_DRIVER_FDS];
+    let n = fds.len().min(MAX_DRIVER_FDS);
+    for (slot, &fd) in set.iter_mut().zip(fds) {
+        *slot = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+    }
+    let deadline = Instant::now() + window;
+    loop {
+        // SAFETY: `set` is a live, exclusively borrowed array of `n` initialised `pollfd`s for
+        // the duration of the call, which is all poll(2) reads and writes (it writes `revents`
+        // only). poll takes descriptor numbers, not ownership: a number that was closed or
+        // reused cannot cause memory unsafety; it yields POLLNVAL or a readiness that only ends
+        // this wait early.
+        #[allow(unsafe_code)]
+        let ready = unsafe { libc::poll(set.as_mut_ptr(), n as libc::nfds_t, 0) };
+        if ready > 0 {
+            return true;
+        }
+        if ready < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return false;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::yield_now();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_runtime_shows_up_as_new_epoll_descriptors() {
+        let _one = crate::SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let before = epoll_fds().expect("list fds");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let after = epoll_fds().expect("list fds");
+        let new: Vec<_> = after.iter().filter(|f| !before.contains(f)).collect();
+        // tokio's driver keeps a duplicate of its epoll descriptor (the same epoll instance).
+        assert!(
+            (1..=MAX_DRIVER_FDS).contains(&new.len()),
+            "before {before:?}, after {after:?}"
+        );
+        drop(rt);
+    }
+
+    #[test]
+    fn an_idle_driver_is_not_ready_and_the_wait_ends_at_the_window() {
+        let (fd, rt) = epoll_of_nothing();
+        let started = Instant::now();
+        assert!(!wait_ready(&[fd], Duration::from_millis(2)));
+        assert!(started.elapsed() >= Duration::from_millis(2));
+        drop(rt);
+    }
+
+    #[test]
+    fn a_closed_descriptor_ends_the_wait_without_harm() {
+        // POLLNVAL counts as "something to look at": the caller parks and the driver decides.
+        let started = Instant::now();
+        let ready = wait_ready(&[i32::MAX - 1], Duration::from_millis(50));
+        assert!(ready);
+        assert!(started.elapsed() < Duration::from_millis(50));
+    }
+
+    /// The epoll descriptor of a fresh runtime that nothing has woken (only its own waker is
+    /// registered), valid while the runtime lives.
+    fn epoll_of_nothing() -> (RawFd, tokio::runtime::Runtime) {
+        let _one = crate::SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let before = epoll_fds().expect("list fds");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .expect("runtime");
+        let after = epoll_fds().expect("list fds");
+        let fd = *after
+            .iter()
+            .find(|f| !before.contains(f))
+            .expect("the runtime's epoll descriptor");
+        (fd, rt)
+    }
+}
