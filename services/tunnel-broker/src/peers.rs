@@ -326,6 +326,8 @@ async fn open_peer(
         .map_err(PeerConnectError::Connect)?;
     let _ = tcp.set_nodelay(true);
     settings.limit_unsent(&tcp);
+    // Bulk relayed data keeps idle polling off, as it does on tunnels (`ProgressIo`).
+    let tcp = tether_idlepoll::Counted::new(tcp);
     let mut stream = tokio::time::timeout(hs, TlsConnector::from(Arc::new(cfg)).connect(name, tcp))
         .await
         .map_err(|_| timeout("TLS"))?

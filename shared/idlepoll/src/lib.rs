@@ -20,7 +20,8 @@
 //!
 //! Layout:
 //! - [`note_io`]: the tunnel transport reports bytes moved (`tether_tunnel`'s `ProgressIo`,
-//!   below TLS on every tunnel connection), counted per thread since the thread last parked;
+//!   below TLS on every tunnel connection; [`Counted`] on a broker's relay links to its
+//!   peers), counted per thread since the thread last parked;
 //! - [`policy`]: the adaptive window and the light-traffic gate (pure, unit-tested);
 //! - [`ready`]: finding the runtime's epoll descriptor and polling it (the crate's one reviewed
 //!   `unsafe` block, the `poll(2)` call);
@@ -85,7 +86,8 @@ static HITS: LazyLock<IntCounter> = LazyLock::new(|| {
 static SECONDS: LazyLock<Counter> = LazyLock::new(|| {
     Counter::new(
         "tether_runtime_idle_poll_seconds_total",
-        "Time runtime threads spent polling before sleeping",
+        "Time runtime threads spent polling before sleeping (wall clock: an upper bound of \
+         the CPU it cost, since a poll yields the CPU between checks)",
     )
     .expect("valid metric")
 });
@@ -166,6 +168,81 @@ fn after_unpark() {
             st.policy.observe_idle(at.elapsed());
         }
     });
+}
+
+/// A transport that reports the bytes it moves to [`note_io`]: for a tunnel-like connection
+/// that has no `ProgressIo` of its own (a broker's relay link to a peer), so that bulk data over
+/// it keeps idle polling off like bulk data over a tunnel.
+#[derive(Debug)]
+pub struct Counted<T> {
+    inner: T,
+}
+
+impl<T> Counted<T> {
+    pub fn new(inner: T) -> Self {
+        Self { inner }
+    }
+
+    pub fn get_ref(&self) -> &T {
+        &self.inner
+    }
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Counted<T> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = std::pin::Pin::new(&mut self.get_mut().inner).poll_read(cx, buf);
+        note_io(buf.filled().len().saturating_sub(before));
+        r
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Counted<T> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let r = std::pin::Pin::new(&mut self.get_mut().inner).poll_write(cx, buf);
+        if let std::task::Poll::Ready(Ok(n)) = r {
+            note_io(n);
+        }
+        r
+    }
+
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let r = std::pin::Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs);
+        if let std::task::Poll::Ready(Ok(n)) = r {
+            note_io(n);
+        }
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
 }
 
 /// Tests that create runtimes while listing descriptors, or that read the process-wide
