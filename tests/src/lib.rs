@@ -331,6 +331,17 @@ pub async fn wait_agent_ready(agent: &Agent) -> anyhow::Result<()> {
     .await
 }
 
+/// Starts broker `b1` and cluster `c1`'s agent on `hub` (the cluster's API server: an echo
+/// server) and waits until the tunnel is up. Keep the agent alive while the tunnel is used.
+pub async fn with_c1(hub: Hub) -> anyhow::Result<(Hub, Broker, Agent)> {
+    let echo = echo_server().await?;
+    let broker = hub.start_broker("b1", "")?;
+    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
+    wait_agent_ready(&agent).await?;
+    wait_tunnel(&broker, "c1").await?;
+    Ok((hub, broker, agent))
+}
+
 /// Waits until `broker` has a tunnel for `cluster`.
 pub async fn wait_tunnel(broker: &Broker, cluster: &str) -> anyhow::Result<()> {
     let needle = format!("\"cluster\":\"{cluster}\"");

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use tether_e2e::{Hub, OPS_TOKEN, connect, echo_server, metric, wait_agent_ready, wait_tunnel};
+use tether_e2e::{Hub, OPS_TOKEN, connect, metric};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const POLLS: &str = "tether_runtime_idle_polls_total";
@@ -19,12 +19,7 @@ async fn pair(idle_poll_us: u64) -> anyhow::Result<(Hub, tether_e2e::Broker, tet
     hub.env.push(("TETHER_WORKER_THREADS".into(), "1".into()));
     hub.env
         .push(("TETHER_IDLE_POLL_US".into(), idle_poll_us.to_string()));
-    let echo = echo_server().await?;
-    let broker = hub.start_broker("b1", "")?;
-    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
-    wait_agent_ready(&agent).await?;
-    wait_tunnel(&broker, "c1").await?;
-    Ok((hub, broker, agent))
+    tether_e2e::with_c1(hub).await
 }
 
 /// `rounds` 64 B request/response round trips through one CONNECT stream.

@@ -224,13 +224,7 @@ async fn proxy_connect_round_trip_and_kubectl_through_the_tunnel() -> anyhow::Re
 /// A hub with broker `b1` and cluster `c1` (API server: an echo server), once its tunnel is
 /// up; the forwards name their targets themselves. Keep the agent alive while the tunnel is used.
 async fn hub_with_c1() -> anyhow::Result<(Hub, Broker, tether_e2e::Agent)> {
-    let hub = Hub::new()?;
-    let echo = echo_server().await?;
-    let broker = hub.start_broker("b1", "")?;
-    let agent = hub.start_agent("c1", "c1", &[vec![broker.agent_addr]], echo, "")?;
-    wait_agent_ready(&agent).await?;
-    wait_tunnel(&broker, "c1").await?;
-    Ok((hub, broker, agent))
+    tether_e2e::with_c1(Hub::new()?).await
 }
 
 /// Starts `tetherctl proxy connect c1 <target>` over the broker's plain port (HTTP CONNECT,

@@ -81,19 +81,9 @@ mod tests {
 
     #[test]
     fn a_new_runtime_shows_up_as_new_epoll_descriptors() {
-        let _one = crate::SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-        let before = epoll_fds().expect("list fds");
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        let after = epoll_fds().expect("list fds");
-        let new: Vec<_> = after.iter().filter(|f| !before.contains(f)).collect();
+        let (new, rt) = new_runtime();
         // tokio's driver keeps a duplicate of its epoll descriptor (the same epoll instance).
-        assert!(
-            (1..=MAX_DRIVER_FDS).contains(&new.len()),
-            "before {before:?}, after {after:?}"
-        );
+        assert!((1..=MAX_DRIVER_FDS).contains(&new.len()), "new: {new:?}");
         drop(rt);
     }
 
@@ -115,20 +105,23 @@ mod tests {
         assert!(started.elapsed() < Duration::from_millis(50));
     }
 
-    /// The epoll descriptor of a fresh runtime that nothing has woken (only its own waker is
-    /// registered), valid while the runtime lives.
-    fn epoll_of_nothing() -> (RawFd, tokio::runtime::Runtime) {
+    /// A fresh current-thread runtime and the epoll descriptors its creation added.
+    fn new_runtime() -> (Vec<RawFd>, tokio::runtime::Runtime) {
         let _one = crate::SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let before = epoll_fds().expect("list fds");
         let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_io()
+            .enable_all()
             .build()
             .expect("runtime");
         let after = epoll_fds().expect("list fds");
-        let fd = *after
-            .iter()
-            .find(|f| !before.contains(f))
-            .expect("the runtime's epoll descriptor");
-        (fd, rt)
+        let new = after.into_iter().filter(|f| !before.contains(f)).collect();
+        (new, rt)
+    }
+
+    /// The epoll descriptor of a fresh runtime that nothing has woken (only its own waker is
+    /// registered), valid while the runtime lives.
+    fn epoll_of_nothing() -> (RawFd, tokio::runtime::Runtime) {
+        let (new, rt) = new_runtime();
+        (*new.first().expect("the runtime's epoll descriptor"), rt)
     }
 }
