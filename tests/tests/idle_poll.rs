@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use tether_e2e::{Hub, OPS_TOKEN, connect, metric};
+use tether_e2e::{Hub, OPS_TOKEN, admin_get, connect, metric};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const POLLS: &str = "tether_runtime_idle_polls_total";
@@ -142,6 +142,14 @@ async fn idle_poll_zero_never_polls() -> anyhow::Result<()> {
     let (_hub, broker, agent) = pair(0).await?;
     ping_pong(&broker, 500).await?;
     for admin in [broker.admin_addr, agent.admin_addr] {
+        // Registered (so a zero is a reading, not an absent metric) and zero.
+        let (_, body) = admin_get(admin, "/metrics").await?;
+        for name in [POLLS, HITS, SECONDS] {
+            assert!(
+                body.contains(&format!("{name} 0")),
+                "{name} missing or not 0"
+            );
+        }
         assert_eq!(counters(admin).await?, (0.0, 0.0, 0.0));
     }
     Ok(())

@@ -18,6 +18,7 @@ fn main() -> anyhow::Result<()> {
     args.process.data_plane_system().block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("tunnel-agent");
         tracing::info!(aead = %aead, "TLS record encryption");
+        tracing::info!(idle_poll = tether_idlepoll::status(), "runtime");
         let shutdown = tether_runtime::shutdown_token();
         let admin =
             tether_runtime::bind_admin(cfg.admin_listen, args.process.ready_file.as_deref())

@@ -20,6 +20,7 @@ fn main() -> anyhow::Result<()> {
     args.process.data_plane_system().block_on(async move {
         let _telemetry = tether_telemetry::init_tracing("tunnel-broker");
         tracing::info!(aead = %aead, "TLS record encryption");
+        tracing::info!(idle_poll = tether_idlepoll::status(), "runtime");
         let shutdown = tether_runtime::shutdown_token();
         let listeners = tunnel_broker::Listeners {
             agent: bind(cfg.agent_listen, "agent_listen").await?,

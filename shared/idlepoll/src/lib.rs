@@ -19,9 +19,9 @@
 //! poll at all (bulk transfers gain nothing from it). Measured in docs/benchmarks.md.
 //!
 //! Layout:
-//! - [`note_io`]: the tunnel transport reports bytes moved (`tether_tunnel`'s `ProgressIo`,
-//!   below TLS on every tunnel connection; [`Counted`] on a broker's relay links to its
-//!   peers), counted per thread since the thread last parked;
+//! - [`note_io`] and [`Counted`]: tunnel transports report the bytes they move (`Counted`
+//!   wraps every tunnel socket below TLS, inside `tether_tunnel`'s `ProgressIo`, and a broker's
+//!   relay links to its peers), counted per thread since the thread last parked;
 //! - [`policy`]: the adaptive window and the light-traffic gate (pure, unit-tested);
 //! - [`ready`]: finding the runtime's epoll descriptor and polling it (the crate's one reviewed
 //!   `unsafe` block, the `poll(2)` call);
@@ -100,9 +100,21 @@ pub fn register(registry: &prometheus::Registry) -> prometheus::Result<()> {
     Ok(())
 }
 
-/// Counters so far: (polls, hits, seconds polled), for tests and logs.
-pub fn totals() -> (u64, u64, f64) {
+/// Counters so far: (polls, hits, seconds polled).
+#[cfg(test)]
+pub(crate) fn totals() -> (u64, u64, f64) {
     (POLLS.get(), HITS.get(), SECONDS.get())
+}
+
+/// What idle polling does in this process, once a runtime was built (for the start-up log).
+static STATUS: OnceLock<String> = OnceLock::new();
+
+/// What idle polling does in this process: on with its bound, or off and why. For the
+/// services' start-up log line, so an operator who set `--idle-poll-us` sees whether it took.
+pub fn status() -> &'static str {
+    STATUS
+        .get()
+        .map_or("off (a multi-thread runtime, or --idle-poll-us 0)", |s| s)
 }
 
 /// Builds a current-thread runtime from `builder` with idle polling of at most `max` (zero:
@@ -118,8 +130,12 @@ pub fn build_current_thread(
     if max.is_zero() {
         return builder.build();
     }
-    let Ok(before) = ready::epoll_fds() else {
-        return builder.build();
+    let before = match ready::epoll_fds() {
+        Ok(fds) => fds,
+        Err(e) => {
+            let _ = STATUS.set(format!("off: cannot list /proc/self/fd: {e}"));
+            return builder.build();
+        }
     };
     let fds: Arc<OnceLock<Box<[RawFd]>>> = Arc::new(OnceLock::new());
     let park_fds = fds.clone();
@@ -127,12 +143,23 @@ pub fn build_current_thread(
         .on_thread_park(move || before_park(&park_fds, max))
         .on_thread_unpark(after_unpark);
     let rt = builder.build()?;
-    if let Ok(after) = ready::epoll_fds() {
-        let new: Box<[RawFd]> = after.into_iter().filter(|f| !before.contains(f)).collect();
-        if (1..=ready::MAX_DRIVER_FDS).contains(&new.len()) {
-            let _ = fds.set(new);
+    let status = match ready::epoll_fds() {
+        Ok(after) => {
+            let new: Box<[RawFd]> = after.into_iter().filter(|f| !before.contains(f)).collect();
+            if (1..=ready::MAX_DRIVER_FDS).contains(&new.len()) {
+                let _ = fds.set(new);
+                format!("on: polls up to {} µs after light traffic", max.as_micros())
+            } else {
+                format!(
+                    "off: the runtime's epoll descriptor is not known ({} new epoll descriptors \
+                     appeared while it was built)",
+                    new.len()
+                )
+            }
         }
-    }
+        Err(e) => format!("off: cannot list /proc/self/fd: {e}"),
+    };
+    let _ = STATUS.set(status);
     Ok(rt)
 }
 
@@ -170,9 +197,9 @@ fn after_unpark() {
     });
 }
 
-/// A transport that reports the bytes it moves to [`note_io`]: for a tunnel-like connection
-/// that has no `ProgressIo` of its own (a broker's relay link to a peer), so that bulk data over
-/// it keeps idle polling off like bulk data over a tunnel.
+/// A transport that reports the bytes it moves to [`note_io`]: every tunnel socket (inside
+/// `tether_tunnel`'s `ProgressIo`) and a broker's relay links to its peers, so that bulk data
+/// over them keeps idle polling off.
 #[derive(Debug)]
 pub struct Counted<T> {
     inner: T,

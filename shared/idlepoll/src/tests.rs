@@ -75,6 +75,7 @@ fn answers_to_light_messages_are_caught_by_the_poll() {
     // seconds even on a loaded machine).
     let (polls, hits, secs) = exchange(MAX_MAX, 120, 200, |_, hits| hits >= 50);
     assert!(hits >= 50, "{hits} hits of {polls} polls");
+    assert!(status().starts_with("on: polls up to"), "{}", status());
     assert!(secs > 0.0);
 }
 

@@ -254,20 +254,23 @@ impl Watchdog {
 }
 
 /// A transport wrapper that reports reads and writes to a [`Progress`] (put it right on the
-/// socket, below TLS, so every byte counts and nothing buffered above hides a stall), and the
-/// bytes moved to [`tether_idlepoll::note_io`] (idle polling follows light traffic, not bulk).
+/// socket, below TLS, so every byte counts and nothing buffered above hides a stall). The socket
+/// is wrapped in [`tether_idlepoll::Counted`] too: idle polling follows light traffic, not bulk.
 pub struct ProgressIo<T> {
-    inner: T,
+    inner: tether_idlepoll::Counted<T>,
     progress: Arc<Progress>,
 }
 
 impl<T> ProgressIo<T> {
     pub fn new(inner: T, progress: Arc<Progress>) -> Self {
-        Self { inner, progress }
+        Self {
+            inner: tether_idlepoll::Counted::new(inner),
+            progress,
+        }
     }
 
     pub fn get_ref(&self) -> &T {
-        &self.inner
+        self.inner.get_ref()
     }
 }
 
@@ -282,7 +285,6 @@ impl<T: AsyncRead + Unpin> AsyncRead for ProgressIo<T> {
         let r = Pin::new(&mut me.inner).poll_read(cx, buf);
         if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
             me.progress.on_read();
-            tether_idlepoll::note_io(buf.filled().len() - before);
         }
         r
     }
@@ -299,9 +301,6 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for ProgressIo<T> {
         if !buf.is_empty() && !matches!(r, Poll::Ready(Err(_))) {
             me.progress.on_write();
         }
-        if let Poll::Ready(Ok(n)) = r {
-            tether_idlepoll::note_io(n);
-        }
         r
     }
 
@@ -314,9 +313,6 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for ProgressIo<T> {
         let r = Pin::new(&mut me.inner).poll_write_vectored(cx, bufs);
         if bufs.iter().any(|b| !b.is_empty()) && !matches!(r, Poll::Ready(Err(_))) {
             me.progress.on_write();
-        }
-        if let Poll::Ready(Ok(n)) = r {
-            tether_idlepoll::note_io(n);
         }
         r
     }
