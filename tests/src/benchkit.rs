@@ -85,8 +85,8 @@ pub fn range_note(ratios: &[f64]) -> String {
 
 /// `n` 64-byte request/response round trips on an open echo stream; each round trip's time is
 /// pushed to `out`.
-pub async fn request_response(
-    s: &mut TcpStream,
+pub async fn request_response<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized>(
+    s: &mut S,
     n: usize,
     out: &mut Vec<Duration>,
 ) -> anyhow::Result<()> {

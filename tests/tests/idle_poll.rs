@@ -154,3 +154,100 @@ async fn idle_poll_zero_never_polls() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// A running `tetherctl proxy connect` to c1's API server (the echo target) over the broker's
+/// plain port, with one forward thread and `--idle-poll-us idle_poll_us`: the child (killed on
+/// drop) and its local address.
+async fn proxy_connect(
+    broker: &tether_e2e::Broker,
+    idle_poll_us: u64,
+) -> anyhow::Result<(tokio::process::Child, std::net::SocketAddr)> {
+    use tokio::io::AsyncBufReadExt as _;
+    let mut child = tokio::process::Command::new(tether_test_support::bin("tetherctl")?)
+        .args(["proxy", "connect", "c1", "--local-port", "0"])
+        .args(["--worker-threads", "1", "--idle-poll-us"])
+        .arg(idle_poll_us.to_string())
+        .arg("--broker")
+        .arg(format!("http://{}", broker.client_addr))
+        .env("TETHER_TOKEN", OPS_TOKEN)
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let stdout = child.stdout.take().expect("piped");
+    let mut line = String::new();
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        tokio::io::BufReader::new(stdout).read_line(&mut line),
+    )
+    .await??;
+    let local = line
+        .strip_prefix("Forwarding from ")
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|a| a.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("tetherctl proxy connect said {line:?}"))?;
+    Ok((child, local))
+}
+
+/// How often the forward's thread has gone to sleep (`voluntary_ctxt_switches`; a yield while
+/// polling is not one).
+fn forward_sleeps(pid: u32) -> anyhow::Result<u64> {
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let dir = task?.path();
+        if !std::fs::read_to_string(dir.join("comm"))?.starts_with("tetherctl-forw") {
+            continue;
+        }
+        let status = std::fs::read_to_string(dir.join("status"))?;
+        return status
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+            .and_then(|v| v.trim().parse().ok())
+            .ok_or_else(|| anyhow::anyhow!("no voluntary_ctxt_switches in {status}"));
+    }
+    anyhow::bail!("tetherctl {pid} has no tetherctl-forward thread")
+}
+
+/// `tetherctl proxy connect` with one forward thread polls as the broker and agent do: without
+/// polling its thread sleeps about twice per forwarded round trip (waiting for the request,
+/// then for the answer); with it, most waits end in a poll that catches the next message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_connect_polls_between_requests_unless_told_not_to() -> anyhow::Result<()> {
+    const ROUNDS: u64 = 500;
+    let (_hub, broker, _agent) = pair(tether_runtime::DEFAULT_IDLE_POLL_US).await?;
+    for idle_poll_us in [0, 1000] {
+        let (child, local) = proxy_connect(&broker, idle_poll_us).await?;
+        let pid = child.id().expect("running");
+        let mut s = tokio::net::TcpStream::connect(local).await?;
+        s.set_nodelay(true)?;
+        let mut buf = [3u8; 64];
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let before = forward_sleeps(pid)?;
+            for _ in 0..ROUNDS {
+                s.write_all(&buf).await?;
+                tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut buf)).await??;
+            }
+            let per_round = (forward_sleeps(pid)? - before) as f64 / ROUNDS as f64;
+            eprintln!("--idle-poll-us {idle_poll_us}: {per_round:.2} sleeps per round trip");
+            if idle_poll_us == 0 {
+                // Two waits per round trip, each a sleep; a busy machine may let a message
+                // arrive before the thread went to sleep now and then.
+                assert!(
+                    per_round >= 1.0,
+                    "without polling the forward slept {per_round:.2} times per round trip"
+                );
+                break;
+            }
+            // The window opens after a few short idle periods; on a machine busy with other
+            // tests a poll may yield the CPU for longer than the window. So: batches until one
+            // in which most waits were caught, within the deadline.
+            if per_round < 1.0 {
+                break;
+            }
+            anyhow::ensure!(
+                std::time::Instant::now() < deadline,
+                "after 30 s of round trips the forward still slept {per_round:.2} times per round trip"
+            );
+        }
+    }
+    Ok(())
+}

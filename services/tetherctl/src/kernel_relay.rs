@@ -63,6 +63,8 @@ pub async fn one_way(from: &TcpStream, to: &TcpStream) -> io::Result<u64> {
             socket2::SockRef::from(to).shutdown(std::net::Shutdown::Write)?;
             return Ok(total);
         }
+        // Counted for idle polling (light traffic or bulk: `proxy connect`'s runtime).
+        tether_idlepoll::note_io(n);
         let mut left = n;
         while left > 0 {
             to.writable().await?;

@@ -356,7 +356,12 @@ async fn splice(local: tokio::net::TcpStream, remote: &mut DialStream) -> std::i
                 continue;
             }
             let b = buf.get_or_insert_with(|| pool.take());
-            match tokio_util::io::poll_read_buf(Pin::new(&mut lr), cx, b) {
+            let read = tokio_util::io::poll_read_buf(Pin::new(&mut lr), cx, b);
+            // Counted for idle polling (light traffic or bulk), as the broker's sockets are.
+            if let Poll::Ready(Ok(n)) = read {
+                tether_idlepoll::note_io(n);
+            }
+            match read {
                 Poll::Ready(Ok(0)) => {
                     std::task::ready!(Pin::new(&mut *remote).poll_shutdown(cx))?;
                     up_done = true;
@@ -392,7 +397,10 @@ async fn splice(local: tokio::net::TcpStream, remote: &mut DialStream) -> std::i
                 continue;
             }
             match remote.poll_recv(cx) {
-                Poll::Ready(Some(Ok(b))) => down = Some(b),
+                Poll::Ready(Some(Ok(b))) => {
+                    tether_idlepoll::note_io(b.len());
+                    down = Some(b)
+                }
                 Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(e)),
                 Poll::Ready(None) => {
                     std::task::ready!(Pin::new(&mut lw).poll_shutdown(cx))?;
@@ -418,6 +426,7 @@ pub async fn connect(
     address: &str,
     local_port: u16,
     workers: Option<usize>,
+    idle_poll: Duration,
 ) -> anyhow::Result<()> {
     tether_tls::identity::validate_dns_label(cluster)
         .map_err(|r| anyhow::anyhow!("cluster {cluster:?}: {r}"))?;
@@ -434,9 +443,8 @@ pub async fn connect(
              (<host>.<cluster>.tether:<port>); use --broker https:// (the native Dial API)"
         );
     }
-    // The forward (its connections to the broker included) runs on its own multi-threaded
-    // runtime (over https://, one HTTP/2 connection per worker): tetherctl's main runtime is
-    // single-threaded.
+    // The forward (its connections to the broker included) runs on a runtime of its own (over
+    // https://, one HTTP/2 connection per worker thread): see `ForwardRuntime`.
     // Default: half the CPUs, as the broker and the agent (`data_plane_workers`). On 2 CPUs one
     // worker beat two in the same-run A/B (docs/benchmarks.md): 1 stream 6.8 vs 6.4 Gbit/s and
     // 1.90 vs 2.10 CPU-s/GB, 8 streams 6.5 vs 6.2 Gbit/s — the second worker mostly added
@@ -444,14 +452,8 @@ pub async fn connect(
     let workers = workers
         .unwrap_or_else(tether_runtime::data_plane_workers)
         .clamp(1, FORWARD_MAX_WORKERS);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(workers)
-        .thread_name("tetherctl-forward")
-        .enable_all()
-        .build()
-        .context("starting the forward's runtime")?;
     let (broker, cluster, address) = (broker.clone(), cluster.to_string(), address.to_string());
-    let run = rt.spawn(async move {
+    let mut rt = ForwardRuntime::start(workers, idle_poll, async move {
         // Over https://, one HTTP/2 connection (TLS session, connection task) per worker, so
         // with several workers busy streams do not share one connection's framing and
         // encryption; over http://, a TCP connection per forwarded connection.
@@ -469,13 +471,68 @@ pub async fn connect(
         std::io::stdout().flush()?;
         forward(listener, upstream, cluster, target).await;
         anyhow::Ok(())
-    });
-    let r = tokio::select! {
-        r = run => r.context("the forward stopped")?,
+    })?;
+    tokio::select! {
+        r = &mut rt.done => r.context("the forward stopped")?,
         _ = tokio::signal::ctrl_c() => Ok(()),
-    };
-    rt.shutdown_background();
-    r
+    }
+}
+
+/// The runtime a forward runs on, apart from tetherctl's main one. With one worker thread (the
+/// default on up to three CPUs) a current-thread runtime on a thread of its own, with idle
+/// polling of at most `idle_poll` ([`tether_idlepoll`], as the broker and the agent): a
+/// request through the forward (kubectl's) then usually finds the forward awake, on hosts
+/// whose idle CPUs halt. With more, a multi-thread runtime.
+struct ForwardRuntime {
+    /// The forward's result (an error, or its end).
+    done: tokio::sync::oneshot::Receiver<anyhow::Result<()>>,
+    /// A multi-thread runtime, stopped without waiting when dropped; none for the
+    /// current-thread one, which ends with the process.
+    multi: Option<tokio::runtime::Runtime>,
+}
+
+impl ForwardRuntime {
+    fn start<F>(workers: usize, idle_poll: Duration, forward: F) -> anyhow::Result<Self>
+    where
+        F: Future<Output = anyhow::Result<()>> + Send + 'static,
+    {
+        let (tx, done) = tokio::sync::oneshot::channel();
+        if workers == 1 {
+            let mut b = tokio::runtime::Builder::new_current_thread();
+            b.enable_all();
+            let rt = tether_idlepoll::build_current_thread(&mut b, idle_poll)
+                .context("starting the forward's runtime")?;
+            tracing::debug!(idle_poll = tether_idlepoll::status(), "forward runtime");
+            std::thread::Builder::new()
+                .name("tetherctl-forward".into())
+                .spawn(move || {
+                    let _ = tx.send(rt.block_on(forward));
+                })
+                .context("starting the forward's thread")?;
+            return Ok(Self { done, multi: None });
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .thread_name("tetherctl-forward")
+            .enable_all()
+            .build()
+            .context("starting the forward's runtime")?;
+        rt.spawn(async move {
+            let _ = tx.send(forward.await);
+        });
+        Ok(Self {
+            done,
+            multi: Some(rt),
+        })
+    }
+}
+
+impl Drop for ForwardRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.multi.take() {
+            rt.shutdown_background();
+        }
+    }
 }
 
 /// Options of `tetherctl proxy kubectl`.
@@ -500,6 +557,16 @@ pub struct KubectlArgs {
     /// kubectl binary.
     #[arg(long, env = "TETHER_KUBECTL", default_value = "kubectl")]
     pub kubectl: PathBuf,
+    /// The longest the forward polls for more work after light traffic before it sleeps, in
+    /// microseconds (0: never; at most 1000), as the broker and the agent. See
+    /// docs/configuration.md, "Idle polling".
+    #[arg(
+        long,
+        env = "TETHER_IDLE_POLL_US",
+        default_value_t = tether_runtime::process::DEFAULT_IDLE_POLL_US,
+        value_parser = clap::value_parser!(u64).range(0..=1000)
+    )]
+    pub idle_poll_us: u64,
     /// Arguments for kubectl (after `--`).
     #[arg(last = true)]
     pub args: Vec<String>,
@@ -593,14 +660,38 @@ fn kubeconfig(a: &KubectlArgs, local: std::net::SocketAddr) -> anyhow::Result<se
 pub async fn kubectl(broker: &BrokerArgs, a: &KubectlArgs) -> anyhow::Result<i32> {
     tether_tls::identity::validate_dns_label(&a.cluster)
         .map_err(|r| anyhow::anyhow!("cluster {:?}: {r}", a.cluster))?;
-    let upstream = broker.upstream(1).await?;
-    let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0))?;
+    listener.set_nonblocking(true)?;
     let local = listener.local_addr()?;
     let kc = kubeconfig(a, local)?;
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("kubeconfig");
     std::fs::write(&path, serde_json::to_string_pretty(&kc)?)?;
-    let fwd = tokio::spawn(forward(listener, upstream, a.cluster.clone(), None));
+    // The forward on a runtime of its own (one thread, idle polling: kubectl's requests are
+    // light traffic); kubectl starts once the broker is reached.
+    let (ready, is_ready) = tokio::sync::oneshot::channel();
+    let (broker, cluster) = (broker.clone(), a.cluster.clone());
+    let idle_poll = Duration::from_micros(a.idle_poll_us);
+    let mut fwd = ForwardRuntime::start(1, idle_poll, async move {
+        let listener = TcpListener::from_std(listener)?;
+        let upstream = match broker.upstream(1).await {
+            Ok(u) => u,
+            Err(e) => {
+                let _ = ready.send(Err(e));
+                return Ok(());
+            }
+        };
+        let _ = ready.send(Ok(()));
+        forward(listener, upstream, cluster, None).await;
+        Ok(())
+    })?;
+    tokio::select! {
+        r = is_ready => r.context("the forward stopped")??,
+        r = &mut fwd.done => {
+            r.context("the forward stopped")??;
+            bail!("the forward stopped");
+        }
+    }
     let status = tokio::process::Command::new(&a.kubectl)
         .arg("--kubeconfig")
         .arg(&path)
@@ -609,7 +700,6 @@ pub async fn kubectl(broker: &BrokerArgs, a: &KubectlArgs) -> anyhow::Result<i32
         .status()
         .await
         .with_context(|| format!("running {}", a.kubectl.display()))?;
-    fwd.abort();
     Ok(status.code().unwrap_or(1))
 }
 
@@ -667,6 +757,7 @@ mod tests {
             tls_server_name: "kubernetes.default.svc".into(),
             kube_token_file: None,
             kubectl: "kubectl".into(),
+            idle_poll_us: 0,
             args: vec![],
         };
         let kc = kubeconfig(&a, "127.0.0.1:5555".parse().unwrap()).unwrap();

@@ -105,8 +105,8 @@ struct Args {
     /// (`GLIBC_TUNABLES`, see tether_runtime::GLIBC_TUNABLES_DATA_PLANE), to measure its effect.
     #[arg(long)]
     glibc_default: bool,
-    /// Run only these sections: tput1, tput8, rr, open, clients, peers, stall, idle, fleet,
-    /// sproxy (comma-separated).
+    /// Run only these sections: tput1, tput8, rr, open, client-rr (64 B request/response on
+    /// every client path), clients, peers, stall, idle, fleet, sproxy (comma-separated).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Rounds of the stalled-reader measurement (default 5, quick 1).
@@ -1642,8 +1642,8 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
     drop((ssh_peer, rathole_peer));
 
     // One row per client path: CONNECT, TLS CONNECT, native gRPC Dial (the SDK), `tetherctl
-    // proxy connect`; 1 and 8 streams.
-    if setup.wants("clients") {
+    // proxy connect`; 1 and 8 streams. Before them, one row of every path's request/response.
+    if setup.wants_any(&["clients", "client-rr"]) {
         for row in clients::section(
             &hub,
             &broker,

@@ -367,8 +367,16 @@ pub async fn section(
         upload_streams_confirmed(socks, Duration::from_millis(200), path.confirm(), 0).await?;
     }
 
+    let mut rr_rows = Vec::new();
+    if setup.wants("client-rr") {
+        rr_rows.push(request_response_row(&clients, setup, &cpu, focus.as_deref()).await?);
+    }
+    if !setup.wants("clients") {
+        return Ok(rr_rows);
+    }
+
     if let Some(only) = focus {
-        let mut rows = Vec::new();
+        let mut rows = rr_rows;
         for direction in [Direction::Upload, Direction::Download] {
             if setup.client_direction.is_some_and(|d| d != direction) {
                 continue;
@@ -392,7 +400,7 @@ pub async fn section(
 
     let per_gb = |p: usize, si: usize| cpu_s[p][si] / gb[p][si];
     let hop_per_gb = |p: usize, si: usize| hop_s[p][si] / gb[p][si];
-    let mut rows = Vec::new();
+    let mut rows = rr_rows;
     for (p, path) in PATHS.iter().enumerate() {
         let tput = format!("{} / {}", gbit(mean(&rate[p][0])), gbit(mean(&rate[p][1])));
         let mut notes = Vec::new();
@@ -497,6 +505,107 @@ pub enum Direction {
     /// Target → client (kube watches, large GETs, logs): the SDK's and `proxy connect`'s
     /// receive side.
     Download,
+}
+
+/// The path each path's request/response is judged against: the cheapest path of its own
+/// topology (as in the floors row), `None` for CONNECT and the floors themselves.
+fn rr_reference(p: Path) -> Option<usize> {
+    match p {
+        Path::Connect | Path::TlsConnectRelayed | Path::ConnectRelayed => None,
+        Path::TlsConnect | Path::GrpcPlain | Path::KonnectivityPlain => Some(CONNECT),
+        Path::Grpc | Path::Konnectivity => Some(TLS_CONNECT),
+        Path::ProxyConnect => Some(TLS_CONNECT_RELAYED),
+        Path::ProxyConnectPlain => Some(CONNECT_RELAYED),
+    }
+}
+
+/// 64 B request/response on one open stream per client path (the target echoes), in blocks
+/// rotated so that each path runs first, second, … equally often; p50 and p99 per path, and
+/// the CPU per round trip of every process on the path and of broker and agent. Each path is
+/// set against the cheapest path of its own topology: a user of `proxy connect` (kubectl) or
+/// of the SDK pays this per request, whatever the bulk figures say. Information: issue 16
+/// states no per-message target for the client paths.
+async fn request_response_row(
+    clients: &Clients,
+    setup: &Setup,
+    cpu: &dyn Fn() -> Cpu,
+    only: Option<&[usize]>,
+) -> anyhow::Result<Row> {
+    use tether_e2e::benchkit::{percentile, request_response};
+    use tokio::io::AsyncWriteExt as _;
+    let (per_block, blocks) = if setup.quick { (300, 4) } else { (1000, 12) };
+    let paths: Vec<usize> = only.map_or_else(|| (0..PATHS.len()).collect(), <[usize]>::to_vec);
+    let mut socks = Vec::with_capacity(paths.len());
+    for &p in &paths {
+        let mut s = clients.open(PATHS[p]).await?;
+        s.write_all(b"E").await?;
+        request_response(&mut s, 200, &mut Vec::new())
+            .await
+            .with_context(|| format!("{}: request/response warm-up", PATHS[p].name()))?;
+        socks.push(s);
+    }
+    let mut samples = vec![Vec::with_capacity(per_block * blocks); PATHS.len()];
+    let (mut all_s, mut hop_s) = (vec![0.0f64; PATHS.len()], vec![0.0f64; PATHS.len()]);
+    for block in 0..blocks {
+        let mut order: Vec<usize> = (0..paths.len()).collect();
+        order.rotate_left(block % paths.len());
+        for i in order {
+            let p = paths[i];
+            let c0 = cpu();
+            request_response(&mut socks[i], per_block, &mut samples[p])
+                .await
+                .with_context(|| format!("{}: request/response", PATHS[p].name()))?;
+            let c1 = cpu();
+            all_s[p] += (c1.all - c0.all).max(0.0);
+            hop_s[p] += (c1.hop - c0.hop).max(0.0);
+        }
+    }
+    drop(socks);
+    let n = (per_block * blocks) as f64;
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    for s in &mut samples {
+        s.sort();
+    }
+    let p50 = |p: usize| percentile(&samples[p], 0.5);
+    let cells: Vec<String> = paths
+        .iter()
+        .map(|&p| {
+            let vs = rr_reference(PATHS[p])
+                .filter(|r| paths.contains(r))
+                .map(|r| {
+                    format!(
+                        ", {:+.0} µs vs {}",
+                        us(p50(p)) - us(p50(r)),
+                        PATHS[r].name()
+                    )
+                })
+                .unwrap_or_default();
+            format!(
+                "{} {:.0} / {:.0} µs{vs}, CPU per round trip {:.1} µs (broker+agent {:.1})",
+                PATHS[p].name(),
+                us(p50(p)),
+                us(percentile(&samples[p], 0.99)),
+                all_s[p] / n * 1e6,
+                hop_s[p] / n * 1e6,
+            )
+        })
+        .collect();
+    println!(
+        "  client paths, 64 B request/response p50 / p99: {}",
+        cells.join("; ")
+    );
+    Ok(Row {
+        what: "client paths, 64 B request/response p50 / p99 (each path against the cheapest path of its topology)".into(),
+        tunnel: format!(
+            "CONNECT {:.0} / {:.0} µs",
+            us(p50(CONNECT)),
+            us(percentile(&samples[CONNECT], 0.99))
+        ),
+        result: cells.join("; "),
+        target: "information (per-request cost of each client path)".into(),
+        ok: None,
+        ..Row::default()
+    })
 }
 
 /// CPU seconds so far: every process on the path, broker and agent, the agent alone.
