@@ -672,26 +672,23 @@ pub async fn kubectl(broker: &BrokerArgs, a: &KubectlArgs) -> anyhow::Result<i32
     let (ready, is_ready) = tokio::sync::oneshot::channel();
     let (broker, cluster) = (broker.clone(), a.cluster.clone());
     let idle_poll = Duration::from_micros(a.idle_poll_us);
-    let mut fwd = ForwardRuntime::start(1, idle_poll, async move {
-        let listener = TcpListener::from_std(listener)?;
-        let upstream = match broker.upstream(1).await {
-            Ok(u) => u,
+    let _fwd = ForwardRuntime::start(1, idle_poll, async move {
+        let setup = async {
+            let listener = TcpListener::from_std(listener)?;
+            anyhow::Ok((listener, broker.upstream(1).await?))
+        };
+        match setup.await {
+            Ok((listener, upstream)) => {
+                let _ = ready.send(Ok(()));
+                forward(listener, upstream, cluster, None).await;
+            }
             Err(e) => {
                 let _ = ready.send(Err(e));
-                return Ok(());
             }
-        };
-        let _ = ready.send(Ok(()));
-        forward(listener, upstream, cluster, None).await;
+        }
         Ok(())
     })?;
-    tokio::select! {
-        r = is_ready => r.context("the forward stopped")??,
-        r = &mut fwd.done => {
-            r.context("the forward stopped")??;
-            bail!("the forward stopped");
-        }
-    }
+    is_ready.await.context("the forward stopped")??;
     let status = tokio::process::Command::new(&a.kubectl)
         .arg("--kubeconfig")
         .arg(&path)
