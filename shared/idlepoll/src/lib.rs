@@ -1,4 +1,5 @@
-//! Idle polling for the data-plane processes (broker and agent).
+//! Idle polling for the data-plane processes (broker and agent, and the forward of
+//! `tetherctl proxy connect|kubectl`).
 //!
 //! A tunnelled message crosses the broker and the agent, and at each of them it usually finds
 //! the runtime thread asleep in `epoll_wait`: every hop pays a wake-up. On a machine whose idle
@@ -21,7 +22,8 @@
 //! Layout:
 //! - [`note_io`] and [`Counted`]: tunnel transports report the bytes they move (`Counted`
 //!   wraps every tunnel socket below TLS, inside `tether_tunnel`'s `ProgressIo`, and a broker's
-//!   relay links to its peers), counted per thread since the thread last parked;
+//!   relay links to its peers; `tetherctl`'s forward calls `note_io` from its copy loops),
+//!   counted per thread since the thread last parked;
 //! - [`policy`]: the adaptive window and the light-traffic gate (pure, unit-tested);
 //! - [`ready`]: finding the runtime's epoll descriptor and polling it (the crate's one reviewed
 //!   `unsafe` block, the `poll(2)` call);
