@@ -199,3 +199,47 @@ fn a_focused_run_measures_the_chosen_paths_against_connect() -> anyhow::Result<(
     }
     Ok(())
 }
+
+#[test]
+fn every_client_path_answers_requests() -> anyhow::Result<()> {
+    let out = quick_run("client-rr")?;
+    let row = out
+        .lines()
+        .find(|l| l.starts_with("| client paths, 64 B request/response "))
+        .unwrap_or_else(|| panic!("no request/response row in:\n{out}"));
+    for path in [
+        "CONNECT",
+        "TLS CONNECT",
+        "gRPC Dial (SDK)",
+        "tetherctl proxy connect",
+        "gRPC Dial (SDK), plain port",
+        "tetherctl proxy connect, plain port",
+        "konnectivity",
+        "konnectivity, plain port",
+    ] {
+        // The result cell: "<path> P50 / P99 µs[, ±N µs vs <floor>], CPU per round trip X µs
+        // (broker+agent Y)", one per path, joined by "; ".
+        let result = row.split('|').nth(7).unwrap_or_default();
+        let cell = result
+            .split("; ")
+            .map(str::trim)
+            .find(|c| {
+                c.strip_prefix(path)
+                    .and_then(|r| r.strip_prefix(' '))
+                    .is_some_and(|r| r.starts_with(|d: char| d.is_ascii_digit()))
+            })
+            .unwrap_or_else(|| panic!("no {path:?} figure in {result}"));
+        let figures: Vec<f64> = cell[path.len()..]
+            .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .filter_map(|f| f.parse().ok())
+            .collect();
+        // p50, p99, and (after the comparison for paths that have one) the CPU figures.
+        assert!(figures.len() >= 4, "{path}: {cell}");
+        assert!(
+            figures[0] > 0.0 && figures[1] >= figures[0],
+            "{path}: {cell}"
+        );
+        assert!(figures[figures.len() - 2] > 0.0, "{path}: CPU in {cell}");
+    }
+    Ok(())
+}
