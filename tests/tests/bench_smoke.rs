@@ -109,20 +109,24 @@ fn relayed_dials_are_measured_on_both_relay_protocols() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The client paths every `clients` and `client-rr` run measures (the floors aside), as their
+/// rows name them.
+const CLIENT_PATHS: [&str; 8] = [
+    "CONNECT",
+    "TLS CONNECT",
+    "gRPC Dial (SDK)",
+    "tetherctl proxy connect",
+    "gRPC Dial (SDK), plain port",
+    "tetherctl proxy connect, plain port",
+    "konnectivity",
+    "konnectivity, plain port",
+];
+
 #[test]
 fn every_client_path_moves_data_both_ways() -> anyhow::Result<()> {
     let out = quick_run("clients")?;
     let gbit = |cell: &str| -> Option<f64> { cell.trim().strip_suffix(" Gbit/s")?.parse().ok() };
-    for path in [
-        "CONNECT",
-        "TLS CONNECT",
-        "gRPC Dial (SDK)",
-        "tetherctl proxy connect",
-        "gRPC Dial (SDK), plain port",
-        "tetherctl proxy connect, plain port",
-        "konnectivity",
-        "konnectivity, plain port",
-    ] {
+    for path in CLIENT_PATHS {
         let what = format!("| client path: {path}, 1 / 8 streams ");
         let row = out
             .lines()
@@ -207,16 +211,7 @@ fn every_client_path_answers_requests() -> anyhow::Result<()> {
         .lines()
         .find(|l| l.starts_with("| client paths, 64 B request/response "))
         .unwrap_or_else(|| panic!("no request/response row in:\n{out}"));
-    for path in [
-        "CONNECT",
-        "TLS CONNECT",
-        "gRPC Dial (SDK)",
-        "tetherctl proxy connect",
-        "gRPC Dial (SDK), plain port",
-        "tetherctl proxy connect, plain port",
-        "konnectivity",
-        "konnectivity, plain port",
-    ] {
+    for path in CLIENT_PATHS {
         // The result cell: "<path> P50 / P99 µs[, ±N µs vs <floor>], CPU per round trip X µs
         // (broker+agent Y)", one per path, joined by "; ".
         let result = row.split('|').nth(7).unwrap_or_default();
