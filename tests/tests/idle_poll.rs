@@ -23,11 +23,16 @@ async fn pair(idle_poll_us: u64) -> anyhow::Result<(Hub, tether_e2e::Broker, tet
 }
 
 /// `rounds` 64 B request/response round trips through one CONNECT stream.
-async fn ping_pong(broker: &tether_e2e::Broker, rounds: usize) -> anyhow::Result<()> {
+async fn ping_pong(broker: &tether_e2e::Broker, rounds: u64) -> anyhow::Result<()> {
     let mut s = match connect(broker.client_addr, "c1:443", Some(OPS_TOKEN)).await? {
         Ok(s) => s,
         Err((code, body)) => anyhow::bail!("CONNECT answered {code}: {body}"),
     };
+    exchange(&mut s, rounds).await
+}
+
+/// `rounds` 64 B request/response round trips on an open echo stream, each answer within 10 s.
+async fn exchange(s: &mut tokio::net::TcpStream, rounds: u64) -> anyhow::Result<()> {
     let mut buf = [5u8; 64];
     for _ in 0..rounds {
         s.write_all(&buf).await?;
@@ -218,14 +223,10 @@ async fn proxy_connect_polls_between_requests_unless_told_not_to() -> anyhow::Re
         let pid = child.id().expect("running");
         let mut s = tokio::net::TcpStream::connect(local).await?;
         s.set_nodelay(true)?;
-        let mut buf = [3u8; 64];
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         loop {
             let before = forward_sleeps(pid)?;
-            for _ in 0..ROUNDS {
-                s.write_all(&buf).await?;
-                tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut buf)).await??;
-            }
+            exchange(&mut s, ROUNDS).await?;
             let per_round = (forward_sleeps(pid)? - before) as f64 / ROUNDS as f64;
             eprintln!("--idle-poll-us {idle_poll_us}: {per_round:.2} sleeps per round trip");
             if idle_poll_us == 0 {

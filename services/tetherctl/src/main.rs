@@ -217,16 +217,9 @@ enum ProxyCmd {
         /// CPUs, at least 1, at most 4 — like the broker and the agent).
         #[arg(long, env = "TETHER_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=64))]
         worker_threads: Option<u16>,
-        /// With one worker thread: the longest the forward polls for more work after light
-        /// traffic before it sleeps, in microseconds (0: never; at most 1000), as the broker
-        /// and the agent. See docs/configuration.md, "Idle polling".
-        #[arg(
-            long,
-            env = "TETHER_IDLE_POLL_US",
-            default_value_t = tether_runtime::process::DEFAULT_IDLE_POLL_US,
-            value_parser = clap::value_parser!(u64).range(0..=1000)
-        )]
-        idle_poll_us: u64,
+        /// Idle polling of the forward (with one worker thread), as the broker's and agent's.
+        #[command(flatten)]
+        idle_poll: tether_runtime::IdlePollArgs,
         #[command(flatten)]
         broker: proxy::BrokerArgs,
     },
@@ -386,7 +379,7 @@ async fn main() {
                 local_port,
                 address,
                 worker_threads,
-                idle_poll_us,
+                idle_poll,
                 broker,
             } => {
                 let workers = worker_threads.map(usize::from);
@@ -397,7 +390,7 @@ async fn main() {
                     &address,
                     local_port,
                     workers,
-                    std::time::Duration::from_micros(idle_poll_us),
+                    idle_poll.max(),
                 )
                 .await
             }

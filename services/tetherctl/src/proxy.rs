@@ -557,16 +557,9 @@ pub struct KubectlArgs {
     /// kubectl binary.
     #[arg(long, env = "TETHER_KUBECTL", default_value = "kubectl")]
     pub kubectl: PathBuf,
-    /// The longest the forward polls for more work after light traffic before it sleeps, in
-    /// microseconds (0: never; at most 1000), as the broker and the agent. See
-    /// docs/configuration.md, "Idle polling".
-    #[arg(
-        long,
-        env = "TETHER_IDLE_POLL_US",
-        default_value_t = tether_runtime::process::DEFAULT_IDLE_POLL_US,
-        value_parser = clap::value_parser!(u64).range(0..=1000)
-    )]
-    pub idle_poll_us: u64,
+    /// Idle polling of the forward, as the broker's and agent's.
+    #[command(flatten)]
+    pub idle_poll: tether_runtime::IdlePollArgs,
     /// Arguments for kubectl (after `--`).
     #[arg(last = true)]
     pub args: Vec<String>,
@@ -671,7 +664,7 @@ pub async fn kubectl(broker: &BrokerArgs, a: &KubectlArgs) -> anyhow::Result<i32
     // light traffic); kubectl starts once the broker is reached.
     let (ready, is_ready) = tokio::sync::oneshot::channel();
     let (broker, cluster) = (broker.clone(), a.cluster.clone());
-    let idle_poll = Duration::from_micros(a.idle_poll_us);
+    let idle_poll = a.idle_poll.max();
     let _fwd = ForwardRuntime::start(1, idle_poll, async move {
         let setup = async {
             let listener = TcpListener::from_std(listener)?;
@@ -754,7 +747,7 @@ mod tests {
             tls_server_name: "kubernetes.default.svc".into(),
             kube_token_file: None,
             kubectl: "kubectl".into(),
-            idle_poll_us: 0,
+            idle_poll: tether_runtime::IdlePollArgs { idle_poll_us: 0 },
             args: vec![],
         };
         let kc = kubeconfig(&a, "127.0.0.1:5555".parse().unwrap()).unwrap();

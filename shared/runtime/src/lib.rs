@@ -24,8 +24,8 @@ pub mod test_hooks;
 
 pub use backoff::{Backoff, BackoffConfig, RetryError, retry};
 pub use process::{
-    ConfigFileArgs, DEFAULT_IDLE_POLL_US, GLIBC_TUNABLES_DATA_PLANE, ProcessArgs, StartError,
-    actix_system, actix_system_data_plane, bind, bind_admin, data_plane_workers,
+    ConfigFileArgs, DEFAULT_IDLE_POLL_US, GLIBC_TUNABLES_DATA_PLANE, IdlePollArgs, ProcessArgs,
+    StartError, actix_system, actix_system_data_plane, bind, bind_admin, data_plane_workers,
     glibc_tunables_for_child, write_atomic, write_ready_file,
 };
 pub use service::{DEFAULT_TASK_DRAIN_DEADLINE, Drain, DrainReport, DrainToken};

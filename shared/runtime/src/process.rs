@@ -78,9 +78,17 @@ pub struct ProcessArgs {
     /// for the others).
     #[arg(long, env = "TETHER_WORKER_THREADS")]
     pub worker_threads: Option<usize>,
-    /// Broker and agent: the longest a runtime thread polls for more work after light traffic
-    /// before it sleeps, in microseconds (0: never; at most 1000). Adaptive below this bound;
-    /// only with one worker thread. See docs/configuration.md, "Idle polling".
+    #[command(flatten)]
+    pub idle_poll: IdlePollArgs,
+}
+
+/// `--idle-poll-us` (`TETHER_IDLE_POLL_US`): the broker's and agent's ([`ProcessArgs`]) and
+/// `tetherctl proxy connect|kubectl`'s forward's; flattened into a clap `Args`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct IdlePollArgs {
+    /// The longest a runtime thread polls for more work after light traffic before it sleeps,
+    /// in microseconds (0: never; at most 1000). Adaptive below this bound; only with one
+    /// worker thread. See docs/configuration.md, "Idle polling".
     #[arg(
         long,
         env = "TETHER_IDLE_POLL_US",
@@ -88,6 +96,13 @@ pub struct ProcessArgs {
         value_parser = clap::value_parser!(u64).range(0..=1000)
     )]
     pub idle_poll_us: u64,
+}
+
+impl IdlePollArgs {
+    /// The bound as a duration (zero: no polling).
+    pub fn max(&self) -> std::time::Duration {
+        std::time::Duration::from_micros(self.idle_poll_us)
+    }
 }
 
 /// Default of `--idle-poll-us` ([`tether_idlepoll::DEFAULT_MAX`]).
@@ -101,10 +116,7 @@ impl ProcessArgs {
 
     /// The data-plane actix `System` these flags ask for ([`actix_system_data_plane`]).
     pub fn data_plane_system(&self) -> actix::SystemRunner {
-        actix_system_data_plane(
-            self.data_plane_workers(),
-            std::time::Duration::from_micros(self.idle_poll_us),
-        )
+        actix_system_data_plane(self.data_plane_workers(), self.idle_poll.max())
     }
 }
 
