@@ -217,7 +217,7 @@ enum ProxyCmd {
         /// CPUs, at least 1, at most 4 — like the broker and the agent).
         #[arg(long, env = "TETHER_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=64))]
         worker_threads: Option<u16>,
-        /// Idle polling of the forward (with one worker thread), as the broker's and agent's.
+        /// Idle polling of the forward, as the broker's and agent's.
         #[command(flatten)]
         idle_poll: tether_runtime::IdlePollArgs,
         #[command(flatten)]

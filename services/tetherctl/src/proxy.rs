@@ -478,11 +478,11 @@ pub async fn connect(
     }
 }
 
-/// The runtime a forward runs on, apart from tetherctl's main one. With one worker thread (the
-/// default on up to three CPUs) a current-thread runtime on a thread of its own, with idle
-/// polling of at most `idle_poll` ([`tether_idlepoll`], as the broker and the agent): a
-/// request through the forward (kubectl's) then usually finds the forward awake, on hosts
-/// whose idle CPUs halt. With more, a multi-thread runtime.
+/// The runtime a forward runs on, apart from tetherctl's main one, with idle polling of at most
+/// `idle_poll` ([`tether_idlepoll`], as the broker and the agent): a request through the
+/// forward (kubectl's) then usually finds the forward awake, on hosts whose idle CPUs halt.
+/// With one worker thread (the default on up to three CPUs) a current-thread runtime on a
+/// thread of its own; with more, a multi-thread runtime whose last worker awake polls.
 struct ForwardRuntime {
     /// The forward's result (an error, or its end).
     done: tokio::sync::oneshot::Receiver<anyhow::Result<()>>,
@@ -511,12 +511,16 @@ impl ForwardRuntime {
                 .context("starting the forward's thread")?;
             return Ok(Self { done, multi: None });
         }
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(workers)
-            .thread_name("tetherctl-forward")
-            .enable_all()
-            .build()
-            .context("starting the forward's runtime")?;
+        let rt = tether_idlepoll::build_multi_thread(
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(workers)
+                .thread_name("tetherctl-forward")
+                .enable_all(),
+            idle_poll,
+            workers,
+        )
+        .context("starting the forward's runtime")?;
+        tracing::debug!(idle_poll = tether_idlepoll::status(), "forward runtime");
         rt.spawn(async move {
             let _ = tx.send(forward.await);
         });

@@ -30,15 +30,20 @@
 //! - [`build_current_thread`]: installs the park and unpark hooks on a current-thread runtime;
 //! - [`register`]: the three counters in a Prometheus registry.
 //!
-//! Only current-thread runtimes poll (the broker's and agent's default on machines with up to
-//! three CPUs): a multi-thread runtime's worker that holds no driver could not tell that another
-//! worker queued work for it while it polled.
+//! - [`build_multi_thread`] and [`LastAwake`]: the same hooks on a multi-thread runtime (the
+//!   broker's and agent's default on four CPUs or more), where only the last worker to go idle
+//!   polls, after light traffic of the whole runtime. tokio gives the I/O driver to a worker
+//!   that parks while no other holds it, and runs the park hook before the worker parks, so
+//!   the last worker awake is the one that will hold the driver: what its poll sees, it
+//!   collects at once. A worker that polled while another was parked in the driver would only
+//!   see the events the kernel wakes that other worker for.
 
 pub mod policy;
 pub mod ready;
 
 use std::cell::{Cell, RefCell};
 use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -114,9 +119,7 @@ static STATUS: OnceLock<String> = OnceLock::new();
 /// What idle polling does in this process: on with its bound, or off and why. For the
 /// services' start-up log line, so an operator who set `--idle-poll-us` sees whether it took.
 pub fn status() -> &'static str {
-    STATUS
-        .get()
-        .map_or("off (a multi-thread runtime, or --idle-poll-us 0)", |s| s)
+    STATUS.get().map_or("off (--idle-poll-us 0)", |s| s)
 }
 
 /// Builds a current-thread runtime from `builder` with idle polling of at most `max` (zero:
@@ -127,6 +130,70 @@ pub fn status() -> &'static str {
 pub fn build_current_thread(
     builder: &mut tokio::runtime::Builder,
     max: Duration,
+) -> std::io::Result<tokio::runtime::Runtime> {
+    build(builder, max, None)
+}
+
+/// Builds a multi-thread runtime of `workers` workers from `builder` with idle polling of at
+/// most `max`, as [`build_current_thread`], with one more condition ([`LastAwake`]): a worker
+/// polls only when every other worker is parked. In tokio's multi-thread scheduler the I/O
+/// driver is taken by a worker that parks while no other holds it, and the park hook runs
+/// before the worker parks, so the last worker to go idle is the one that will hold the
+/// driver: its poll sees the events the driver would wake it for, and it goes on to collect
+/// them at once. A worker that polled while another held the driver would see the same events
+/// while the kernel wakes that other worker anyway: nothing saved, so it does not poll.
+pub fn build_multi_thread(
+    builder: &mut tokio::runtime::Builder,
+    max: Duration,
+    workers: usize,
+) -> std::io::Result<tokio::runtime::Runtime> {
+    build(builder, max, Some(Arc::new(LastAwake::new(workers))))
+}
+
+/// Which workers of a multi-thread runtime are in their park (between the park hook and the
+/// unpark hook), and the tunnel bytes they moved since the runtime last went wholly idle: a
+/// worker polls only if it is the last one awake, and only after light traffic of the whole
+/// runtime (a worker that did little while another moved bulk data must not poll).
+#[derive(Debug)]
+pub struct LastAwake {
+    workers: usize,
+    parked: AtomicUsize,
+    work: AtomicU64,
+}
+
+impl LastAwake {
+    pub fn new(workers: usize) -> Self {
+        Self {
+            workers: workers.max(1),
+            parked: AtomicUsize::new(0),
+            work: AtomicU64::new(0),
+        }
+    }
+
+    /// Called from the park hook with the bytes this worker moved since it last parked. If
+    /// every other worker is parked, returns the bytes all workers moved since the last time
+    /// that was so (this worker may then poll, after light traffic); otherwise `None`. Counts
+    /// this worker as parked from now on.
+    fn park(&self, bytes: u64) -> Option<u64> {
+        self.work.fetch_add(bytes, Ordering::AcqRel);
+        let last = self.parked.fetch_add(1, Ordering::AcqRel) + 1 >= self.workers;
+        last.then(|| self.work.swap(0, Ordering::AcqRel))
+    }
+
+    /// Called from the unpark hook.
+    fn unpark(&self) {
+        // Saturating: an unpark hook without its park (a worker that started parked) must not
+        // wrap the count.
+        let _ = self
+            .parked
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+    }
+}
+
+fn build(
+    builder: &mut tokio::runtime::Builder,
+    max: Duration,
+    gate: Option<Arc<LastAwake>>,
 ) -> std::io::Result<tokio::runtime::Runtime> {
     let max = max.min(MAX_MAX);
     if max.is_zero() {
@@ -141,9 +208,10 @@ pub fn build_current_thread(
     };
     let fds: Arc<OnceLock<Box<[RawFd]>>> = Arc::new(OnceLock::new());
     let park_fds = fds.clone();
+    let park_gate = gate.clone();
     builder
-        .on_thread_park(move || before_park(&park_fds, max))
-        .on_thread_unpark(after_unpark);
+        .on_thread_park(move || before_park(&park_fds, max, park_gate.as_deref()))
+        .on_thread_unpark(move || after_unpark(gate.as_deref()));
     let rt = builder.build()?;
     let status = match ready::epoll_fds() {
         Ok(after) => {
@@ -165,8 +233,15 @@ pub fn build_current_thread(
     Ok(rt)
 }
 
-fn before_park(fds: &OnceLock<Box<[RawFd]>>, max: Duration) {
-    let bytes = WORK.with(|w| w.replace(0));
+fn before_park(fds: &OnceLock<Box<[RawFd]>>, max: Duration, gate: Option<&LastAwake>) {
+    let own = WORK.with(|w| w.replace(0));
+    // On a multi-thread runtime only the last worker awake polls, judged by the whole
+    // runtime's traffic; the others still feed their own bytes to their policy.
+    let (bytes, last_awake) = match gate.map(|g| g.park(own)) {
+        None => (own, true),
+        Some(Some(all)) => (all, true),
+        Some(None) => (own, false),
+    };
     STATE.with(|s| {
         let mut s = s.borrow_mut();
         let st = s.get_or_insert_with(|| ThreadState {
@@ -176,7 +251,7 @@ fn before_park(fds: &OnceLock<Box<[RawFd]>>, max: Duration) {
         let started = Instant::now();
         st.parked_at = Some(started);
         let window = st.policy.poll_for(bytes);
-        if window.is_zero() {
+        if window.is_zero() || !last_awake {
             return;
         }
         let Some(fds) = fds.get() else { return };
@@ -189,7 +264,10 @@ fn before_park(fds: &OnceLock<Box<[RawFd]>>, max: Duration) {
     });
 }
 
-fn after_unpark() {
+fn after_unpark(gate: Option<&LastAwake>) {
+    if let Some(g) = gate {
+        g.unpark();
+    }
     STATE.with(|s| {
         if let Some(st) = s.borrow_mut().as_mut()
             && let Some(at) = st.parked_at.take()

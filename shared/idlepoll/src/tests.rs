@@ -28,23 +28,36 @@ fn echo_server() -> std::net::SocketAddr {
     addr
 }
 
-/// Round trips on a runtime built with idle polling of at most `max`, noting `noted` bytes of
-/// tunnel work before each one, in batches of [`BATCH`]: `batches` of them, or fewer once
-/// `enough(polls, hits)` holds. Returns the counters' growth.
+/// Round trips on a current-thread runtime built with idle polling of at most `max`, as
+/// [`exchange_on`].
 fn exchange(
     max: Duration,
     noted: usize,
     batches: usize,
-    enough: impl Fn(u64, u64) -> bool,
+    enough: impl Fn(u64, u64) -> bool + Send + 'static,
 ) -> (u64, u64, f64) {
-    let addr = echo_server();
     let rt = build_current_thread(
         tokio::runtime::Builder::new_current_thread().enable_all(),
         max,
     )
     .expect("runtime");
+    exchange_on(rt, noted, batches, enough)
+}
+
+/// Round trips on `rt`, noting `noted` bytes of tunnel work before each one, in batches of
+/// [`BATCH`]: `batches` of them, or fewer once `enough(polls, hits)` holds. Returns the
+/// counters' growth.
+fn exchange_on(
+    rt: tokio::runtime::Runtime,
+    noted: usize,
+    batches: usize,
+    enough: impl Fn(u64, u64) -> bool + Send + 'static,
+) -> (u64, u64, f64) {
+    let addr = echo_server();
     let (p0, h0, s0) = totals();
-    rt.block_on(async move {
+    // On a spawned task, so that on a multi-thread runtime a worker (not `block_on`'s thread)
+    // runs the exchange and parks between answers.
+    let task = rt.spawn(async move {
         let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
         s.set_nodelay(true).expect("nodelay");
         let mut buf = [7u8; 64];
@@ -60,6 +73,7 @@ fn exchange(
             }
         }
     });
+    rt.block_on(task).expect("exchange task");
     let (p1, h1, s1) = totals();
     (p1 - p0, h1 - h0, s1 - s0)
 }
@@ -77,6 +91,53 @@ fn answers_to_light_messages_are_caught_by_the_poll() {
     assert!(hits >= 50, "{hits} hits of {polls} polls");
     assert!(status().starts_with("on: polls up to"), "{}", status());
     assert!(secs > 0.0);
+}
+
+#[test]
+fn on_a_multi_thread_runtime_the_last_worker_awake_catches_answers() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // Two workers: while one runs the exchange the other is parked, so the one that waits for
+    // the echo is the last awake and polls (as above, until 50 polls caught their answer).
+    let rt = build_multi_thread(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all(),
+        MAX_MAX,
+        2,
+    )
+    .expect("runtime");
+    let (polls, hits, _) = exchange_on(rt, 120, 200, |_, hits| hits >= 50);
+    assert!(hits >= 50, "{hits} hits of {polls} polls");
+}
+
+#[test]
+fn a_worker_polls_only_while_every_other_worker_is_parked() {
+    let gate = LastAwake::new(3);
+    assert_eq!(
+        gate.park(10),
+        None,
+        "first of three to park: two others awake"
+    );
+    assert_eq!(gate.park(20), None, "second: one other awake");
+    assert_eq!(
+        gate.park(30),
+        Some(60),
+        "third: the last awake, judged by what all three moved"
+    );
+    gate.unpark();
+    assert_eq!(
+        gate.park(5),
+        Some(5),
+        "the one that woke parks again while the other two sleep: only its new bytes"
+    );
+    for _ in 0..3 {
+        gate.unpark();
+    }
+    // An unpark without its park (a worker that started parked) does not wrap the count.
+    gate.unpark();
+    assert_eq!(gate.park(0), None);
+    // One worker is always the last awake.
+    assert_eq!(LastAwake::new(1).park(7), Some(7));
 }
 
 #[test]

@@ -30,21 +30,28 @@ pub fn actix_system(workers: Option<usize>) -> actix::SystemRunner {
 }
 
 /// The broker's and the agent's actix `System`: as [`actix_system`] with `workers`, and with
-/// idle polling of at most `idle_poll` ([`tether_idlepoll`]) when the runtime is a
-/// current-thread one (`workers == 1`, the default on machines with up to three CPUs). Call it
-/// from `main` before any other thread starts: the runtime's epoll descriptor is found as the
-/// one its creation added.
+/// idle polling of at most `idle_poll` ([`tether_idlepoll`]): on a current-thread runtime
+/// (`workers == 1`, the default on machines with up to three CPUs) after light traffic, and on a
+/// multi-thread one by the last worker to go idle ([`tether_idlepoll::build_multi_thread`]).
+/// Call it from `main` before any other thread starts: the runtime's epoll descriptor is found
+/// as the one its creation added.
 pub fn actix_system_data_plane(
     workers: usize,
     idle_poll: std::time::Duration,
 ) -> actix::SystemRunner {
-    if workers != 1 || idle_poll.is_zero() {
+    if idle_poll.is_zero() {
         return actix_system(Some(workers));
     }
     actix::System::with_tokio_rt(move || {
-        let mut b = tokio::runtime::Builder::new_current_thread();
-        b.enable_all();
-        tether_idlepoll::build_current_thread(&mut b, idle_poll).expect("tokio runtime")
+        if workers == 1 {
+            let mut b = tokio::runtime::Builder::new_current_thread();
+            b.enable_all();
+            tether_idlepoll::build_current_thread(&mut b, idle_poll).expect("tokio runtime")
+        } else {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(workers).enable_all();
+            tether_idlepoll::build_multi_thread(&mut b, idle_poll, workers).expect("tokio runtime")
+        }
     })
 }
 
@@ -87,8 +94,8 @@ pub struct ProcessArgs {
 #[derive(Debug, Clone, clap::Args)]
 pub struct IdlePollArgs {
     /// The longest a runtime thread polls for more work after light traffic before it sleeps,
-    /// in microseconds (0: never; at most 1000). Adaptive below this bound; only with one
-    /// worker thread. See docs/configuration.md, "Idle polling".
+    /// in microseconds (0: never; at most 1000). Adaptive below this bound; with several
+    /// worker threads, only the last one awake polls. See docs/configuration.md, "Idle polling".
     #[arg(
         long,
         env = "TETHER_IDLE_POLL_US",
