@@ -65,7 +65,7 @@ struct Args {
     /// own NATS connection and credentials under <hub-kubeconfig-dir>/<name>.
     #[arg(long, default_value_t = 0)]
     simulate: usize,
-    #[arg(long, env = "TETHER_WORKER_THREADS")]
+    #[arg(long, env = "TETHER_WORKER_THREADS", value_parser = tether_runtime::parse_worker_threads)]
     worker_threads: Option<usize>,
     /// Run this add-on's agent once joined (repeatable; `cluster-proxy` is the tunnel-agent).
     #[arg(long = "addon")]

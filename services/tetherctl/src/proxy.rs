@@ -513,7 +513,6 @@ impl ForwardRuntime {
         }
         let rt = tether_idlepoll::build_multi_thread(
             tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(workers)
                 .thread_name("tetherctl-forward")
                 .enable_all(),
             idle_poll,

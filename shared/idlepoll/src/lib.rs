@@ -28,15 +28,14 @@
 //! - [`ready`]: finding the runtime's epoll descriptor and polling it (the crate's one reviewed
 //!   `unsafe` block, the `poll(2)` call);
 //! - [`build_current_thread`]: installs the park and unpark hooks on a current-thread runtime;
-//! - [`register`]: the three counters in a Prometheus registry.
-//!
 //! - [`build_multi_thread`] and [`LastAwake`]: the same hooks on a multi-thread runtime (the
 //!   broker's and agent's default on four CPUs or more), where only the last worker to go idle
 //!   polls, after light traffic of the whole runtime. tokio gives the I/O driver to a worker
 //!   that parks while no other holds it, and runs the park hook before the worker parks, so
 //!   the last worker awake is the one that will hold the driver: what its poll sees, it
 //!   collects at once. A worker that polled while another was parked in the driver would only
-//!   see the events the kernel wakes that other worker for.
+//!   see the events the kernel wakes that other worker for;
+//! - [`register`]: the three counters in a Prometheus registry.
 
 pub mod policy;
 pub mod ready;
@@ -134,8 +133,9 @@ pub fn build_current_thread(
     build(builder, max, None)
 }
 
-/// Builds a multi-thread runtime of `workers` workers from `builder` with idle polling of at
-/// most `max`, as [`build_current_thread`], with one more condition ([`LastAwake`]): a worker
+/// Builds a multi-thread runtime of `workers` workers (set on `builder` here, so the count the
+/// hooks use is the runtime's) with idle polling of at most `max`, as
+/// [`build_current_thread`], with one more condition ([`LastAwake`]): a worker
 /// polls only when every other worker is parked. In tokio's multi-thread scheduler the I/O
 /// driver is taken by a worker that parks while no other holds it, and the park hook runs
 /// before the worker parks, so the last worker to go idle is the one that will hold the
@@ -147,6 +147,8 @@ pub fn build_multi_thread(
     max: Duration,
     workers: usize,
 ) -> std::io::Result<tokio::runtime::Runtime> {
+    let workers = workers.max(1);
+    builder.worker_threads(workers);
     build(builder, max, Some(Arc::new(LastAwake::new(workers))))
 }
 

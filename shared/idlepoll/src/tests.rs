@@ -99,9 +99,7 @@ fn on_a_multi_thread_runtime_the_last_worker_awake_catches_answers() {
     // Two workers: while one runs the exchange the other is parked, so the one that waits for
     // the echo is the last awake and polls (as above, until 50 polls caught their answer).
     let rt = build_multi_thread(
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all(),
+        tokio::runtime::Builder::new_multi_thread().enable_all(),
         MAX_MAX,
         2,
     )

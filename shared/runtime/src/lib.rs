@@ -26,7 +26,7 @@ pub use backoff::{Backoff, BackoffConfig, RetryError, retry};
 pub use process::{
     ConfigFileArgs, DEFAULT_IDLE_POLL_US, GLIBC_TUNABLES_DATA_PLANE, IdlePollArgs, ProcessArgs,
     StartError, actix_system, actix_system_data_plane, bind, bind_admin, data_plane_workers,
-    glibc_tunables_for_child, write_atomic, write_ready_file,
+    glibc_tunables_for_child, parse_worker_threads, write_atomic, write_ready_file,
 };
 pub use service::{DEFAULT_TASK_DRAIN_DEADLINE, Drain, DrainReport, DrainToken};
 pub use shutdown::shutdown_token;

@@ -49,7 +49,7 @@ pub fn actix_system_data_plane(
             tether_idlepoll::build_current_thread(&mut b, idle_poll).expect("tokio runtime")
         } else {
             let mut b = tokio::runtime::Builder::new_multi_thread();
-            b.worker_threads(workers).enable_all();
+            b.enable_all();
             tether_idlepoll::build_multi_thread(&mut b, idle_poll, workers).expect("tokio runtime")
         }
     })
@@ -83,10 +83,19 @@ pub struct ProcessArgs {
     pub ready_file: Option<std::path::PathBuf>,
     /// Tokio worker threads (default: half the CPUs for the broker and the agent, one per CPU
     /// for the others).
-    #[arg(long, env = "TETHER_WORKER_THREADS")]
+    #[arg(long, env = "TETHER_WORKER_THREADS", value_parser = parse_worker_threads)]
     pub worker_threads: Option<usize>,
     #[command(flatten)]
     pub idle_poll: IdlePollArgs,
+}
+
+/// `--worker-threads`: a whole number of at least one (tokio would panic on zero).
+pub fn parse_worker_threads(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// `--idle-poll-us` (`TETHER_IDLE_POLL_US`): the broker's and agent's ([`ProcessArgs`]) and
@@ -258,6 +267,25 @@ pub fn glibc_tunables_for_child(current: Option<&str>) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(clap::Parser, Debug)]
+    struct Flags {
+        #[command(flatten)]
+        process: ProcessArgs,
+    }
+
+    #[test]
+    fn worker_threads_refuses_zero_naming_the_flag() {
+        use clap::Parser as _;
+        let err = Flags::try_parse_from(["x", "--worker-threads", "0"]).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("--worker-threads") && msg.contains("must be at least 1"),
+            "{msg}"
+        );
+        let ok = Flags::try_parse_from(["x", "--worker-threads", "3"]).unwrap();
+        assert_eq!(ok.process.data_plane_workers(), 3);
+    }
 
     #[test]
     fn tunables_are_added_and_an_operator_setting_wins() {
