@@ -1560,12 +1560,14 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         let mut kinds: Vec<(Via, bool)> = ends.vias().into_iter().map(|v| (v, false)).collect();
         kinds.push((Via::Tunnel, true));
         let mut hop_cpu = vec![0.0f64; kinds.len()];
-        // A path's processes go on working after its block (rathole closes each stream's TLS
-        // connection after the client has gone, sshd's children exit): that teardown runs
+        // A path's processes go on working after its block (sshd's children exit, rathole
+        // closes each stream's TLS connection after the client has gone): that teardown runs
         // during the next block and is charged to the kind that last ran on them. The blocks
         // run in a new order every cycle (seeded, so runs compare), so no path always follows
-        // the same one: in a fixed rotation the pipelining client followed rathole and took
-        // its teardown as a p99 of 1.2–1.8 ms (docs/benchmarks.md, forty-seventh machine).
+        // the same one; rathole's blocks run after the others', back to back, since its
+        // teardown (a TLS connection per stream) would land in the first opens of whichever
+        // block came next: in a fixed rotation that was the pipelining client, whose p99 it
+        // made 1.2–1.8 ms (docs/benchmarks.md, forty-seventh machine).
         let all_vias = ends.vias();
         let mut last_cpu = [0.0f64; PATHS];
         for &v in &all_vias {
@@ -1573,27 +1575,31 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         }
         let mut last_kind: [Option<usize>; PATHS] = [None; PATHS];
         let mut rng = rand::rngs::StdRng::seed_from_u64(16);
-        for _cycle in 0..n.div_ceil(BLOCK) {
-            let mut order: Vec<usize> = (0..kinds.len()).collect();
-            order.shuffle(&mut rng);
-            for k in order {
-                let (via, pipelined) = kinds[k];
-                for _ in 0..BLOCK {
-                    if pipelined {
-                        piped.push(open_first_byte_pipelined(&ends).await?);
-                    } else {
-                        samples[via as usize].push(open_first_byte(&ends, via).await?);
+        let (alone, rotation): (Vec<usize>, Vec<usize>) =
+            (0..kinds.len()).partition(|&k| kinds[k].0 == Via::Rathole);
+        for group in [rotation, alone] {
+            for _cycle in 0..n.div_ceil(BLOCK) {
+                let mut order = group.clone();
+                order.shuffle(&mut rng);
+                for k in order {
+                    let (via, pipelined) = kinds[k];
+                    for _ in 0..BLOCK {
+                        if pipelined {
+                            piped.push(open_first_byte_pipelined(&ends).await?);
+                        } else {
+                            samples[via as usize].push(open_first_byte(&ends, via).await?);
+                        }
                     }
-                }
-                last_kind[via as usize] = Some(k);
-                for &v in &all_vias {
-                    let now = cpu_of(&hops(v));
-                    if let Some(j) = last_kind[v as usize] {
-                        // sshd forks per connection: its children that ended are not counted
-                        // twice.
-                        hop_cpu[j] += (now - last_cpu[v as usize]).max(0.0);
+                    last_kind[via as usize] = Some(k);
+                    for &v in &all_vias {
+                        let now = cpu_of(&hops(v));
+                        if let Some(j) = last_kind[v as usize] {
+                            // sshd forks per connection: its children that ended are not
+                            // counted twice.
+                            hop_cpu[j] += (now - last_cpu[v as usize]).max(0.0);
+                        }
+                        last_cpu[v as usize] = now;
                     }
-                    last_cpu[v as usize] = now;
                 }
             }
         }
