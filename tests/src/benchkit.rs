@@ -1,6 +1,7 @@
 //! What both benchmark binaries (`tether-bench`, `tether-wan-bench`) measure with: CPU time and
-//! load from `/proc`, percentiles, medians and ratio ranges, the 64-byte request/response loop,
-//! the target server's byte-counting sink, and a throwaway TLS server/client config pair.
+//! load from `/proc`, pinning processes to a CPU, percentiles, medians and ratio ranges, the
+//! 64-byte request/response loop, the target server's byte-counting sink, and a throwaway TLS
+//! server/client config pair.
 
 use std::time::{Duration, Instant};
 
@@ -35,6 +36,37 @@ fn schedstat_ns(path: &std::path::Path) -> Option<u64> {
         .next()?
         .parse()
         .ok()
+}
+
+/// Pins every thread of process `pid` to CPU `cpu` (the bench's `--pin-sides`, the idle-poll
+/// test's CPU-bound neighbour); threads it starts later inherit the CPU of the thread that
+/// starts them.
+pub fn pin_process(pid: u32, cpu: usize) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    use nix::sched::{CpuSet, sched_setaffinity};
+    let mut set = CpuSet::new();
+    set.set(cpu).context("CPU set")?;
+    let tasks = match std::fs::read_dir(format!("/proc/{pid}/task")) {
+        Ok(t) => t,
+        // A process that ended since it was listed (one of sshd's children) is no error.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("threads of process {pid}")),
+    };
+    for task in tasks.flatten() {
+        let Some(tid) = task
+            .file_name()
+            .to_str()
+            .and_then(|t| t.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        // A thread that ended since the listing is no error.
+        match sched_setaffinity(nix::unistd::Pid::from_raw(tid), &set) {
+            Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+            Err(e) => anyhow::bail!("pinning thread {tid} of process {pid} to CPU {cpu}: {e}"),
+        }
+    }
+    Ok(())
 }
 
 /// The one-minute load average, as `/proc/loadavg` prints it.

@@ -11,6 +11,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 const POLLS: &str = "tether_runtime_idle_polls_total";
 const HITS: &str = "tether_runtime_idle_poll_hits_total";
 const SECONDS: &str = "tether_runtime_idle_poll_seconds_total";
+const CONTENDED: &str = "tether_runtime_idle_poll_contended_total";
 
 /// A hub with one broker and one agent on one worker thread each (current-thread runtimes,
 /// the default on up to three CPUs, whatever the machine's CPU count), `idle_poll_us` as given.
@@ -96,6 +97,57 @@ async fn polls_catch_messages(
             "after 30 s of round trips: broker {b:?}, agent {a:?} (polls, hits, seconds)"
         );
     }
+    Ok(())
+}
+
+/// A CPU-bound neighbour on the broker's CPU: a poll yields the CPU to it and gets it back only
+/// at the end of the neighbour's time slice (milliseconds), while the answer it waits for has
+/// long arrived, since a runnable thread is not woken by its events. The broker sees that the
+/// yield was stolen and stops polling for a while (sleeping in its driver, it is woken by the
+/// answer and preempts the neighbour), so it polls a few times, not once or twice per round
+/// trip as without a neighbour.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cpu_bound_neighbour_pauses_polling() -> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const ROUNDS: u64 = 2000;
+    let (_hub, broker, _agent) = pair(tether_runtime::DEFAULT_IDLE_POLL_US).await?;
+    ping_pong(&broker, 200).await?;
+    tether_e2e::benchkit::pin_process(broker.child.pid(), 0)?;
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let neighbour = {
+        let stop = stop.clone();
+        std::thread::spawn(move || -> anyhow::Result<()> {
+            let mut cpu0 = nix::sched::CpuSet::new();
+            cpu0.set(0)?;
+            nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpu0)?;
+            // Bounded: the test ends it, or it ends itself.
+            let started = std::time::Instant::now();
+            while !stop.load(Ordering::Relaxed) && started.elapsed() < Duration::from_secs(120) {
+                std::hint::spin_loop();
+            }
+            Ok(())
+        })
+    };
+    let before = counters(broker.admin_addr).await?;
+    let contended_before = metric(broker.admin_addr, CONTENDED, &[]).await?;
+    let result = ping_pong(&broker, ROUNDS).await;
+    stop.store(true, Ordering::Relaxed);
+    neighbour.join().expect("neighbour thread")?;
+    result?;
+    let after = counters(broker.admin_addr).await?;
+    let contended = metric(broker.admin_addr, CONTENDED, &[]).await? - contended_before;
+    let polls = after.0 - before.0;
+    eprintln!(
+        "{ROUNDS} round trips beside a CPU-bound neighbour: {polls} polls, {contended} contended"
+    );
+    assert!(
+        contended >= 1.0,
+        "no poll was seen as contended ({polls} polls)"
+    );
+    assert!(
+        polls < ROUNDS as f64 / 4.0,
+        "{polls} polls in {ROUNDS} round trips beside a CPU-bound neighbour"
+    );
     Ok(())
 }
 
@@ -187,7 +239,7 @@ async fn idle_poll_zero_never_polls() -> anyhow::Result<()> {
     for admin in [broker.admin_addr, agent.admin_addr] {
         // Registered (so a zero is a reading, not an absent metric) and zero.
         let (_, body) = admin_get(admin, "/metrics").await?;
-        for name in [POLLS, HITS, SECONDS] {
+        for name in [POLLS, HITS, SECONDS, CONTENDED] {
             assert!(
                 body.contains(&format!("{name} 0")),
                 "{name} missing or not 0"

@@ -17,14 +17,19 @@
 //! thread ([`policy::Policy`]: it opens while idle periods are short and closes once they are
 //! long, so an idle tunnel with only keepalives stops polling after a few of them), and busy
 //! periods that moved more than [`policy::LIGHT_BYTES`] through the tunnel are not followed by a
-//! poll at all (bulk transfers gain nothing from it). Measured in docs/benchmarks.md.
+//! poll at all (bulk transfers gain nothing from it). And it steps aside for a CPU-bound
+//! neighbour ([`ready::Wait::Contended`], [`policy::Pause`]): a polling thread is runnable, so
+//! its events do not wake it, and a yield to a neighbour returns only after the neighbour's
+//! time slice; a poll that loses the CPU that long ends, and polling pauses. Measured in
+//! docs/benchmarks.md.
 //!
 //! Layout:
 //! - [`note_io`] and [`Counted`]: tunnel transports report the bytes they move (`Counted`
 //!   wraps every tunnel socket below TLS, inside `tether_tunnel`'s `ProgressIo`, and a broker's
 //!   relay links to its peers; `tetherctl`'s forward calls `note_io` from its copy loops),
 //!   counted per thread since the thread last parked;
-//! - [`policy`]: the adaptive window and the light-traffic gate (pure, unit-tested);
+//! - [`policy`]: the adaptive window, the light-traffic gate and the pause after a contended
+//!   poll (pure, unit-tested);
 //! - [`ready`]: finding the runtime's epoll descriptor and polling it (the crate's one reviewed
 //!   `unsafe` block, the `poll(2)` call);
 //! - [`build_current_thread`]: installs the park and unpark hooks on a current-thread runtime;
@@ -66,6 +71,7 @@ thread_local! {
 struct ThreadState {
     policy: Policy,
     parked_at: Option<Instant>,
+    pause: policy::Pause,
 }
 
 /// Reports `bytes` moved through a tunnel transport on this thread (read or written). Cheap: a
@@ -89,6 +95,14 @@ static HITS: LazyLock<IntCounter> = LazyLock::new(|| {
     )
     .expect("valid metric")
 });
+static CONTENDED: LazyLock<IntCounter> = LazyLock::new(|| {
+    IntCounter::new(
+        "tether_runtime_idle_poll_contended_total",
+        "Idle polls cut short because another task kept the CPU past the bound (a CPU-bound \
+         neighbour on this CPU); polling then pauses, 50 ms doubling to 1 s while it recurs",
+    )
+    .expect("valid metric")
+});
 static SECONDS: LazyLock<Counter> = LazyLock::new(|| {
     Counter::new(
         "tether_runtime_idle_poll_seconds_total",
@@ -103,6 +117,7 @@ pub fn register(registry: &prometheus::Registry) -> prometheus::Result<()> {
     registry.register(Box::new(POLLS.clone()))?;
     registry.register(Box::new(HITS.clone()))?;
     registry.register(Box::new(SECONDS.clone()))?;
+    registry.register(Box::new(CONTENDED.clone()))?;
     Ok(())
 }
 
@@ -249,19 +264,28 @@ fn before_park(fds: &OnceLock<Box<[RawFd]>>, max: Duration, gate: Option<&LastAw
         let st = s.get_or_insert_with(|| ThreadState {
             policy: Policy::new(max),
             parked_at: None,
+            pause: policy::Pause::default(),
         });
         let started = Instant::now();
         st.parked_at = Some(started);
         let window = st.policy.poll_for(bytes);
-        if window.is_zero() || !last_awake {
+        if window.is_zero() || !last_awake || st.pause.active(started) {
             return;
         }
         let Some(fds) = fds.get() else { return };
-        let hit = ready::wait_ready(fds, window);
+        let outcome = ready::wait_ready(fds, window, policy::stolen_bound(max));
         POLLS.inc();
         SECONDS.inc_by(started.elapsed().as_secs_f64());
-        if hit {
-            HITS.inc();
+        match outcome {
+            ready::Wait::Ready => {
+                HITS.inc();
+                st.pause.clear();
+            }
+            ready::Wait::Expired => st.pause.clear(),
+            ready::Wait::Contended => {
+                CONTENDED.inc();
+                st.pause.contended(Instant::now());
+            }
         }
     });
 }

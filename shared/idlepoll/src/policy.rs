@@ -2,7 +2,7 @@
 //! are short and shrunk once they are long, the scheme of Linux's `haltpoll` cpuidle governor
 //! (which does the same for a whole guest vCPU, and which many VM hosts leave off).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The first window after a short idle period, doubled on each further one up to the maximum.
 pub const START: Duration = Duration::from_micros(8);
@@ -17,6 +17,57 @@ pub const START: Duration = Duration::from_micros(8);
 /// periods (a write-readiness edge, a timer) that must not count as light traffic, and after
 /// bulk data stops the sum falls below this within a few periods.
 pub const LIGHT_BYTES: u64 = 16 * 1024;
+
+/// How long polling pauses after a poll that a CPU-bound neighbour cut short
+/// ([`crate::ready::Wait::Contended`]); doubled each time it recurs right after a pause, up to
+/// [`PAUSE_MAX`]. While a neighbour keeps this CPU busy the thread sleeps in its driver, where
+/// the events it waits for wake it and it preempts the neighbour; after the pause one poll
+/// probes again, so a neighbour that is gone costs at most this much polling.
+pub const PAUSE_START: Duration = Duration::from_millis(50);
+
+/// The longest pause: one probe per this much time while a neighbour stays, each costing at
+/// most one of its time slices of latency to one message.
+pub const PAUSE_MAX: Duration = Duration::from_secs(1);
+
+/// How long a yield may keep the CPU from a polling thread before the poll counts as contended:
+/// twice the longest window (another thread of ours polling on the same CPU gives it back
+/// within its own window, a client or target woken there within its short turn), and at least
+/// 200 µs. A CPU-bound neighbour keeps it for a time slice, 0.75–3 ms on current kernels.
+pub fn stolen_bound(max: Duration) -> Duration {
+    (max * 2).max(Duration::from_micros(200))
+}
+
+/// Polling paused after a contended poll (see [`PAUSE_START`]).
+#[derive(Debug, Clone, Default)]
+pub struct Pause {
+    until: Option<Instant>,
+    next: Duration,
+}
+
+impl Pause {
+    /// Whether polling is paused at `now`.
+    pub fn active(&self, now: Instant) -> bool {
+        self.until.is_some_and(|u| now < u)
+    }
+
+    /// A poll was cut short by a neighbour at `now`: pause, longer than the last time if the
+    /// last poll was contended too.
+    pub fn contended(&mut self, now: Instant) {
+        let pause = if self.next.is_zero() {
+            PAUSE_START
+        } else {
+            self.next
+        };
+        self.until = Some(now + pause);
+        self.next = (pause * 2).min(PAUSE_MAX);
+    }
+
+    /// A poll kept its CPU: the next contention starts from [`PAUSE_START`] again.
+    pub fn clear(&mut self) {
+        self.until = None;
+        self.next = Duration::ZERO;
+    }
+}
 
 /// One runtime thread's window.
 #[derive(Debug, Clone)]
@@ -130,6 +181,44 @@ mod tests {
             p.observe_idle(us(150));
         }
         assert_eq!(p.window(), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_contended_poll_pauses_polling_longer_each_time_it_recurs() {
+        let t0 = Instant::now();
+        let mut p = Pause::default();
+        assert!(!p.active(t0));
+        p.contended(t0);
+        assert!(p.active(t0 + PAUSE_START - us(1)));
+        assert!(!p.active(t0 + PAUSE_START));
+        // The probe after the pause is contended again: twice as long, then capped.
+        let mut at = t0 + PAUSE_START;
+        let mut pauses = Vec::new();
+        for _ in 0..8 {
+            p.contended(at);
+            let mut len = Duration::ZERO;
+            while p.active(at + len) {
+                len += Duration::from_millis(50);
+            }
+            pauses.push(len.as_millis());
+            at += len;
+        }
+        assert_eq!(pauses, [100, 200, 400, 800, 1000, 1000, 1000, 1000]);
+        // A poll that kept its CPU resets it.
+        p.clear();
+        assert!(!p.active(at));
+        p.contended(at);
+        assert!(!p.active(at + PAUSE_START));
+    }
+
+    #[test]
+    fn a_yield_counts_as_stolen_past_twice_the_window_and_at_least_200_us() {
+        assert_eq!(stolen_bound(us(100)), us(200));
+        assert_eq!(stolen_bound(us(50)), us(200));
+        assert_eq!(
+            stolen_bound(Duration::from_millis(1)),
+            Duration::from_millis(2)
+        );
     }
 
     #[test]

@@ -35,11 +35,27 @@ pub fn epoll_fds() -> std::io::Result<Vec<RawFd>> {
     Ok(out)
 }
 
+/// How a [`wait_ready`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    /// Events are waiting: the driver collects them at once.
+    Ready,
+    /// The window passed with nothing to collect.
+    Expired,
+    /// A yield gave the CPU to another task for longer than `stolen`: a CPU-bound neighbour
+    /// shares this CPU. A thread that polls is runnable, not asleep, so the events it waits
+    /// for do not wake it: while it spins, a neighbour that took the CPU keeps it for the rest
+    /// of its time slice (milliseconds), and the answer waits that long. Sleeping in the
+    /// driver instead, the thread is woken by the event and preempts the neighbour.
+    Contended,
+}
+
 /// Whether any of `fds` has events waiting, checking until `window` has passed and yielding the
 /// CPU between checks (so a task woken on this CPU, a client or a target on a small machine,
 /// runs at once instead of waiting for the window to end). Returns at the first check that sees
-/// events.
-pub fn wait_ready(fds: &[RawFd], window: Duration) -> bool {
+/// events, and gives up ([`Wait::Contended`]) after a yield that kept the CPU from this thread
+/// for longer than `stolen`, whether or not events came meanwhile.
+pub fn wait_ready(fds: &[RawFd], window: Duration, stolen: Duration) -> Wait {
     let mut set = [libc::pollfd {
         fd: -1,
         events: 0,
@@ -63,15 +79,21 @@ pub fn wait_ready(fds: &[RawFd], window: Duration) -> bool {
         #[allow(unsafe_code)]
         let ready = unsafe { libc::poll(set.as_mut_ptr(), n as libc::nfds_t, 0) };
         if ready > 0 {
-            return true;
+            return Wait::Ready;
         }
         if ready < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
-            return false;
+            return Wait::Expired;
         }
-        if Instant::now() >= deadline {
-            return false;
+        let now = Instant::now();
+        if now >= deadline {
+            return Wait::Expired;
         }
         std::thread::yield_now();
+        // The events that came while another task had the CPU are collected by the driver
+        // right after; that they came does not make this poll a hit.
+        if now.elapsed() > stolen {
+            return Wait::Contended;
+        }
     }
 }
 
@@ -91,7 +113,10 @@ mod tests {
     fn an_idle_driver_is_not_ready_and_the_wait_ends_at_the_window() {
         let (fd, rt) = epoll_of_nothing();
         let started = Instant::now();
-        assert!(!wait_ready(&[fd], Duration::from_millis(2)));
+        assert_eq!(
+            wait_ready(&[fd], Duration::from_millis(2), Duration::from_secs(1)),
+            Wait::Expired
+        );
         assert!(started.elapsed() >= Duration::from_millis(2));
         drop(rt);
     }
@@ -100,9 +125,50 @@ mod tests {
     fn a_closed_descriptor_ends_the_wait_without_harm() {
         // POLLNVAL counts as "something to look at": the caller parks and the driver decides.
         let started = Instant::now();
-        let ready = wait_ready(&[i32::MAX - 1], Duration::from_millis(50));
-        assert!(ready);
+        let ready = wait_ready(
+            &[i32::MAX - 1],
+            Duration::from_millis(50),
+            Duration::from_secs(1),
+        );
+        assert_eq!(ready, Wait::Ready);
         assert!(started.elapsed() < Duration::from_millis(50));
+    }
+
+    #[test]
+    fn a_cpu_bound_neighbour_on_this_cpu_ends_the_wait_as_contended() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        // This thread and a spinning one on the same CPU: the first yield hands the CPU to
+        // the spinner for the rest of its time slice, far longer than `stolen`.
+        let (fd, rt) = epoll_of_nothing();
+        let mut cpu0 = nix::sched::CpuSet::new();
+        cpu0.set(0).expect("CPU 0");
+        let pin = move || nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpu0);
+        pin().expect("pin the test thread");
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let hog = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                pin().expect("pin the spinner");
+                let started = Instant::now();
+                while !stop.load(Ordering::Relaxed) && started.elapsed() < Duration::from_secs(5) {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        // Let the spinner get going (it is on the same CPU: it runs when this thread yields).
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_millis(20) {
+            std::thread::yield_now();
+        }
+        let outcome = wait_ready(
+            &[fd],
+            Duration::from_millis(200),
+            Duration::from_micros(200),
+        );
+        stop.store(true, Ordering::Relaxed);
+        hog.join().expect("spinner");
+        assert_eq!(outcome, Wait::Contended);
+        drop(rt);
     }
 
     /// A fresh current-thread runtime and the epoll descriptors its creation added.

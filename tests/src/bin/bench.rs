@@ -52,7 +52,8 @@ use futures::StreamExt as _;
 use rand::SeedableRng as _;
 use rand::seq::SliceRandom as _;
 use tether_e2e::benchkit::{
-    cpu_secs, load_average, mean, median, percentile, range_note, request_response, sink_count,
+    cpu_secs, load_average, mean, median, percentile, pin_process, range_note, request_response,
+    sink_count,
 };
 use tether_e2e::{Hub, OPS_TOKEN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -107,6 +108,15 @@ struct Args {
     /// (`GLIBC_TUNABLES`, see tether_runtime::GLIBC_TUNABLES_DATA_PLANE), to measure its effect.
     #[arg(long)]
     glibc_default: bool,
+    /// Emulate two hosts in the latency sections: the hub side of every path (this process,
+    /// the client; relay 1; the broker; sshd; the rathole server) on CPU 0, the cluster side
+    /// (relay 2, the agent, ssh, the rathole client, the target) on CPU 1, as in a deployment,
+    /// where the broker and the agent never share a CPU. Unpinned, the kernel sometimes puts
+    /// two hops of a path on one CPU for a while, and the round trip changes with it
+    /// (docs/benchmarks.md, forty-seventh machine). Only with `--only rr`, `open` or both:
+    /// later sections' processes would inherit this process's CPU.
+    #[arg(long)]
+    pin_sides: bool,
     /// Run only these sections: tput1, tput8, rr, open, client-rr (64 B request/response on
     /// every client path), clients, peers, stall, idle, fleet, sproxy (comma-separated).
     #[arg(long, value_delimiter = ',')]
@@ -1200,6 +1210,17 @@ fn added(a: Duration, b: Duration) -> String {
 }
 
 async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
+    if args.pin_sides {
+        anyhow::ensure!(
+            !args.only.is_empty() && args.only.iter().all(|s| s == "rr" || s == "open"),
+            "--pin-sides measures the latency sections only: add --only rr,open (or one of them)"
+        );
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        anyhow::ensure!(
+            cpus >= 2,
+            "--pin-sides needs two CPUs, one per side; this machine has {cpus}"
+        );
+    }
     let setup = Setup {
         quick: args.quick,
         secs: Duration::from_secs_f64(args.secs.unwrap_or(if args.quick { 0.5 } else { 2.0 })),
@@ -1316,6 +1337,27 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         ssh_peer.as_ref().map(|p| p.addr),
         rathole_peer.as_ref().map(|p| p.addr),
     ];
+    if args.pin_sides {
+        let mut hub_side = vec![std::process::id(), relay1_proc.pid(), broker.child.pid()];
+        let mut cluster_side = vec![relay2_proc.pid(), agent.child.pid(), target_proc.pid()];
+        if let Some(p) = &ssh_peer {
+            // sshd's per-connection children exist already and the next ones inherit its CPU.
+            hub_side.extend(p.pids().into_iter().filter(|&pid| pid != p.client.pid()));
+            cluster_side.push(p.client.pid());
+        }
+        if let Some(p) = &rathole_peer {
+            hub_side.push(p.server.pid());
+            cluster_side.push(p.client.pid());
+        }
+        for (cpu, side) in [(0, &hub_side), (1, &cluster_side)] {
+            for &pid in side {
+                pin_process(pid, cpu)?;
+            }
+        }
+        println!(
+            "  sides pinned: hub side (client, relay 1, broker, sshd, rathole server) on CPU 0, cluster side (relay 2, agent, ssh, rathole client, target) on CPU 1"
+        );
+    }
     let pids = [broker.child.pid(), agent.child.pid()];
     // CPU of every process on a path: bench client and target, then the two hops of each path
     // (none for direct, the relays, broker and agent, ssh and sshd with its children).
