@@ -69,6 +69,16 @@ pub fn pin_process(pid: u32, cpu: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The first CPU this thread may run on: CPU 0, unless a cpuset leaves it out.
+pub fn first_allowed_cpu() -> anyhow::Result<usize> {
+    use anyhow::Context as _;
+    use nix::sched::{CpuSet, sched_getaffinity};
+    let allowed = sched_getaffinity(nix::unistd::Pid::from_raw(0)).context("this thread's CPUs")?;
+    (0..CpuSet::count())
+        .find(|&c| allowed.is_set(c).unwrap_or(false))
+        .context("no CPU allowed")
+}
+
 /// The one-minute load average, as `/proc/loadavg` prints it.
 pub fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")

@@ -112,14 +112,15 @@ async fn a_cpu_bound_neighbour_pauses_polling() -> anyhow::Result<()> {
     const ROUNDS: u64 = 2000;
     let (_hub, broker, _agent) = pair(tether_runtime::DEFAULT_IDLE_POLL_US).await?;
     ping_pong(&broker, 200).await?;
-    tether_e2e::benchkit::pin_process(broker.child.pid(), 0)?;
+    let cpu = tether_e2e::benchkit::first_allowed_cpu()?;
+    tether_e2e::benchkit::pin_process(broker.child.pid(), cpu)?;
     let stop = std::sync::Arc::new(AtomicBool::new(false));
     let neighbour = {
         let stop = stop.clone();
         std::thread::spawn(move || -> anyhow::Result<()> {
-            let mut cpu0 = nix::sched::CpuSet::new();
-            cpu0.set(0)?;
-            nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpu0)?;
+            let mut one = nix::sched::CpuSet::new();
+            one.set(cpu)?;
+            nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one)?;
             // Bounded: the test ends it, or it ends itself.
             let started = std::time::Instant::now();
             while !stop.load(Ordering::Relaxed) && started.elapsed() < Duration::from_secs(120) {

@@ -139,10 +139,17 @@ mod tests {
         use std::sync::atomic::{AtomicBool, Ordering};
         // This thread and a spinning one on the same CPU: the first yield hands the CPU to
         // the spinner for the rest of its time slice, far longer than `stolen`.
+        use nix::sched::{CpuSet, sched_getaffinity, sched_setaffinity};
         let (fd, rt) = epoll_of_nothing();
-        let mut cpu0 = nix::sched::CpuSet::new();
-        cpu0.set(0).expect("CPU 0");
-        let pin = move || nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpu0);
+        let me = nix::unistd::Pid::from_raw(0);
+        // The first CPU this thread may use (CPU 0 unless a cpuset leaves it out).
+        let allowed = sched_getaffinity(me).expect("this thread's CPUs");
+        let cpu = (0..CpuSet::count())
+            .find(|&c| allowed.is_set(c).unwrap_or(false))
+            .expect("a CPU");
+        let mut one = CpuSet::new();
+        one.set(cpu).expect("the CPU");
+        let pin = move || sched_setaffinity(me, &one);
         pin().expect("pin the test thread");
         let stop = std::sync::Arc::new(AtomicBool::new(false));
         let hog = {
