@@ -43,9 +43,6 @@ fn schedstat_ns(path: &std::path::Path) -> Option<u64> {
 /// starts them.
 pub fn pin_process(pid: u32, cpu: usize) -> anyhow::Result<()> {
     use anyhow::Context as _;
-    use nix::sched::{CpuSet, sched_setaffinity};
-    let mut set = CpuSet::new();
-    set.set(cpu).context("CPU set")?;
     let tasks = match std::fs::read_dir(format!("/proc/{pid}/task")) {
         Ok(t) => t,
         // A process that ended since it was listed (one of sshd's children) is no error.
@@ -60,23 +57,36 @@ pub fn pin_process(pid: u32, cpu: usize) -> anyhow::Result<()> {
         else {
             continue;
         };
-        // A thread that ended since the listing is no error.
-        match sched_setaffinity(nix::unistd::Pid::from_raw(tid), &set) {
-            Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
-            Err(e) => anyhow::bail!("pinning thread {tid} of process {pid} to CPU {cpu}: {e}"),
-        }
+        pin_task(tid, cpu).with_context(|| format!("pinning process {pid}"))?;
     }
     Ok(())
 }
 
-/// The first CPU this thread may run on: CPU 0, unless a cpuset leaves it out.
-pub fn first_allowed_cpu() -> anyhow::Result<usize> {
+/// Pins the calling thread to CPU `cpu`.
+pub fn pin_current_thread(cpu: usize) -> anyhow::Result<()> {
+    pin_task(0, cpu)
+}
+
+/// Pins thread `tid` (0: the calling thread) to `cpu`; a thread that has ended is no error.
+fn pin_task(tid: i32, cpu: usize) -> anyhow::Result<()> {
+    use nix::sched::{CpuSet, sched_setaffinity};
+    let mut set = CpuSet::new();
+    set.set(cpu)
+        .map_err(|e| anyhow::anyhow!("CPU {cpu} cannot be named in a CPU set: {e}"))?;
+    match sched_setaffinity(nix::unistd::Pid::from_raw(tid), &set) {
+        Ok(()) | Err(nix::errno::Errno::ESRCH) => Ok(()),
+        Err(e) => anyhow::bail!("pinning thread {tid} to CPU {cpu}: {e}"),
+    }
+}
+
+/// The CPUs this thread may run on, in order (all of them, unless a cpuset leaves some out).
+pub fn allowed_cpus() -> anyhow::Result<Vec<usize>> {
     use anyhow::Context as _;
     use nix::sched::{CpuSet, sched_getaffinity};
     let allowed = sched_getaffinity(nix::unistd::Pid::from_raw(0)).context("this thread's CPUs")?;
-    (0..CpuSet::count())
-        .find(|&c| allowed.is_set(c).unwrap_or(false))
-        .context("no CPU allowed")
+    Ok((0..CpuSet::count())
+        .filter(|&c| allowed.is_set(c).unwrap_or(false))
+        .collect())
 }
 
 /// The one-minute load average, as `/proc/loadavg` prints it.

@@ -112,15 +112,17 @@ async fn a_cpu_bound_neighbour_pauses_polling() -> anyhow::Result<()> {
     const ROUNDS: u64 = 2000;
     let (_hub, broker, _agent) = pair(tether_runtime::DEFAULT_IDLE_POLL_US).await?;
     ping_pong(&broker, 200).await?;
-    let cpu = tether_e2e::benchkit::first_allowed_cpu()?;
+    let cpu = *tether_e2e::benchkit::allowed_cpus()?
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("no CPU allowed"))?;
     tether_e2e::benchkit::pin_process(broker.child.pid(), cpu)?;
     let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let pinned = std::sync::Arc::new(AtomicBool::new(false));
     let neighbour = {
-        let stop = stop.clone();
+        let (stop, pinned) = (stop.clone(), pinned.clone());
         std::thread::spawn(move || -> anyhow::Result<()> {
-            let mut one = nix::sched::CpuSet::new();
-            one.set(cpu)?;
-            nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one)?;
+            tether_e2e::benchkit::pin_current_thread(cpu)?;
+            pinned.store(true, Ordering::Release);
             // Bounded: the test ends it, or it ends itself.
             let started = std::time::Instant::now();
             while !stop.load(Ordering::Relaxed) && started.elapsed() < Duration::from_secs(120) {
@@ -129,6 +131,12 @@ async fn a_cpu_bound_neighbour_pauses_polling() -> anyhow::Result<()> {
             Ok(())
         })
     };
+    tether_test_support::wait_until_async(
+        Duration::from_secs(10),
+        "the neighbour spinning on the broker's CPU",
+        || async { pinned.load(Ordering::Acquire).then_some(()) },
+    )
+    .await?;
     let before = counters(broker.admin_addr).await?;
     let contended_before = metric(broker.admin_addr, CONTENDED, &[]).await?;
     let result = ping_pong(&broker, ROUNDS).await;

@@ -69,7 +69,8 @@ pub fn wait_ready(fds: &[RawFd], window: Duration, stolen: Duration) -> Wait {
             revents: 0,
         };
     }
-    let deadline = Instant::now() + window;
+    let mut now = Instant::now();
+    let deadline = now + window;
     loop {
         // SAFETY: `set` is a live, exclusively borrowed array of `n` initialised `pollfd`s for
         // the duration of the call, which is all poll(2) reads and writes (it writes `revents`
@@ -84,16 +85,17 @@ pub fn wait_ready(fds: &[RawFd], window: Duration, stolen: Duration) -> Wait {
         if ready < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
             return Wait::Expired;
         }
-        let now = Instant::now();
         if now >= deadline {
             return Wait::Expired;
         }
         std::thread::yield_now();
+        let after = Instant::now();
         // The events that came while another task had the CPU are collected by the driver
         // right after; that they came does not make this poll a hit.
-        if now.elapsed() > stolen {
+        if after - now > stolen {
             return Wait::Contended;
         }
+        now = after;
     }
 }
 
@@ -152,19 +154,25 @@ mod tests {
         let pin = move || sched_setaffinity(me, &one);
         pin().expect("pin the test thread");
         let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let pinned = std::sync::Arc::new(AtomicBool::new(false));
         let hog = {
-            let stop = stop.clone();
+            let (stop, pinned) = (stop.clone(), pinned.clone());
             std::thread::spawn(move || {
                 pin().expect("pin the spinner");
+                pinned.store(true, Ordering::Release);
                 let started = Instant::now();
                 while !stop.load(Ordering::Relaxed) && started.elapsed() < Duration::from_secs(5) {
                     std::hint::spin_loop();
                 }
             })
         };
-        // Let the spinner get going (it is on the same CPU: it runs when this thread yields).
+        // Until the spinner runs on this CPU (it does when this thread yields), within 5 s.
         let started = Instant::now();
-        while started.elapsed() < Duration::from_millis(20) {
+        while !pinned.load(Ordering::Acquire) {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "the spinner never ran"
+            );
             std::thread::yield_now();
         }
         let outcome = wait_ready(

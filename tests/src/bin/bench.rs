@@ -52,8 +52,8 @@ use futures::StreamExt as _;
 use rand::SeedableRng as _;
 use rand::seq::SliceRandom as _;
 use tether_e2e::benchkit::{
-    cpu_secs, load_average, mean, median, percentile, pin_process, range_note, request_response,
-    sink_count,
+    allowed_cpus, cpu_secs, load_average, mean, median, percentile, pin_process, range_note,
+    request_response, sink_count,
 };
 use tether_e2e::{Hub, OPS_TOKEN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -109,8 +109,9 @@ struct Args {
     #[arg(long)]
     glibc_default: bool,
     /// Emulate two hosts in the latency sections: the hub side of every path (this process,
-    /// the client; relay 1; the broker; sshd; the rathole server) on CPU 0, the cluster side
-    /// (relay 2, the agent, ssh, the rathole client, the target) on CPU 1, as in a deployment,
+    /// the client; relay 1; the broker; sshd; the rathole server) on one CPU, the cluster side
+    /// (relay 2, the agent, ssh, the rathole client, the target) on another (the first two this
+    /// process may use, CPU 0 and 1 on most machines), as in a deployment,
     /// where the broker and the agent never share a CPU. Unpinned, the kernel sometimes puts
     /// two hops of a path on one CPU for a while, and the round trip changes with it
     /// (docs/benchmarks.md, forty-seventh machine). Only with `--only rr`, `open` or both:
@@ -1215,10 +1216,10 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
             !args.only.is_empty() && args.only.iter().all(|s| s == "rr" || s == "open"),
             "--pin-sides measures the latency sections only: add --only rr,open (or one of them)"
         );
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cpus = allowed_cpus()?;
         anyhow::ensure!(
-            cpus >= 2,
-            "--pin-sides needs two CPUs, one per side; this machine has {cpus}"
+            cpus.len() >= 2,
+            "--pin-sides needs two CPUs, one per side; this process may use {cpus:?}"
         );
     }
     let setup = Setup {
@@ -1349,13 +1350,18 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
             hub_side.push(p.server.pid());
             cluster_side.push(p.client.pid());
         }
-        for (cpu, side) in [(0, &hub_side), (1, &cluster_side)] {
+        // The first two CPUs this process may use (checked at the start).
+        let (hub_cpu, cluster_cpu) = match allowed_cpus()?[..] {
+            [a, b, ..] => (a, b),
+            _ => anyhow::bail!("--pin-sides needs two CPUs"),
+        };
+        for (cpu, side) in [(hub_cpu, &hub_side), (cluster_cpu, &cluster_side)] {
             for &pid in side {
                 pin_process(pid, cpu)?;
             }
         }
         println!(
-            "  sides pinned: hub side (client, relay 1, broker, sshd, rathole server) on CPU 0, cluster side (relay 2, agent, ssh, rathole client, target) on CPU 1"
+            "  sides pinned: hub side (client, relay 1, broker, sshd, rathole server) on CPU {hub_cpu}, cluster side (relay 2, agent, ssh, rathole client, target) on CPU {cluster_cpu}"
         );
     }
     let pids = [broker.child.pid(), agent.child.pid()];
