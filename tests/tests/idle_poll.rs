@@ -108,47 +108,8 @@ async fn polls_catch_messages(
 /// trip as without a neighbour.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cpu_bound_neighbour_pauses_polling() -> anyhow::Result<()> {
-    use std::sync::atomic::{AtomicBool, Ordering};
     const ROUNDS: u64 = 2000;
-    let (_hub, broker, _agent) = pair(tether_runtime::DEFAULT_IDLE_POLL_US).await?;
-    ping_pong(&broker, 200).await?;
-    let cpu = *tether_e2e::benchkit::allowed_cpus()?
-        .first()
-        .ok_or_else(|| anyhow::anyhow!("no CPU allowed"))?;
-    tether_e2e::benchkit::pin_process(broker.child.pid(), cpu)?;
-    let stop = std::sync::Arc::new(AtomicBool::new(false));
-    let pinned = std::sync::Arc::new(AtomicBool::new(false));
-    let neighbour = {
-        let (stop, pinned) = (stop.clone(), pinned.clone());
-        std::thread::spawn(move || -> anyhow::Result<()> {
-            tether_e2e::benchkit::pin_current_thread(cpu)?;
-            pinned.store(true, Ordering::Release);
-            // Bounded: the test ends it, or it ends itself.
-            let started = std::time::Instant::now();
-            while !stop.load(Ordering::Relaxed) && started.elapsed() < Duration::from_secs(120) {
-                std::hint::spin_loop();
-            }
-            Ok(())
-        })
-    };
-    tether_test_support::wait_until_async(
-        Duration::from_secs(10),
-        "the neighbour spinning on the broker's CPU",
-        || async { pinned.load(Ordering::Acquire).then_some(()) },
-    )
-    .await?;
-    let before = counters(broker.admin_addr).await?;
-    let contended_before = metric(broker.admin_addr, CONTENDED, &[]).await?;
-    let result = ping_pong(&broker, ROUNDS).await;
-    stop.store(true, Ordering::Relaxed);
-    neighbour.join().expect("neighbour thread")?;
-    result?;
-    let after = counters(broker.admin_addr).await?;
-    let contended = metric(broker.admin_addr, CONTENDED, &[]).await? - contended_before;
-    let polls = after.0 - before.0;
-    eprintln!(
-        "{ROUNDS} round trips beside a CPU-bound neighbour: {polls} polls, {contended} contended"
-    );
+    let (polls, contended) = round_trips_beside(Neighbour::Spinning, ROUNDS).await?;
     assert!(
         contended >= 1.0,
         "no poll was seen as contended ({polls} polls)"
@@ -158,6 +119,104 @@ async fn a_cpu_bound_neighbour_pauses_polling() -> anyhow::Result<()> {
         "{polls} polls in {ROUNDS} round trips beside a CPU-bound neighbour"
     );
     Ok(())
+}
+
+/// A neighbour on the broker's CPU that runs in short bursts (400 µs of work every 5 ms, as a
+/// process handling messages of its own): a poll that yields into a burst loses the CPU past
+/// the bound and counts as contended, but the polls between bursts keep their CPU, so polling
+/// goes on: about two polls per round trip, one per direction. (Pausing on each such poll, as
+/// the first version did, left 549–737 polls in 2,000 round trips here, against 3,550–3,942.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_neighbours_short_bursts_do_not_pause_polling() -> anyhow::Result<()> {
+    const ROUNDS: u64 = 2000;
+    let bursts = Neighbour::Bursts {
+        burst: Duration::from_micros(400),
+        gap: Duration::from_millis(5),
+    };
+    let (polls, contended) = round_trips_beside(bursts, ROUNDS).await?;
+    assert!(
+        contended >= 1.0,
+        "no poll met a burst ({polls} polls): the neighbour did not share the CPU"
+    );
+    assert!(
+        polls > ROUNDS as f64 / 2.0,
+        "{polls} polls in {ROUNDS} round trips beside a bursting neighbour ({contended} contended)"
+    );
+    Ok(())
+}
+
+/// What runs beside the broker on its CPU in the neighbour tests.
+#[derive(Debug, Clone, Copy)]
+enum Neighbour {
+    /// Spins without a pause: a CPU-bound process.
+    Spinning,
+    /// Spins for `burst`, sleeps for `gap`, and again.
+    Bursts { burst: Duration, gap: Duration },
+}
+
+/// One neighbour test at a time in this binary (`cargo test` runs its tests on parallel
+/// threads): each pins its neighbour to the first CPU allowed, and a spinning one would be a
+/// CPU-bound neighbour of the other's broker too. Under nextest they take both test slots
+/// (`.config/nextest.toml`).
+static ONE_NEIGHBOUR: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// `rounds` round trips through a broker pinned to one CPU beside `neighbour`: the broker's
+/// polls and contended polls over them.
+async fn round_trips_beside(neighbour: Neighbour, rounds: u64) -> anyhow::Result<(f64, f64)> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Instant;
+    let _alone = ONE_NEIGHBOUR.lock().await;
+    let (_hub, broker, _agent) = pair(tether_runtime::DEFAULT_IDLE_POLL_US).await?;
+    ping_pong(&broker, 200).await?;
+    let cpu = *tether_e2e::benchkit::allowed_cpus()?
+        .first()
+        .ok_or_else(|| anyhow::anyhow!("no CPU allowed"))?;
+    tether_e2e::benchkit::pin_process(broker.child.pid(), cpu)?;
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let pinned = std::sync::Arc::new(AtomicBool::new(false));
+    let thread = {
+        let (stop, pinned) = (stop.clone(), pinned.clone());
+        std::thread::spawn(move || -> anyhow::Result<()> {
+            tether_e2e::benchkit::pin_current_thread(cpu)?;
+            pinned.store(true, Ordering::Release);
+            // Bounded: the test ends it, or it ends itself.
+            let started = Instant::now();
+            let spin = |d: Duration| {
+                let from = Instant::now();
+                while !stop.load(Ordering::Relaxed) && from.elapsed() < d {
+                    std::hint::spin_loop();
+                }
+            };
+            while !stop.load(Ordering::Relaxed) && started.elapsed() < Duration::from_secs(120) {
+                match neighbour {
+                    Neighbour::Spinning => spin(Duration::from_secs(120)),
+                    Neighbour::Bursts { burst, gap } => {
+                        spin(burst);
+                        // The neighbour's idle time between bursts, not a wait for a result.
+                        std::thread::sleep(gap);
+                    }
+                }
+            }
+            Ok(())
+        })
+    };
+    tether_test_support::wait_until_async(
+        Duration::from_secs(10),
+        "the neighbour running on the broker's CPU",
+        || async { pinned.load(Ordering::Acquire).then_some(()) },
+    )
+    .await?;
+    let before = counters(broker.admin_addr).await?;
+    let contended_before = metric(broker.admin_addr, CONTENDED, &[]).await?;
+    let result = ping_pong(&broker, rounds).await;
+    stop.store(true, Ordering::Relaxed);
+    thread.join().expect("neighbour thread")?;
+    result?;
+    let after = counters(broker.admin_addr).await?;
+    let contended = metric(broker.admin_addr, CONTENDED, &[]).await? - contended_before;
+    let polls = after.0 - before.0;
+    eprintln!("{rounds} round trips beside {neighbour:?}: {polls} polls, {contended} contended");
+    Ok((polls, contended))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,7 +20,8 @@
 //! poll at all (bulk transfers gain nothing from it). And it steps aside for a CPU-bound
 //! neighbour ([`ready::Wait::Contended`], [`policy::Pause`]): a polling thread is runnable, so
 //! its events do not wake it, and a yield to a neighbour returns only after the neighbour's
-//! time slice; a poll that loses the CPU that long ends, and polling pauses. Measured in
+//! time slice; a poll that loses the CPU that long ends, and two in a row (no yield between
+//! that kept the CPU: one alone is another task's burst) pause polling. Measured in
 //! docs/benchmarks.md.
 //!
 //! Layout:
@@ -98,8 +99,8 @@ static HITS: LazyLock<IntCounter> = LazyLock::new(|| {
 static CONTENDED: LazyLock<IntCounter> = LazyLock::new(|| {
     IntCounter::new(
         "tether_runtime_idle_poll_contended_total",
-        "Idle polls cut short because another task kept the CPU past the bound (a CPU-bound \
-         neighbour on this CPU); polling then pauses, 50 ms doubling to 1 s while it recurs",
+        "Idle polls cut short because another task kept the CPU past the bound; two in a row \
+         (a CPU-bound neighbour on this CPU) pause polling, 50 ms doubling to 1 s while it recurs",
     )
     .expect("valid metric")
 });
@@ -277,9 +278,11 @@ fn before_park(fds: &OnceLock<Box<[RawFd]>>, max: Duration, gate: Option<&LastAw
         POLLS.inc();
         SECONDS.inc_by(started.elapsed().as_secs_f64());
         match outcome {
-            ready::Wait::Ready => {
+            ready::Wait::Ready { yielded } => {
                 HITS.inc();
-                st.pause.clear();
+                if yielded {
+                    st.pause.clear();
+                }
             }
             ready::Wait::Expired => st.pause.clear(),
             ready::Wait::Contended => {

@@ -18,11 +18,18 @@ pub const START: Duration = Duration::from_micros(8);
 /// bulk data stops the sum falls below this within a few periods.
 pub const LIGHT_BYTES: u64 = 16 * 1024;
 
-/// How long polling pauses after a poll that a CPU-bound neighbour cut short
-/// ([`crate::ready::Wait::Contended`]); doubled each time it recurs right after a pause, up to
-/// [`PAUSE_MAX`]. While a neighbour keeps this CPU busy the thread sleeps in its driver, where
-/// the events it waits for wake it and it preempts the neighbour; after the pause one poll
-/// probes again, so a neighbour that is gone costs at most this much polling.
+/// How long polling pauses once a CPU-bound neighbour has cut polls short
+/// ([`crate::ready::Wait::Contended`]) twice in a row; doubled each time it recurs right after a
+/// pause, up to [`PAUSE_MAX`]. While a neighbour keeps this CPU busy the thread sleeps in its
+/// driver, where the events it waits for wake it and it preempts the neighbour; after the
+/// pause one poll probes again, so a neighbour that is gone costs at most this much polling.
+///
+/// One contended poll between polls that yielded and kept their CPU does not pause: that is a
+/// burst of another task (a process on the same CPU handling a message or a handshake of its
+/// own for a few hundred µs), not a neighbour that runs whole time slices. A CPU-bound
+/// neighbour takes the CPU at nearly every yield, so the next poll that yields confirms it.
+/// Pausing on the first one cut a quarter to two fifths of the broker's polls in a bench's
+/// new-stream section for nothing (docs/benchmarks.md, forty-eighth machine).
 pub const PAUSE_START: Duration = Duration::from_millis(50);
 
 /// The longest pause: one probe per this much time while a neighbour stays, each costing at
@@ -37,11 +44,13 @@ pub fn stolen_bound(max: Duration) -> Duration {
     (max * 2).max(Duration::from_micros(200))
 }
 
-/// Polling paused after a contended poll (see [`PAUSE_START`]).
+/// Polling paused after contended polls (see [`PAUSE_START`]).
 #[derive(Debug, Clone, Default)]
 pub struct Pause {
     until: Option<Instant>,
     next: Duration,
+    /// The last poll was contended: the next contended one pauses.
+    strike: bool,
 }
 
 impl Pause {
@@ -50,9 +59,12 @@ impl Pause {
         self.until.is_some_and(|u| now < u)
     }
 
-    /// A poll was cut short by a neighbour at `now`: pause, longer than the last time if the
-    /// last poll was contended too.
+    /// A poll was cut short by a neighbour at `now`. The first of a run only marks it; the
+    /// second in a row pauses, and each one after a pause pauses longer than the last.
     pub fn contended(&mut self, now: Instant) {
+        if !std::mem::replace(&mut self.strike, true) {
+            return;
+        }
         let pause = if self.next.is_zero() {
             PAUSE_START
         } else {
@@ -62,10 +74,12 @@ impl Pause {
         self.next = (pause * 2).min(PAUSE_MAX);
     }
 
-    /// A poll kept its CPU: the next contention starts from [`PAUSE_START`] again.
+    /// A poll yielded and kept its CPU: no CPU-bound neighbour, the next contended poll only
+    /// marks it, and a pause starts from [`PAUSE_START`] again. (A poll whose events were there
+    /// at its first check never yielded and tells nothing: beside a CPU-bound neighbour every
+    /// other poll is such a hit, the answer having come while the neighbour ran.)
     pub fn clear(&mut self) {
-        self.until = None;
-        self.next = Duration::ZERO;
+        *self = Self::default();
     }
 }
 
@@ -184,10 +198,24 @@ mod tests {
     }
 
     #[test]
-    fn a_contended_poll_pauses_polling_longer_each_time_it_recurs() {
+    fn one_contended_poll_between_polls_that_kept_their_cpu_never_pauses() {
+        let t0 = Instant::now();
+        let mut p = Pause::default();
+        for i in 0..10 {
+            let at = t0 + Duration::from_millis(i);
+            p.contended(at);
+            assert!(!p.active(at), "paused after one contended poll ({i})");
+            p.clear();
+        }
+    }
+
+    #[test]
+    fn contended_polls_in_a_row_pause_polling_longer_each_time_they_recur() {
         let t0 = Instant::now();
         let mut p = Pause::default();
         assert!(!p.active(t0));
+        p.contended(t0);
+        assert!(!p.active(t0), "the first contended poll only marks it");
         p.contended(t0);
         assert!(p.active(t0 + PAUSE_START - us(1)));
         assert!(!p.active(t0 + PAUSE_START));
@@ -204,10 +232,14 @@ mod tests {
             at += len;
         }
         assert_eq!(pauses, [100, 200, 400, 800, 1000, 1000, 1000, 1000]);
-        // A poll that kept its CPU resets it.
+        // A poll that kept its CPU resets it: two in a row again before the next pause, and
+        // that one back at the start.
         p.clear();
         assert!(!p.active(at));
         p.contended(at);
+        assert!(!p.active(at));
+        p.contended(at);
+        assert!(p.active(at + PAUSE_START - us(1)));
         assert!(!p.active(at + PAUSE_START));
     }
 

@@ -38,8 +38,10 @@ pub fn epoll_fds() -> std::io::Result<Vec<RawFd>> {
 /// How a [`wait_ready`] ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Wait {
-    /// Events are waiting: the driver collects them at once.
-    Ready,
+    /// Events are waiting: the driver collects them at once. `yielded`: the thread gave the
+    /// CPU up at least once before they came, and had it back within the bound (evidence that
+    /// no CPU-bound neighbour shares the CPU; events seen at the first check give none).
+    Ready { yielded: bool },
     /// The window passed with nothing to collect.
     Expired,
     /// A yield gave the CPU to another task for longer than `stolen`: a CPU-bound neighbour
@@ -71,6 +73,7 @@ pub fn wait_ready(fds: &[RawFd], window: Duration, stolen: Duration) -> Wait {
     }
     let mut now = Instant::now();
     let deadline = now + window;
+    let mut yielded = false;
     loop {
         // SAFETY: `set` is a live, exclusively borrowed array of `n` initialised `pollfd`s for
         // the duration of the call, which is all poll(2) reads and writes (it writes `revents`
@@ -80,7 +83,7 @@ pub fn wait_ready(fds: &[RawFd], window: Duration, stolen: Duration) -> Wait {
         #[allow(unsafe_code)]
         let ready = unsafe { libc::poll(set.as_mut_ptr(), n as libc::nfds_t, 0) };
         if ready > 0 {
-            return Wait::Ready;
+            return Wait::Ready { yielded };
         }
         if ready < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
             return Wait::Expired;
@@ -95,6 +98,7 @@ pub fn wait_ready(fds: &[RawFd], window: Duration, stolen: Duration) -> Wait {
         if after - now > stolen {
             return Wait::Contended;
         }
+        yielded = true;
         now = after;
     }
 }
@@ -132,8 +136,75 @@ mod tests {
             Duration::from_millis(50),
             Duration::from_secs(1),
         );
-        assert_eq!(ready, Wait::Ready);
+        assert_eq!(ready, Wait::Ready { yielded: false });
         assert!(started.elapsed() < Duration::from_millis(50));
+    }
+
+    #[test]
+    fn events_say_whether_the_thread_yielded_before_they_came() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let (fd, rt) = epoll_of_nothing();
+        let sock = rt
+            .block_on(tokio::net::UdpSocket::bind("127.0.0.1:0"))
+            .expect("bind");
+        let to = sock.local_addr().expect("address");
+        let sender = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind the sender");
+        let mut buf = [0u8; 8];
+        // The driver collects what is pending (the new socket's first readiness; a datagram
+        // read): `yield_now` defers the task until the driver has been polled.
+        let drain = || {
+            rt.block_on(tokio::task::yield_now());
+            assert_eq!(
+                wait_ready(&[fd], Duration::from_millis(1), Duration::from_secs(5)),
+                Wait::Expired,
+                "the driver left events pending"
+            );
+        };
+        drain();
+        // A datagram there before the wait: seen at the first check, no yield.
+        sender.send_to(b"x", to).expect("send");
+        let first = wait_ready(&[fd], Duration::from_secs(5), Duration::from_secs(5));
+        assert_eq!(first, Wait::Ready { yielded: false });
+        rt.block_on(sock.recv(&mut buf)).expect("receive");
+        drain();
+        // A datagram sent once the wait has begun: it lands after the first check (a send
+        // takes microseconds, the check under one), so the thread had yielded. Up to 20 tries,
+        // in case a send ever beats the first check.
+        let sender = std::sync::Arc::new(sender);
+        let mut outcomes = Vec::new();
+        for _ in 0..20 {
+            let go = std::sync::Arc::new(AtomicBool::new(false));
+            let send = {
+                let (go, sender) = (go.clone(), sender.clone());
+                std::thread::spawn(move || {
+                    let started = Instant::now();
+                    while !go.load(Ordering::Acquire) && started.elapsed() < Duration::from_secs(5)
+                    {
+                        std::thread::yield_now();
+                    }
+                    sender.send_to(b"y", to).expect("send");
+                })
+            };
+            go.store(true, Ordering::Release);
+            let outcome = wait_ready(&[fd], Duration::from_secs(5), Duration::from_secs(5));
+            send.join().expect("sender");
+            rt.block_on(sock.recv(&mut buf)).expect("receive");
+            drain();
+            outcomes.push(outcome);
+            if outcome == (Wait::Ready { yielded: true }) {
+                break;
+            }
+        }
+        assert!(
+            outcomes.iter().all(|o| matches!(o, Wait::Ready { .. })),
+            "{outcomes:?}"
+        );
+        assert_eq!(
+            outcomes.last(),
+            Some(&Wait::Ready { yielded: true }),
+            "{outcomes:?}"
+        );
+        drop(rt);
     }
 
     #[test]

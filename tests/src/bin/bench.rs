@@ -1210,6 +1210,58 @@ fn added(a: Duration, b: Duration) -> String {
     }
 }
 
+/// A broker's or agent's idle-poll counters: polls, hits, contended
+/// (`tether_runtime_idle_poll*`, docs/metrics.md).
+#[derive(Clone, Copy, Default)]
+struct IdlePolls([f64; 3]);
+
+impl IdlePolls {
+    async fn read(admin: SocketAddr) -> anyhow::Result<Self> {
+        let (code, body) = tether_e2e::admin_get(admin, "/metrics").await?;
+        anyhow::ensure!(code == 200, "/metrics answered {code}");
+        let n = |name| tether_e2e::sum_samples(&body, name, &[]);
+        Ok(Self([
+            n("tether_runtime_idle_polls_total"),
+            n("tether_runtime_idle_poll_hits_total"),
+            n("tether_runtime_idle_poll_contended_total"),
+        ]))
+    }
+
+    /// "N polls (H % hits, C contended)" since `before`.
+    fn since(self, before: Self) -> String {
+        let [p, h, c] = [0, 1, 2].map(|i| self.0[i] - before.0[i]);
+        let hits = if p > 0.0 { h / p * 100.0 } else { 0.0 };
+        format!("{p:.0} polls ({hits:.1} % hits, {c:.0} contended)")
+    }
+}
+
+/// The broker's and agent's idle polling over a section, printed under its rows: how often
+/// a poll saw its answer, and how often another task kept the CPU from one past the bound
+/// (two in a row pause that thread's polling for 50 ms or more).
+struct PollWatch {
+    admins: [SocketAddr; 2],
+    before: [IdlePolls; 2],
+}
+
+impl PollWatch {
+    async fn start(broker: SocketAddr, agent: SocketAddr) -> anyhow::Result<Self> {
+        Ok(Self {
+            admins: [broker, agent],
+            before: [
+                IdlePolls::read(broker).await?,
+                IdlePolls::read(agent).await?,
+            ],
+        })
+    }
+
+    async fn print(&self, section: &str) -> anyhow::Result<()> {
+        let b = IdlePolls::read(self.admins[0]).await?.since(self.before[0]);
+        let a = IdlePolls::read(self.admins[1]).await?.since(self.before[1]);
+        println!("  {section}, idle polling: broker {b}, agent {a}");
+        Ok(())
+    }
+}
+
 async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
     if args.pin_sides {
         anyhow::ensure!(
@@ -1551,6 +1603,7 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
             request_response(&mut s, 200, &mut Vec::new()).await?;
             socks.push((via, s));
         }
+        let polls = PollWatch::start(broker.admin_addr, agent.admin_addr).await?;
         let mut samples: [Vec<Duration>; PATHS] = per_path();
         // CPU of each path's two hops over its blocks: the work per message, next to the time.
         let mut hop_cpu = [0.0f64; PATHS];
@@ -1584,6 +1637,7 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
             "  64 B request/response, CPU of the two hops per round trip: {}{vs_peers}",
             hop_cells.join(", ")
         );
+        polls.print("64 B request/response").await?;
         for s in &mut samples {
             s.sort();
         }
@@ -1604,6 +1658,7 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         const BLOCK: usize = 25;
         let mut samples: [Vec<Duration>; PATHS] = per_path();
         let mut piped = Vec::with_capacity(n);
+        let polls = PollWatch::start(broker.admin_addr, agent.admin_addr).await?;
         // (path, pipelined client): the paths, plus the tunnel once more with pipelining.
         let mut kinds: Vec<(Via, bool)> = ends.vias().into_iter().map(|v| (v, false)).collect();
         kinds.push((Via::Tunnel, true));
@@ -1685,6 +1740,7 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
             "  new stream, CPU of the two hops per open+close: {}{ratios}",
             per_stream.join(", ")
         );
+        polls.print("new stream").await?;
         for s in &mut samples {
             s.sort();
         }
