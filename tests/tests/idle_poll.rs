@@ -125,7 +125,7 @@ async fn a_cpu_bound_neighbour_pauses_polling() -> anyhow::Result<()> {
 /// process handling messages of its own): a poll that yields into a burst loses the CPU past
 /// the bound and counts as contended, but the polls between bursts keep their CPU, so polling
 /// goes on: about two polls per round trip, one per direction. (Pausing on each such poll, as
-/// the first version did, left 549–737 polls in 2,000 round trips here, against 3,550–3,942.)
+/// the first version did, left 549–737 polls in 2,000 round trips here, against 3,550–4,009.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_neighbours_short_bursts_do_not_pause_polling() -> anyhow::Result<()> {
     const ROUNDS: u64 = 2000;
