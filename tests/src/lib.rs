@@ -600,6 +600,48 @@ pub async fn metric(admin: SocketAddr, name: &str, labels: &[(&str, &str)]) -> a
     Ok(sum_samples(&body, name, labels))
 }
 
+/// A broker's or agent's idle-poll counters (`tether_runtime_idle_poll*`, docs/metrics.md),
+/// from one `/metrics` scrape.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IdlePolls {
+    pub polls: f64,
+    pub hits: f64,
+    pub seconds: f64,
+    pub contended: f64,
+}
+
+impl IdlePolls {
+    pub async fn read(admin: SocketAddr) -> anyhow::Result<Self> {
+        let (code, body) = admin_get(admin, "/metrics").await?;
+        anyhow::ensure!(code == 200, "/metrics answered {code}");
+        let n = |name| sum_samples(&body, name, &[]);
+        Ok(Self {
+            polls: n("tether_runtime_idle_polls_total"),
+            hits: n("tether_runtime_idle_poll_hits_total"),
+            seconds: n("tether_runtime_idle_poll_seconds_total"),
+            contended: n("tether_runtime_idle_poll_contended_total"),
+        })
+    }
+
+    /// What each counter gained since `before`.
+    pub fn since(self, before: Self) -> Self {
+        Self {
+            polls: self.polls - before.polls,
+            hits: self.hits - before.hits,
+            seconds: self.seconds - before.seconds,
+            contended: self.contended - before.contended,
+        }
+    }
+
+    /// All zero: no poll at all.
+    pub const ZERO: Self = Self {
+        polls: 0.0,
+        hits: 0.0,
+        seconds: 0.0,
+        contended: 0.0,
+    };
+}
+
 /// Sums the samples of `name` in a Prometheus text exposition whose labels include `labels`.
 pub fn sum_samples(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
     let mut sum = 0.0;

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use tether_e2e::{Hub, OPS_TOKEN, admin_get, connect, metric};
+use tether_e2e::{Hub, IdlePolls, OPS_TOKEN, admin_get, connect};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const POLLS: &str = "tether_runtime_idle_polls_total";
@@ -52,24 +52,17 @@ async fn exchange(s: &mut tokio::net::TcpStream, rounds: u64) -> anyhow::Result<
     Ok(())
 }
 
-/// `(polls, hits, seconds polled)` of a process's admin endpoint.
-async fn counters(admin: std::net::SocketAddr) -> anyhow::Result<(f64, f64, f64)> {
-    Ok((
-        metric(admin, POLLS, &[]).await?,
-        metric(admin, HITS, &[]).await?,
-        metric(admin, SECONDS, &[]).await?,
-    ))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_response_traffic_is_caught_by_idle_polls_in_broker_and_agent() -> anyhow::Result<()>
 {
+    let _beside = ALONE.read().await;
     let (_hub, broker, agent) = pair(1000).await?;
     polls_catch_messages(&broker, &agent).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_two_workers_the_last_awake_polls() -> anyhow::Result<()> {
+    let _beside = ALONE.read().await;
     let (_hub, broker, agent) = pair_on(2, 1000).await?;
     polls_catch_messages(&broker, &agent).await
 }
@@ -86,15 +79,15 @@ async fn polls_catch_messages(
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
         ping_pong(broker, 500).await?;
-        let b = counters(broker.admin_addr).await?;
-        let a = counters(agent.admin_addr).await?;
-        eprintln!("broker {b:?}, agent {a:?} (polls, hits, seconds)");
-        if b.1 >= 100.0 && a.1 >= 100.0 {
+        let b = IdlePolls::read(broker.admin_addr).await?;
+        let a = IdlePolls::read(agent.admin_addr).await?;
+        eprintln!("broker {b:?}, agent {a:?}");
+        if b.hits >= 100.0 && a.hits >= 100.0 {
             break;
         }
         anyhow::ensure!(
             std::time::Instant::now() < deadline,
-            "after 30 s of round trips: broker {b:?}, agent {a:?} (polls, hits, seconds)"
+            "after 30 s of round trips: broker {b:?}, agent {a:?}"
         );
     }
     Ok(())
@@ -154,18 +147,20 @@ enum Neighbour {
     Bursts { burst: Duration, gap: Duration },
 }
 
-/// One neighbour test at a time in this binary (`cargo test` runs its tests on parallel
-/// threads): each pins its neighbour to the first CPU allowed, and a spinning one would be a
-/// CPU-bound neighbour of the other's broker too. Under nextest they take both test slots
-/// (`.config/nextest.toml`).
-static ONE_NEIGHBOUR: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// A neighbour test runs alone in this binary (`cargo test` runs its tests on parallel
+/// threads): each pins its neighbour to the first CPU allowed, where a spinning one would be a
+/// CPU-bound neighbour of every other test's broker, and another test's bulk upload one of its
+/// broker (the bursts test then counted 1,160 polls in one run; alone, 3,719–4,006).
+/// The neighbour tests take it to write, the others to read. Under nextest, where every test is
+/// a process, the neighbour tests take both test slots instead (`.config/nextest.toml`).
+static ALONE: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
 
 /// `rounds` round trips through a broker pinned to one CPU beside `neighbour`: the broker's
 /// polls and contended polls over them.
 async fn round_trips_beside(neighbour: Neighbour, rounds: u64) -> anyhow::Result<(f64, f64)> {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Instant;
-    let _alone = ONE_NEIGHBOUR.lock().await;
+    let _alone = ALONE.write().await;
     let (_hub, broker, _agent) = pair(tether_runtime::DEFAULT_IDLE_POLL_US).await?;
     ping_pong(&broker, 200).await?;
     let cpu = *tether_e2e::benchkit::allowed_cpus()?
@@ -206,26 +201,26 @@ async fn round_trips_beside(neighbour: Neighbour, rounds: u64) -> anyhow::Result
         || async { pinned.load(Ordering::Acquire).then_some(()) },
     )
     .await?;
-    let before = counters(broker.admin_addr).await?;
-    let contended_before = metric(broker.admin_addr, CONTENDED, &[]).await?;
+    let before = IdlePolls::read(broker.admin_addr).await?;
     let result = ping_pong(&broker, rounds).await;
     stop.store(true, Ordering::Relaxed);
     thread.join().expect("neighbour thread")?;
     result?;
-    let after = counters(broker.admin_addr).await?;
-    let contended = metric(broker.admin_addr, CONTENDED, &[]).await? - contended_before;
-    let polls = after.0 - before.0;
+    let gained = IdlePolls::read(broker.admin_addr).await?.since(before);
+    let (polls, contended) = (gained.polls, gained.contended);
     eprintln!("{rounds} round trips beside {neighbour:?}: {polls} polls, {contended} contended");
     Ok((polls, contended))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bulk_upload_costs_little_polling() -> anyhow::Result<()> {
+    let _beside = ALONE.read().await;
     bulk_upload_polls_little(1).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bulk_upload_costs_little_polling_with_two_workers() -> anyhow::Result<()> {
+    let _beside = ALONE.read().await;
     // The same bound with two workers per process. That the gate judges the whole runtime's
     // traffic (so the less busy worker does not poll while the other moves bulk data) is
     // checked exactly in tether_idlepoll's unit tests; this checks the real processes.
@@ -237,8 +232,8 @@ async fn a_bulk_upload_costs_little_polling_with_two_workers() -> anyhow::Result
 async fn bulk_upload_polls_little(workers: usize) -> anyhow::Result<()> {
     let (_hub, broker, agent) = pair_on(workers, tether_runtime::DEFAULT_IDLE_POLL_US).await?;
     let before = [
-        counters(broker.admin_addr).await?,
-        counters(agent.admin_addr).await?,
+        IdlePolls::read(broker.admin_addr).await?,
+        IdlePolls::read(agent.admin_addr).await?,
     ];
     // 64 MiB through an echo target (and back): the busy periods of both processes move
     // hundreds of KiB...
@@ -272,18 +267,17 @@ async fn bulk_upload_polls_little(workers: usize) -> anyhow::Result<()> {
     .await??;
     let took = started.elapsed();
     let after = [
-        counters(broker.admin_addr).await?,
-        counters(agent.admin_addr).await?,
+        IdlePolls::read(broker.admin_addr).await?,
+        IdlePolls::read(agent.admin_addr).await?,
     ];
     for (who, (b, a)) in ["broker", "agent"]
         .iter()
-        .zip(before.iter().zip(after.iter()))
+        .zip(before.into_iter().zip(after))
     {
+        let d = a.since(b);
         eprintln!(
             "{who}: {} polls, {} hits, {:.6} s polled during the upload",
-            a.0 - b.0,
-            a.1 - b.1,
-            a.2 - b.2
+            d.polls, d.hits, d.seconds
         );
         // Polls that caught the next burst cost a few µs each and replace a sleep and a
         // wake-up; a poll that missed costs a whole window. Bulk traffic gets few of either
@@ -291,7 +285,7 @@ async fn bulk_upload_polls_little(workers: usize) -> anyhow::Result<()> {
         // mostly comes back at once): 1-4 % of the transfer's time here. The bound leaves room
         // for a machine busy with other tests, where a poll that yields the CPU may get it back
         // only after another process's time slice (the counter is wall time).
-        let secs = a.2 - b.2;
+        let secs = d.seconds;
         assert!(
             secs <= 0.20 * took.as_secs_f64(),
             "{who}: {secs:.4} s polled during a {took:?} upload"
@@ -302,6 +296,7 @@ async fn bulk_upload_polls_little(workers: usize) -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_poll_zero_never_polls() -> anyhow::Result<()> {
+    let _beside = ALONE.read().await;
     let (_hub, broker, agent) = pair(0).await?;
     ping_pong(&broker, 500).await?;
     for admin in [broker.admin_addr, agent.admin_addr] {
@@ -313,7 +308,7 @@ async fn idle_poll_zero_never_polls() -> anyhow::Result<()> {
                 "{name} missing or not 0"
             );
         }
-        assert_eq!(counters(admin).await?, (0.0, 0.0, 0.0));
+        assert_eq!(IdlePolls::read(admin).await?, IdlePolls::ZERO);
     }
     Ok(())
 }
@@ -374,6 +369,7 @@ fn forward_sleeps(pid: u32) -> anyhow::Result<u64> {
 /// then for the answer); with it, most waits end in a poll that catches the next message.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_connect_polls_between_requests_unless_told_not_to() -> anyhow::Result<()> {
+    let _beside = ALONE.read().await;
     const ROUNDS: u64 = 500;
     let (_hub, broker, _agent) = pair(tether_runtime::DEFAULT_IDLE_POLL_US).await?;
     for idle_poll_us in [0, 1000] {

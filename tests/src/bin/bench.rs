@@ -55,7 +55,7 @@ use tether_e2e::benchkit::{
     allowed_cpus, cpu_secs, load_average, mean, median, percentile, pin_process, range_note,
     request_response, sink_count,
 };
-use tether_e2e::{Hub, OPS_TOKEN};
+use tether_e2e::{Hub, IdlePolls, OPS_TOKEN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -1210,31 +1210,6 @@ fn added(a: Duration, b: Duration) -> String {
     }
 }
 
-/// A broker's or agent's idle-poll counters: polls, hits, contended
-/// (`tether_runtime_idle_poll*`, docs/metrics.md).
-#[derive(Clone, Copy, Default)]
-struct IdlePolls([f64; 3]);
-
-impl IdlePolls {
-    async fn read(admin: SocketAddr) -> anyhow::Result<Self> {
-        let (code, body) = tether_e2e::admin_get(admin, "/metrics").await?;
-        anyhow::ensure!(code == 200, "/metrics answered {code}");
-        let n = |name| tether_e2e::sum_samples(&body, name, &[]);
-        Ok(Self([
-            n("tether_runtime_idle_polls_total"),
-            n("tether_runtime_idle_poll_hits_total"),
-            n("tether_runtime_idle_poll_contended_total"),
-        ]))
-    }
-
-    /// "N polls (H % hits, C contended)" since `before`.
-    fn since(self, before: Self) -> String {
-        let [p, h, c] = [0, 1, 2].map(|i| self.0[i] - before.0[i]);
-        let hits = if p > 0.0 { h / p * 100.0 } else { 0.0 };
-        format!("{p:.0} polls ({hits:.1} % hits, {c:.0} contended)")
-    }
-}
-
 /// The broker's and agent's idle polling over a section, printed under its rows: how often
 /// a poll saw its answer, and how often another task kept the CPU from one past the bound
 /// (two in a row pause that thread's polling for 50 ms or more).
@@ -1255,25 +1230,44 @@ impl PollWatch {
     }
 
     async fn print(&self, section: &str) -> anyhow::Result<()> {
-        let b = IdlePolls::read(self.admins[0]).await?.since(self.before[0]);
-        let a = IdlePolls::read(self.admins[1]).await?.since(self.before[1]);
-        println!("  {section}, idle polling: broker {b}, agent {a}");
+        // "N polls (H % hits, C contended)" over the section.
+        let mut cells = Vec::new();
+        for (admin, before) in self.admins.into_iter().zip(self.before) {
+            let d = IdlePolls::read(admin).await?.since(before);
+            let hits = if d.polls > 0.0 {
+                d.hits / d.polls * 100.0
+            } else {
+                0.0
+            };
+            cells.push(format!(
+                "{:.0} polls ({hits:.1} % hits, {:.0} contended)",
+                d.polls, d.contended
+            ));
+        }
+        println!(
+            "  {section}, idle polling: broker {}, agent {}",
+            cells[0], cells[1]
+        );
         Ok(())
     }
 }
 
 async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
-    if args.pin_sides {
+    // `--pin-sides`: the first two CPUs this process may use, (hub side, cluster side).
+    let side_cpus = if args.pin_sides {
         anyhow::ensure!(
             !args.only.is_empty() && args.only.iter().all(|s| s == "rr" || s == "open"),
             "--pin-sides measures the latency sections only: add --only rr,open (or one of them)"
         );
-        let cpus = allowed_cpus()?;
-        anyhow::ensure!(
-            cpus.len() >= 2,
-            "--pin-sides needs two CPUs, one per side; this process may use {cpus:?}"
-        );
-    }
+        match allowed_cpus()?[..] {
+            [a, b, ..] => Some((a, b)),
+            ref cpus => anyhow::bail!(
+                "--pin-sides needs two CPUs, one per side; this process may use {cpus:?}"
+            ),
+        }
+    } else {
+        None
+    };
     let setup = Setup {
         quick: args.quick,
         secs: Duration::from_secs_f64(args.secs.unwrap_or(if args.quick { 0.5 } else { 2.0 })),
@@ -1390,7 +1384,7 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
         ssh_peer.as_ref().map(|p| p.addr),
         rathole_peer.as_ref().map(|p| p.addr),
     ];
-    if args.pin_sides {
+    if let Some((hub_cpu, cluster_cpu)) = side_cpus {
         let mut hub_side = vec![std::process::id(), relay1_proc.pid(), broker.child.pid()];
         let mut cluster_side = vec![relay2_proc.pid(), agent.child.pid(), target_proc.pid()];
         if let Some(p) = &ssh_peer {
@@ -1402,11 +1396,6 @@ async fn run(args: Args, nofile: u64) -> anyhow::Result<()> {
             hub_side.push(p.server.pid());
             cluster_side.push(p.client.pid());
         }
-        // The first two CPUs this process may use (checked at the start).
-        let (hub_cpu, cluster_cpu) = match allowed_cpus()?[..] {
-            [a, b, ..] => (a, b),
-            _ => anyhow::bail!("--pin-sides needs two CPUs"),
-        };
         for (cpu, side) in [(hub_cpu, &hub_side), (cluster_cpu, &cluster_side)] {
             for &pid in side {
                 pin_process(pid, cpu)?;
