@@ -165,6 +165,9 @@ impl CutRelay {
                         else {
                             return;
                         };
+                        // A network path, not a sender: no Nagle delay of its own.
+                        let _ = down.set_nodelay(true);
+                        let _ = up.set_nodelay(true);
                         tokio::select! {
                             _ = tokio::io::copy_bidirectional(&mut down, &mut up) => {}
                             _ = stop.cancelled() => {}
