@@ -218,12 +218,12 @@ impl KubeApiServer {
         tokio::spawn(async move {
             while let Ok((tcp, _)) = l.accept().await {
                 // TCP_NODELAY, as Go's net/http (kube-apiserver's) sets on every connection.
-                // Without it a small write behind another one not yet acknowledged (a TLS 1.3
-                // server's session tickets, then the first response; the end of a large
-                // response) waits for the peer's delayed ACK, up to 40 ms: the bench's
-                // per-request connections had a p99 of 48 ms here (1.6 ms with it) and its
-                // large LISTs lost a third of their throughput, stalls a real server does not
-                // add.
+                // Without it a small write behind another one not yet acknowledged (for
+                // example a TLS 1.3 server's session tickets, then the first response, or the
+                // end of a large response) waits for the peer's delayed ACK, up to 40 ms. The
+                // bench's per-request connections had a p99 of 48 ms (1.7 ms with it) and its
+                // large LISTs ran at two thirds of their speed: stalls a real server does not
+                // add (docs/benchmarks.md, forty-ninth machine).
                 let _ = tcp.set_nodelay(true);
                 let (acceptor, st) = (acceptor.clone(), Arc::clone(&st));
                 tokio::spawn(async move {
