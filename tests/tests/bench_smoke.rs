@@ -4,7 +4,9 @@
 //! every path and prints a figure for each in the table; a quick run of the `peers` section
 //! measures dials relayed by two more brokers over `tether-relay/2` and `/1`; a quick run of the
 //! `clients` section moves bytes on every client path (CONNECT, TLS CONNECT, the SDK, `tetherctl
-//! proxy connect`, konnectivity, each where it applies on both client ports) both ways. Smoke runs: the
+//! proxy connect`, konnectivity, each where it applies on both client ports) both ways; a quick run
+//! of the `sproxy` section answers requests through the service proxy, CONNECT kept alive and a
+//! new tunnel per request, and downloads the large LIST each way. Smoke runs: the
 //! figures themselves are judged in docs/benchmarks.md, not here (this keeps the bench from
 //! rotting between the sessions that run it).
 
@@ -235,6 +237,69 @@ fn every_client_path_answers_requests() -> anyhow::Result<()> {
             "{path}: {cell}"
         );
         assert!(figures[figures.len() - 2] > 0.0, "{path}: CPU in {cell}");
+    }
+    Ok(())
+}
+
+/// The figures after `way` in a detail line, up to the next `;`: every word of that part that
+/// is a number ("p50" and "µs" are not).
+fn figures_after(line: &str, way: &str) -> Vec<f64> {
+    let part = line
+        .split(way)
+        .nth(1)
+        .unwrap_or_else(|| panic!("no {way:?} in {line}"));
+    part.split(';')
+        .next()
+        .unwrap_or_default()
+        .split(|c: char| c.is_whitespace() || c == ',')
+        .filter_map(|f| f.parse().ok())
+        .collect()
+}
+
+#[test]
+fn the_service_proxy_section_measures_every_way() -> anyhow::Result<()> {
+    let out = quick_run("sproxy")?;
+    let line = |start: &str| {
+        out.lines()
+            .map(str::trim_start)
+            .find(|l| l.starts_with(start))
+            .unwrap_or_else(|| panic!("no {start:?} line in:\n{out}"))
+    };
+    // "GET /version, 4 clients: service proxy R req/s, p50 A µs / p99 B µs; CONNECT kept alive
+    // …; CONNECT + TLS per request …; API server saw C TLS connections for N requests".
+    let get = line("GET /version, ");
+    for way in [
+        ": service proxy ",
+        "; CONNECT kept alive ",
+        "; CONNECT + TLS per request ",
+    ] {
+        let f = figures_after(get, way);
+        assert!(f.len() == 3, "{way}: {get}");
+        assert!(f[0] > 0.0 && f[1] > 0.0 && f[2] >= f[1], "{way}: {get}");
+    }
+    // The per-request way opens a TLS connection to the API server for each request; the other
+    // two keep theirs, so the server saw fewer connections than requests.
+    let seen = figures_after(get, "API server saw ");
+    assert!(seen.len() == 2 && seen[0] >= 1.0, "{get}");
+    assert!(seen[0] < seen[1], "no connection was reused: {get}");
+    // "large LIST (S MiB), one client: service proxy h2 X Gbit/s, h1 Y Gbit/s; …; CONNECT kept
+    // alive h2 X Gbit/s, h1 Y Gbit/s; …".
+    let list = line("large LIST (");
+    for way in [": service proxy ", "; CONNECT kept alive "] {
+        let part = list
+            .split(way)
+            .nth(1)
+            .and_then(|p| p.split(';').next())
+            .unwrap_or_else(|| panic!("no {way:?} in {list}"));
+        for proto in ["h2 ", "h1 "] {
+            let rate: f64 = part
+                .split(proto)
+                .nth(1)
+                .and_then(|r| r.split(" Gbit/s").next())
+                .and_then(|n| n.trim().parse().ok())
+                .unwrap_or_else(|| panic!("{way}: no {proto}figure in {list}"));
+            assert!(rate > 0.0, "{way}{proto}: {list}");
+        }
     }
     Ok(())
 }
