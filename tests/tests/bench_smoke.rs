@@ -286,20 +286,9 @@ fn the_service_proxy_section_measures_every_way() -> anyhow::Result<()> {
     // alive h2 X Gbit/s, h1 Y Gbit/s; …".
     let list = line("large LIST (");
     for way in [": service proxy ", "; CONNECT kept alive "] {
-        let part = list
-            .split(way)
-            .nth(1)
-            .and_then(|p| p.split(';').next())
-            .unwrap_or_else(|| panic!("no {way:?} in {list}"));
-        for proto in ["h2 ", "h1 "] {
-            let rate: f64 = part
-                .split(proto)
-                .nth(1)
-                .and_then(|r| r.split(" Gbit/s").next())
-                .and_then(|n| n.trim().parse().ok())
-                .unwrap_or_else(|| panic!("{way}: no {proto}figure in {list}"));
-            assert!(rate > 0.0, "{way}{proto}: {list}");
-        }
+        let rates = figures_after(list, way);
+        assert!(rates.len() == 2, "{way}: {list}");
+        assert!(rates.iter().all(|r| *r > 0.0), "{way}: {list}");
     }
     Ok(())
 }
