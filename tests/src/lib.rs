@@ -600,6 +600,28 @@ pub async fn metric(admin: SocketAddr, name: &str, labels: &[(&str, &str)]) -> a
     Ok(sum_samples(&body, name, labels))
 }
 
+/// A loopback address that refuses connections for as long as this value lives: a socket bound
+/// to a port the kernel chose, never listening, so a connection gets a reset. A listener bound
+/// to port 0 and dropped frees its port instead, and a test running beside may bind it next and
+/// answer (a health-table test once saw TLS fail against such a port where it expected the
+/// target unreachable).
+pub struct RefusedAddr {
+    pub addr: SocketAddr,
+    _held: socket2::Socket,
+}
+
+impl RefusedAddr {
+    pub fn new() -> anyhow::Result<Self> {
+        let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+        s.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())?;
+        let addr = s
+            .local_addr()?
+            .as_socket()
+            .context("the held socket has no IP address")?;
+        Ok(Self { addr, _held: s })
+    }
+}
+
 /// A broker's or agent's idle-poll counters (`tether_runtime_idle_poll*`, docs/metrics.md),
 /// from one `/metrics` scrape.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -866,6 +888,17 @@ pub mod registration;
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_refused_addr_refuses_and_keeps_its_port() -> anyhow::Result<()> {
+        let refused = super::RefusedAddr::new()?;
+        let e = std::net::TcpStream::connect(refused.addr).expect_err("nothing listens");
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
+        // No listener can take the port while it is held.
+        assert!(std::net::TcpListener::bind(refused.addr).is_err());
+        drop(refused);
+        Ok(())
+    }
+
     use super::*;
 
     #[test]

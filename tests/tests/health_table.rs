@@ -139,7 +139,7 @@ async fn proxy_health_table_healthy_target_down_and_agent_stopped() -> anyhow::R
         &broker_control_plane_yaml(&hub.hub_dir, &hub.nats_url(), &hub.opts.hub_host),
     )?;
     let api = FakeApiServer::start(&th).await?;
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let closed = tether_e2e::RefusedAddr::new()?;
 
     // The clusters' only way out: a forward proxy, for joining and for the tunnels.
     let proxy = Tinyproxy::start(&hub.logs, "proxy")?;
@@ -151,7 +151,11 @@ async fn proxy_health_table_healthy_target_down_and_agent_stopped() -> anyhow::R
     hub.tetherctl_ok(&["apply", "-f", resources.to_str().unwrap()])?;
 
     let mut agents = Vec::new();
-    for (c, apiserver) in [("ok", api.addr), ("down", closed), ("stopped", api.addr)] {
+    for (c, apiserver) in [
+        ("ok", api.addr),
+        ("down", closed.addr),
+        ("stopped", api.addr),
+    ] {
         let boot = hub.dir.join(format!("{c}.bootstrap.kubeconfig"));
         join(&hub.hub_dir, &boot, &hub.server_url(), Some(&proxy.url()))?;
         agents.push(AddonAgent::start(&AddonAgentSpec {

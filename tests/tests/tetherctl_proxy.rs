@@ -292,9 +292,9 @@ async fn proxy_connect_over_the_plain_port_keeps_refusals_and_resets() -> anyhow
     let (hub, broker, _agent) = hub_with_c1().await?;
 
     // A refused target: nothing listens there.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let closed = tether_e2e::RefusedAddr::new()?;
     let log = hub.path().join("forward-refused.log");
-    let (_fwd, local) = plain_forward(&broker, closed, &log)?;
+    let (_fwd, local) = plain_forward(&broker, closed.addr, &log)?;
     let end = send_and_read_to_end(local, b"early bytes").await?;
     assert!(
         is_reset(&end),
